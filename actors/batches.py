@@ -1,0 +1,109 @@
+"""What travels between the driver and a rank: micro-batches in, per-row results out.
+
+These are plain frozen dataclasses of token ids (no torch), built by the driver's planner and
+consumed by :class:`actors.worker.ShardWorker`. An empty micro-batch is a *dummy*: the rank still
+runs one forward (or one ``generate``) so that every rank of a shard group issues the same
+collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How every rank loads the model and its tokenizer.
+
+    Args:
+        pretrained: Hub id or local path of the Hugging Face checkpoint.
+        revision: Hub revision (ignored for local paths).
+        subfolder: Sub-directory of the checkpoint.
+        dtype: ``"auto"`` (the checkpoint's), or a torch dtype name such as ``"bfloat16"``.
+        trust_remote_code: Passed to ``from_pretrained``.
+        tokenizer: Tokenizer id/path when it differs from ``pretrained``.
+        pad_token_id: The pad id the driver's tokenizer uses (after lm-eval's pad-token fix-up).
+        softmax_dtype: dtype for the log-softmax, as lm-eval's ``softmax_dtype`` model arg.
+        mixed_precision_dtype: autocast dtype, as lm-eval's ``mixed_precision_dtype`` model arg.
+        extra_kwargs: Other keyword arguments for ``from_pretrained`` (e.g. ``attn_implementation``).
+    """
+
+    pretrained: str
+    revision: str | None = None
+    subfolder: str = ""
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    tokenizer: str | None = None
+    pad_token_id: int = 0
+    softmax_dtype: str | None = None
+    mixed_precision_dtype: str | None = None
+    extra_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ScoreRow:
+    """One model input and the continuations scored against its last positions.
+
+    Several requests share a row when their inputs are token-identical (for example the
+    one-token answers of a multiple-choice question), so the context is computed once.
+
+    Args:
+        tokens: The model input, already truncated: ``(context + continuation)[-(L+1):][:-1]``.
+        targets: Each continuation's tokens; continuation ``c`` is scored at the last
+            ``len(c)`` positions of ``tokens``.
+    """
+
+    tokens: tuple[int, ...]
+    targets: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class ScoreMicroBatch:
+    """Rows one rank scores in one forward pass (right-padded, like lm-eval's HF backend)."""
+
+    rows: tuple[ScoreRow, ...] = ()
+
+    @property
+    def is_dummy(self) -> bool:
+        return not self.rows
+
+
+@dataclass(frozen=True)
+class GenerateMicroBatch:
+    """Contexts one rank continues with one ``generate`` call (left-padded).
+
+    Args:
+        contexts: Context token ids, already left-truncated to leave room for generation.
+        max_gen_toks: New tokens to generate (lm-eval's ``max_gen_toks``).
+        until: Stop strings (EOS included), checked by lm-eval's stopping criteria.
+        max_length: An explicit ``max_length`` from the user's gen_kwargs, else None.
+        kwargs: The remaining generation kwargs, passed to ``generate`` as lm-eval does.
+    """
+
+    contexts: tuple[tuple[int, ...], ...] = ()
+    max_gen_toks: int = 1
+    until: tuple[str, ...] = ()
+    max_length: int | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_dummy(self) -> bool:
+        return not self.contexts
+
+
+MicroBatch = ScoreMicroBatch | GenerateMicroBatch
+
+#: Per row, per target: (sum of log-probs, whether every target token was the greedy argmax).
+ScoreResult = list[list[tuple[float, bool]]]
+#: Per context: the generated token ids after the (padded) context.
+GenerateResult = list[list[int]]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one rank reports about one micro-batch, for throughput and padding figures."""
+
+    real_tokens: int
+    padded_tokens: int
+    seconds: float

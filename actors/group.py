@@ -1,0 +1,209 @@
+"""The worker group of one evaluation: a placement group, R x G rank actors, R process groups.
+
+``WorkerGroup.create`` refuses a layout the cluster can never hold, waits for the placement group
+with a timeout that reports requested vs available resources, starts one actor per bundle and has
+every replica form its process group and load the model. A partial start is cleaned up: no actor
+or placement group outlives a failed ``create``. ``shutdown`` releases everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.batches import MicroBatch, ModelSpec
+from actors.errors import (
+    EvaluationTimeoutError,
+    ModelLoadError,
+    RayEvalError,
+    ResourcesUnavailableError,
+)
+from actors.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+# Environment that the ranks need to see as the driver does (offline mode, caches, hub token).
+_FORWARDED_ENV = (
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_TOKEN",
+    "HF_HUB_CACHE",
+)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait of an evaluation, in seconds.
+
+    Args:
+        placement_s: For the placement group to be scheduled.
+        load_s: For every rank to join its process group and load the model.
+        step_s: For one batch on one replica (a stuck replica becomes an error after this).
+        collective_s: For one collective inside a replica's process group.
+    """
+
+    placement_s: float = 120.0
+    load_s: float = 1800.0
+    step_s: float = 900.0
+    collective_s: float = 600.0
+
+
+class Replica:
+    """The G rank actors of one replica, in shard-rank order."""
+
+    def __init__(self, index: int, workers: list[Any]) -> None:
+        self.index = index
+        self.workers = workers
+
+    def submit(self, method: str, micro_batches: list[MicroBatch]) -> list[ray.ObjectRef]:
+        """Send one step: micro-batch ``i`` to shard rank ``i`` (every rank gets one)."""
+        if len(micro_batches) != len(self.workers):
+            raise ValueError(f"a step needs {len(self.workers)} micro-batches, got {len(micro_batches)}")
+        return [getattr(w, method).remote(mb) for w, mb in zip(self.workers, micro_batches, strict=True)]
+
+    def kill(self) -> None:
+        """Kill every rank actor of this replica (pending calls fail at once)."""
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+
+
+class WorkerGroup:
+    """All replicas of one evaluation and the placement group that holds them."""
+
+    def __init__(self, name: str, layout: ParallelLayout, pg: PlacementGroup, replicas: list[Replica]) -> None:
+        self.name = name
+        self.layout = layout
+        self.replicas = replicas
+        self._pg: PlacementGroup | None = pg
+        self._setup_refs: list[ray.ObjectRef] = []
+        self._load_timeout_s = 0.0
+        self._deadline = 0.0
+        self.load_reports: list[dict[str, Any]] = []
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        layout: ParallelLayout,
+        spec: ModelSpec,
+        timeouts: Timeouts,
+        seed: int = 1234,
+    ) -> WorkerGroup:
+        """Reserve resources and start the rank actors; model loading starts in the background.
+
+        Call :meth:`wait_ready` before sending work.
+
+        Raises:
+            LayoutError: if the layout is larger than the whole cluster.
+            ResourcesUnavailableError: if the placement group is not ready within the timeout.
+        """
+        layout.check_fits(ray.cluster_resources())
+        pg = placement_group([layout.bundle()] * layout.world, strategy="PACK", name=name)
+        ready, _ = ray.wait([pg.ready()], timeout=timeouts.placement_s)
+        if not ready:
+            remove_placement_group(pg)
+            available = {k: v for k, v in ray.available_resources().items() if k in layout.bundle()}
+            raise ResourcesUnavailableError(
+                f"layout {layout.describe()} needs {layout.total_resources()} but only {available} "
+                f"became free within {timeouts.placement_s:g}s: wait for other evaluations to "
+                "finish, lower --num_replicas / --shard_size, or add nodes."
+            )
+        group = cls(name, layout, pg, replicas=[])
+        group._load_timeout_s = timeouts.load_s
+        group._deadline = time.monotonic() + timeouts.load_s
+        try:
+            group._start_actors(spec, timeouts, seed)
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    def _start_actors(self, spec: ModelSpec, timeouts: Timeouts, seed: int) -> None:
+        from actors.worker import ShardWorker
+
+        env = {key: os.environ[key] for key in _FORWARDED_ENV if key in os.environ}
+        env["TOKENIZERS_PARALLELISM"] = "false"
+        remote_cls = ray.remote(ShardWorker)
+        workers = []
+        for coord in self.layout.coords():
+            options: dict[str, Any] = {
+                "name": f"{self.name}-r{coord.replica}-s{coord.shard_rank}",
+                "num_cpus": self.layout.cpus_per_rank,
+                "num_gpus": 1 if self.layout.device.value == "cuda" else 0,
+                "max_restarts": 0,
+                "runtime_env": {"env_vars": env},
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg, placement_group_bundle_index=coord.global_rank
+                ),
+            }
+            workers.append(
+                remote_cls.options(**options).remote(
+                    spec, coord, self.layout.shard_size, self.layout.device, timeouts.collective_s, seed
+                )
+            )
+        G = self.layout.shard_size
+        self.replicas = [Replica(r, workers[r * G : (r + 1) * G]) for r in range(self.layout.num_replicas)]
+        # Shard rank 0 of each replica picks the rendezvous address; all ranks then join and load.
+        rendezvous = ray.get(
+            [replica.workers[0].reserve_port.remote() for replica in self.replicas],
+            timeout=timeouts.load_s,
+        )
+        for replica, (addr, port) in zip(self.replicas, rendezvous, strict=True):
+            self._setup_refs += [worker.setup.remote(addr, port) for worker in replica.workers]
+
+    def wait_ready(self) -> list[dict[str, Any]]:
+        """Wait (bounded) until every rank has loaded the model; return their load reports.
+
+        Raises:
+            EvaluationTimeoutError: if loading outlasts the load timeout.
+            ModelLoadError: if a rank failed to load (the first failure's message).
+        """
+        if self.load_reports or not self._setup_refs:
+            return self.load_reports
+        remaining = max(0.0, self._deadline - time.monotonic())
+        ready, pending = ray.wait(self._setup_refs, num_returns=len(self._setup_refs), timeout=remaining)
+        for ref in ready:  # surface a real load error before a timeout
+            _get_or_raise(ref, ModelLoadError, "loading the model")
+        if pending:
+            raise EvaluationTimeoutError(
+                f"{len(pending)} of {len(self._setup_refs)} ranks did not finish loading the model "
+                f"within {self._load_timeout_s:g}s: raise the load timeout for very large models, "
+                "or check the Ray dashboard / worker logs for a stuck rank."
+            )
+        self.load_reports = [_get_or_raise(ref, ModelLoadError, "loading the model") for ref in ready]
+        return self.load_reports
+
+    def shutdown(self) -> None:
+        """Kill every actor and remove the placement group. Safe to call more than once."""
+        for replica in self.replicas:
+            for worker in replica.workers:
+                try:
+                    ray.kill(worker, no_restart=True)
+                except Exception:  # already dead
+                    logger.debug("worker of %s already gone", self.name)
+        self.replicas = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+
+def _get_or_raise(ref: ray.ObjectRef, error: type[RayEvalError], doing: str) -> Any:
+    """``ray.get`` one finished ref, turning a worker-side exception into a clean rayeval error."""
+    try:
+        return ray.get(ref, timeout=0)
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, RayEvalError):
+            raise type(cause)(str(cause)) from None
+        raise error(f"a rank failed while {doing}: {type(cause).__name__}: {cause}") from None
+    except ray.exceptions.RayActorError as exc:
+        raise error(f"a rank died while {doing}: {exc}") from None

@@ -1,0 +1,123 @@
+"""The parallel layout: R data-parallel replicas x G shard ranks, and the resources it needs.
+
+:class:`ParallelLayout` is the only place that does rank arithmetic. It validates itself on
+construction and checks whether a cluster can ever hold it, failing fast with every number in the
+message. No torch here: the driver and the API use it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from actors.errors import LayoutError
+
+
+class DeviceKind(StrEnum):
+    """What one rank holds: a GPU (NCCL, bf16 typical) or a CPU slot (gloo, fp32)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend for process groups of this kind of rank."""
+        return "nccl" if self is DeviceKind.CUDA else "gloo"
+
+
+@dataclass(frozen=True)
+class RankCoord:
+    """Where one rank sits: its replica, its rank inside that replica's group, and globally."""
+
+    replica: int
+    shard_rank: int
+    global_rank: int
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """``num_replicas`` (R) replicas, each one torch process group of ``shard_size`` (G) ranks.
+
+    Args:
+        num_replicas: Data-parallel copies of the model; they never talk to each other.
+        shard_size: Ranks per replica; the model is sharded over them with FSDP2 (G=1: plain).
+        device: What each rank holds.
+        cpus_per_rank: CPU slots reserved per rank (the only resource of a CPU rank).
+
+    Raises:
+        LayoutError: if any number is out of range (all problems are reported at once).
+    """
+
+    num_replicas: int = 1
+    shard_size: int = 1
+    device: DeviceKind = DeviceKind.CPU
+    cpus_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name} must be an integer >= 1, got {value!r}"
+            for name, value in (
+                ("num_replicas", self.num_replicas),
+                ("shard_size", self.shard_size),
+                ("cpus_per_rank", self.cpus_per_rank),
+            )
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ]
+        if problems:
+            raise LayoutError("invalid layout: " + "; ".join(problems))
+        object.__setattr__(self, "device", DeviceKind(self.device))
+
+    @property
+    def world(self) -> int:
+        """Total ranks (actors): R x G."""
+        return self.num_replicas * self.shard_size
+
+    @property
+    def sharded(self) -> bool:
+        """True when replicas span several ranks and the model is wrapped in FSDP2."""
+        return self.shard_size > 1
+
+    def describe(self) -> str:
+        """A short human form, e.g. ``2x2 (4 cpu ranks)``."""
+        return f"{self.num_replicas}x{self.shard_size} ({self.world} {self.device} ranks)"
+
+    def coords(self) -> list[RankCoord]:
+        """Every rank in global order: replica-major, then shard rank."""
+        return [
+            RankCoord(replica=r, shard_rank=s, global_rank=r * self.shard_size + s)
+            for r in range(self.num_replicas)
+            for s in range(self.shard_size)
+        ]
+
+    def bundle(self) -> dict[str, float]:
+        """The placement-group bundle of one rank."""
+        if self.device is DeviceKind.CUDA:
+            return {"GPU": 1.0, "CPU": float(self.cpus_per_rank)}
+        return {"CPU": float(self.cpus_per_rank)}
+
+    def total_resources(self) -> dict[str, float]:
+        """What the whole layout reserves on the cluster."""
+        return {key: value * self.world for key, value in self.bundle().items()}
+
+    def check_fits(self, cluster_total: Mapping[str, float]) -> None:
+        """Refuse a layout that the cluster can never hold, whatever else is running.
+
+        Args:
+            cluster_total: The cluster's total resources (``ray.cluster_resources()``).
+
+        Raises:
+            LayoutError: naming requested and available amounts and how to fix it.
+        """
+        short = {
+            key: (need, float(cluster_total.get(key, 0.0)))
+            for key, need in self.total_resources().items()
+            if float(cluster_total.get(key, 0.0)) < need
+        }
+        if not short:
+            return
+        detail = ", ".join(f"{need:g} {key} requested, {have:g} in the cluster" for key, (need, have) in short.items())
+        raise LayoutError(
+            f"layout {self.describe()} needs more than the whole cluster has: {detail}. "
+            "Lower --num_replicas / --shard_size, or add nodes to the Ray cluster."
+        )

@@ -1,0 +1,237 @@
+"""One rank: a plain class that Ray turns into an actor where the worker group creates it.
+
+A :class:`ShardWorker` joins its replica's torch process group (gloo on CPU, NCCL on GPU), loads
+the model (FSDP2-sharded when the replica has several ranks) and computes micro-batches. Every
+call that involves other ranks (forward under FSDP, ``generate`` with ``synced_gpus``) is issued by
+all ranks of the replica in the same order, because the driver sends each step to all of them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+
+from actors.batches import (
+    GenerateMicroBatch,
+    GenerateResult,
+    ModelSpec,
+    ScoreMicroBatch,
+    ScoreResult,
+    StepStats,
+)
+from actors.layout import DeviceKind, RankCoord
+
+logger = logging.getLogger(__name__)
+
+
+class ShardWorker:
+    """One rank of one replica.
+
+    Args:
+        spec: The model to load.
+        coord: This rank's replica, shard rank and global rank.
+        shard_size: Ranks in this replica (G).
+        device_kind: CPU or CUDA.
+        collective_timeout_s: Timeout of every collective in the replica's process group.
+        seed: torch seed, for sampling generations.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        coord: RankCoord,
+        shard_size: int,
+        device_kind: DeviceKind,
+        collective_timeout_s: float,
+        seed: int = 1234,
+    ) -> None:
+        self._spec = spec
+        self._coord = coord
+        self._shard_size = shard_size
+        self._device_kind = DeviceKind(device_kind)
+        self._collective_timeout_s = collective_timeout_s
+        self._seed = seed
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._keeps_logits = False
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def node_info(self) -> dict[str, Any]:
+        """Where this rank runs: node id, IP, GPU ids and pid (for placement checks and logs)."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
+            "pid": os.getpid(),
+        }
+
+    def reserve_port(self) -> tuple[str, int]:
+        """Pick a free TCP port on this node for the replica's rendezvous (called on shard rank 0)."""
+        import ray
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the replica's process group and load the model.
+
+        Returns:
+            Load figures: seconds, local parameter count, peak resident memory (MiB).
+        """
+        from actors.model_loading import load_model
+
+        started = time.monotonic()
+        torch.manual_seed(self._seed)
+        device = self._device()
+        mesh = None
+        if self._shard_size > 1:
+            dist.init_process_group(
+                backend=self._device_kind.backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self._coord.shard_rank,
+                world_size=self._shard_size,
+                timeout=timedelta(seconds=self._collective_timeout_s),
+            )
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (self._shard_size,))
+        self._model = load_model(self._spec, device, mesh)
+        self._keeps_logits = "logits_to_keep" in inspect.signature(self._model.forward).parameters
+        self._tokenizer = transformers.AutoTokenizer.from_pretrained(
+            self._spec.tokenizer or self._spec.pretrained,
+            revision=self._spec.revision,
+            trust_remote_code=self._spec.trust_remote_code,
+        )
+        local_params = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() for p in self._model.parameters()
+        )
+        return {
+            "seconds": time.monotonic() - started,
+            "local_parameters": local_params,
+            "peak_rss_mib": _peak_rss_mib(),
+        }
+
+    def shutdown(self) -> None:
+        """Leave the process group and drop the model (the actor is killed afterwards)."""
+        self._model = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------------------- compute
+    def score(self, batch: ScoreMicroBatch) -> tuple[ScoreResult, StepStats]:
+        """Log-likelihood of each target continuation, computed only at continuation positions.
+
+        Mirrors lm-eval's HF backend: right padding, no attention mask, log-softmax then gather,
+        ``is_greedy`` when every continuation token is the argmax.
+        """
+        started = time.monotonic()
+        rows = batch.rows or ()
+        sequences = [list(row.tokens) for row in rows] or [[self._spec.pad_token_id]]
+        width = max(len(seq) for seq in sequences)
+        inputs = torch.full((len(sequences), width), self._spec.pad_token_id, dtype=torch.long)
+        for i, seq in enumerate(sequences):
+            inputs[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        # Only the last `keep` positions carry continuation logits; skip the LM head elsewhere.
+        first_needed = min(
+            (len(row.tokens) - max(len(t) for t in row.targets) for row in rows), default=width - 1
+        )
+        keep = width - first_needed
+        logits = self._forward(inputs.to(self._device()), keep)
+        offset = width - logits.shape[1]
+        results: ScoreResult = []
+        for i, row in enumerate(rows):
+            row_results = []
+            for target in row.targets:
+                end = len(row.tokens) - offset
+                selected = logits[i, end - len(target) : end]
+                logprobs = F.log_softmax(selected, dim=-1, dtype=_dtype(self._spec.softmax_dtype))
+                target_ids = torch.tensor(target, dtype=torch.long, device=logprobs.device)
+                is_greedy = bool((logprobs.argmax(dim=-1) == target_ids).all())
+                total = float(logprobs.gather(1, target_ids.unsqueeze(-1)).sum())
+                row_results.append((total, is_greedy))
+            results.append(row_results)
+        real = sum(len(row.tokens) for row in rows)
+        return results, StepStats(real, len(rows) * width, time.monotonic() - started)
+
+    def generate(self, batch: GenerateMicroBatch) -> tuple[GenerateResult, StepStats]:
+        """Greedy or sampled continuations, exactly as lm-eval's HF backend calls ``generate``."""
+        from lm_eval.models.utils_hf import stop_sequences_criteria
+
+        started = time.monotonic()
+        contexts = [list(c) for c in batch.contexts] or [[self._spec.pad_token_id]]
+        max_gen_toks = batch.max_gen_toks if batch.contexts else 1
+        until = list(batch.until) if batch.contexts else []
+        width = max(len(c) for c in contexts)
+        input_ids = torch.full((len(contexts), width), self._spec.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for i, ctx in enumerate(contexts):  # left padding, as lm-eval's tok_batch_encode
+            input_ids[i, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+            attention_mask[i, width - len(ctx) :] = 1
+        kwargs = dict(batch.kwargs)
+        kwargs["temperature"] = kwargs.get("temperature", 0.0)
+        if kwargs["temperature"] == 0.0 and kwargs.get("do_sample") is None:
+            kwargs["do_sample"] = False
+        if kwargs.get("do_sample") is False and kwargs["temperature"] == 0.0:
+            kwargs.pop("temperature")
+        device = self._device()
+        with torch.no_grad(), self._autocast():
+            output = self._model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_length=batch.max_length or width + max_gen_toks,
+                stopping_criteria=stop_sequences_criteria(
+                    self._tokenizer, until, width, len(contexts)
+                ),
+                pad_token_id=self._spec.pad_token_id,
+                use_cache=True,
+                # Ranks of one FSDP group stop together, or the slower ones hang at a collective.
+                synced_gpus=self._shard_size > 1,
+                **kwargs,
+            )
+        generated = [row[width:] for row in output.tolist()] if batch.contexts else []
+        real = sum(len(c) for c in batch.contexts)
+        stats = StepStats(real, len(batch.contexts) * width, time.monotonic() - started)
+        return generated, stats
+
+    # ------------------------------------------------------------------------------- helpers
+    def _device(self) -> torch.device:
+        if self._device_kind is DeviceKind.CUDA:
+            # Ray exposes only this actor's GPU, so it is always device 0 here.
+            torch.cuda.set_device(0)
+            return torch.device("cuda", 0)
+        return torch.device("cpu")
+
+    def _autocast(self) -> Any:
+        dtype = _dtype(self._spec.mixed_precision_dtype)
+        return torch.autocast(device_type=self._device().type, dtype=dtype, enabled=dtype is not None)
+
+    def _forward(self, inputs: torch.Tensor, keep: int) -> torch.Tensor:
+        with torch.no_grad(), self._autocast():
+            if self._keeps_logits:
+                return self._model(inputs, logits_to_keep=keep).logits
+            return self._model(inputs).logits
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,476 @@
+"""``RayEvalLM``: an lm-eval ``LM`` whose requests run on Ray replicas of an FSDP2-sharded model.
+
+lm-eval builds every request once, on the driver, and hands them to this class by request type.
+Tokenisation is done here exactly as lm-eval's own HF backend does it — by an ``HFLM`` built over a
+weightless (meta-device) copy of the model, so every tokenizer rule (BOS handling, pad token, chat
+templates, max length) is lm-eval's own code. Only the forward passes leave the driver: the
+planner cuts layout-independent micro-batches and the dispatcher runs them on the replicas.
+
+Usage from Python, one line changed from a plain lm-eval script::
+
+    with RayEvalLM(pretrained="meta-llama/Llama-3.1-8B", num_replicas=4, shard_size=2) as lm:
+        results = lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"])
+
+or by name: ``simple_evaluate(model="rayeval", model_args="pretrained=...,num_replicas=4")``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
+from tqdm import tqdm
+
+from actors.batches import GenerateMicroBatch, MicroBatch, ModelSpec, ScoreMicroBatch
+from actors.errors import ConfigError, ResultIntegrityError
+from actors.group import Timeouts, WorkerGroup
+from actors.layout import ParallelLayout
+from actors.model_loading import resolve_dtype
+from service.cluster import connect, pick_device
+from service.dispatch import StepDone, run_steps
+from service.planner import GenerateRequest, TokenBudget, plan_generate, plan_score
+
+logger = logging.getLogger(__name__)
+
+#: lm-eval HF model args that only shape tokenisation; they configure the driver-side HFLM.
+_ENCODER_ARGS = frozenset(
+    {
+        "tokenizer",
+        "use_fast_tokenizer",
+        "add_bos_token",
+        "prefix_token_id",
+        "max_length",
+        "truncation",
+        "think_end_token",
+        "enable_thinking",
+        "chat_template_args",
+    }
+)
+#: lm-eval HF model args that rayeval replaces or does not support, and what to do instead.
+_UNSUPPORTED_ARGS = {
+    "parallelize": "rayeval shards the model itself: use --shard_size instead",
+    "device_map": "rayeval places the model itself: use --shard_size instead",
+    "max_memory_per_gpu": "rayeval places the model itself: use --shard_size instead",
+    "max_cpu_memory": "rayeval places the model itself: use --shard_size instead",
+    "offload_folder": "CPU offload is not supported: use a larger --shard_size",
+    "tp_plan": "tensor parallelism is not supported: use --shard_size (FSDP2) instead",
+    "peft": "PEFT adapters are not supported yet: merge the adapter into the model first",
+    "delta": "delta weights are not supported yet: merge them into the model first",
+    "autogptq": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
+    "gptqmodel": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
+    "gguf_file": "GGUF checkpoints are not supported: use a safetensors checkpoint",
+}
+_DEFAULT_MAX_BATCH_TOKENS = 8192
+_DEFAULT_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Progress of one request type, reported after every finished step."""
+
+    phase: str
+    done: int
+    total: int
+    tokens_per_s: float
+    real_token_fraction: float
+
+
+@dataclass
+class PhaseStats:
+    """Throughput figures of one request type (for reports and benchmarks)."""
+
+    requests: int = 0
+    micro_batches: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.real_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def real_token_fraction(self) -> float:
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+
+@register_model("rayeval")
+class RayEvalLM(TemplateLM):
+    """Evaluate a Hugging Face causal LM on R x G Ray actors with results identical to lm-eval's HF.
+
+    Args:
+        pretrained: Hub id or local path, as lm-eval's ``pretrained=``.
+        num_replicas: R, data-parallel replicas.
+        shard_size: G, ranks per replica (FSDP2 when > 1).
+        batch_size: ``auto`` (token budget) or an int (max rows per micro-batch), as lm-eval.
+        max_batch_size: Max rows per micro-batch with ``auto`` (lm-eval's ``max_batch_size``).
+        max_batch_tokens: Max padded tokens per micro-batch (default 8192).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        address: Ray address; default ``RAY_ADDRESS`` or an embedded local Ray.
+        timeouts: Every wait of the run.
+        name: Name of the placement group and prefix of actor names.
+        seed: torch seed on the ranks (sampled generations).
+        on_progress: Called after every finished step.
+        **model_args: The rest of lm-eval's HF model args (``dtype``, ``revision``, ...).
+
+    Raises:
+        ConfigError: an unsupported model arg or bad batch settings.
+        LayoutError: an impossible layout (fails before anything starts).
+    """
+
+    def __init__(
+        self,
+        pretrained: str,
+        num_replicas: int = 1,
+        shard_size: int = 1,
+        batch_size: int | str | None = "auto",
+        max_batch_size: int | None = None,
+        max_batch_tokens: int | None = None,
+        device: str | None = "auto",
+        address: str | None = None,
+        timeouts: Timeouts | None = None,
+        name: str | None = None,
+        seed: int = 1234,
+        on_progress: Callable[[Progress], None] | None = None,
+        **model_args: Any,
+    ) -> None:
+        super().__init__()
+        _reject_unsupported(model_args)
+        self._budget = _budget(batch_size, max_batch_size, max_batch_tokens)
+        self.batch_size_per_gpu = batch_size
+        self.batch_sizes: dict[int, int] = {}
+        self._timeouts = timeouts or Timeouts()
+        self._on_progress = on_progress
+        self.stats: dict[str, PhaseStats] = {}
+        self._encoder, self._dtype = _build_encoder(pretrained, model_args)
+        self.tokenizer = self._encoder.tokenizer
+        self.pretrained = pretrained
+
+        layout = ParallelLayout(num_replicas, shard_size)  # validates R and G before touching Ray
+        self.connection = connect(address, layout)
+        self.layout = ParallelLayout(num_replicas, shard_size, device=pick_device(device))
+        self.name = name or f"rayeval-{uuid.uuid4().hex[:8]}"
+        spec = _model_spec(pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id)
+        logger.info("starting %s on %s (%s)", self.name, self.layout.describe(), self.connection)
+        self._group: WorkerGroup | None = WorkerGroup.create(
+            self.name, self.layout, spec, self._timeouts, seed=seed
+        )
+
+    # --------------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Release the actors and the placement group. Safe to call more than once."""
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None
+
+    def __enter__(self) -> RayEvalLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------- tokenisation (lm-eval's own)
+    @property
+    def eot_token_id(self) -> int:
+        return self._encoder.eot_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self._encoder.prefix_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._encoder.max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._encoder.max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self._encoder.tokenizer_name
+
+    def tok_encode(self, string: str, **kwargs: Any) -> list[int]:
+        return self._encoder.tok_encode(string, **kwargs)
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        return self._encoder.apply_chat_template(chat_history, add_generation_prompt)
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What lm-eval's HF backend records about the model, plus the layout."""
+        return {
+            "model_num_parameters": self._encoder.model.num_parameters(),
+            "model_dtype": str(self._dtype),
+            "model_revision": self._encoder.revision,
+            "model_sha": _model_sha(self.pretrained, self._encoder.revision),
+            "rayeval_layout": {
+            "num_replicas": self.layout.num_replicas,
+            "shard_size": self.layout.shard_size,
+                "device": self.layout.device.value,
+            },
+        }
+
+    # -------------------------------------------------------------------- request types
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        if self._encoder.enable_thinking:
+            raise ConfigError(
+                "enable_thinking=True is not compatible with loglikelihood tasks: "
+                "drop enable_thinking from model_args or run generative tasks only"
+            )
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+    def _loglikelihood_tokens(
+        self, requests: list[Any], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
+        answers = self._score([(ctx, cont) for _, ctx, cont in requests], "loglikelihood", disable_tqdm)
+        for (request_str, _, _), answer in zip(requests, answers, strict=True):
+            if request_str is not None:
+                self.cache_hook.add_partial("loglikelihood", request_str, answer)
+        return answers
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        windows: list[tuple[list[int], list[int]]] = []
+        counts = []
+        for (string,) in (request.args for request in requests):
+            doc_windows = [
+                lm_utils.make_disjoint_window(window)
+                for window in lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
+            windows += doc_windows
+            counts.append(len(doc_windows))
+        answers = self._score(windows, "loglikelihood_rolling", disable_tqdm)
+        totals: list[float] = []
+        start = 0
+        for request, count in zip(requests, counts, strict=True):
+            total = sum(logprob for logprob, _ in answers[start : start + count])
+            start += count
+            totals.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        eos = self._encoder.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        prepared = [self._generate_request(context, gen_kwargs, eos) for context, gen_kwargs in (r.args for r in requests)]
+        plan = plan_generate(prepared, self._budget)
+        outputs = self._run(
+            plan.micro_batches, "generate_until", Counter(mb for mb, _ in plan.locations), disable_tqdm
+        )
+        think_end = self._encoder.think_end_token
+        texts = []
+        for request, prepared_request, (mb, position) in zip(requests, prepared, plan.locations, strict=True):
+            tokens = outputs[mb][position]
+            if isinstance(think_end, int) and think_end in tokens:
+                tokens = tokens[len(tokens) - tokens[::-1].index(think_end) :]
+            text = self._encoder.tok_decode(tokens)
+            if isinstance(think_end, int):
+                text = text.lstrip()
+            text = postprocess_generated_text(
+                generation=text,
+                stop=list(prepared_request.until),
+                think_end_token=think_end if isinstance(think_end, str) else None,
+            )
+            texts.append(text)
+            self.cache_hook.add_partial("generate_until", request.args, text)
+        return texts
+
+    # ------------------------------------------------------------------------ internals
+    def _generate_request(self, context: str, gen_kwargs: dict[str, Any], eos: str) -> GenerateRequest:
+        """Tokenise one generate_until request as lm-eval's HF backend does in ``generate_until``."""
+        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+        max_gen_toks = kwargs.pop("max_gen_toks")
+        max_ctx_len = self.max_length - max_gen_toks
+        if max_ctx_len <= 0:
+            raise ConfigError(
+                f"max_gen_toks ({max_gen_toks}) must be below the model's max_length "
+                f"({self.max_length}): lower max_gen_toks in --gen_kwargs or the task"
+            )
+        # tok_batch_encode's rules for one string: BOS-prefixed text gets no special tokens.
+        special: dict[str, bool] = {}
+        if has_bos_prefix(context, getattr(self.tokenizer, "bos_token", None)):
+            special = {"add_special_tokens": False}
+        elif self._encoder.add_bos_token is not None:
+            special = {"add_special_tokens": self._encoder.add_bos_token}
+        ids = self.tokenizer(context, truncation=self._encoder.truncation, **special)["input_ids"]
+        return GenerateRequest(
+            context=tuple(ids[-max_ctx_len:]),
+            max_gen_toks=max_gen_toks,
+            until=tuple(until),
+            max_length=kwargs.pop("max_length", None),
+            kwargs=kwargs,
+        )
+
+    def _score(
+        self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], phase: str, disable_tqdm: bool
+    ) -> list[tuple[float, bool]]:
+        plan = plan_score(pairs, self.max_length, self._budget)
+        results = self._run(
+            plan.micro_batches, phase, Counter(loc.micro_batch for loc in plan.locations), disable_tqdm
+        )
+        return [results[loc.micro_batch][loc.row][loc.target] for loc in plan.locations]
+
+    def _run(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        phase: str,
+        requests_per_micro_batch: Counter[int],
+        disable_tqdm: bool,
+    ) -> list[Any]:
+        if self._group is None:
+            raise ConfigError("this RayEvalLM was closed: create a new one to evaluate again")
+        self._group.wait_ready()
+        total = sum(requests_per_micro_batch.values())
+        stats = self.stats.setdefault(phase, PhaseStats())
+        stats.requests += total
+        stats.micro_batches += len(micro_batches)
+        started = time.monotonic()
+        base_seconds = stats.seconds
+        bar = tqdm(total=total, desc=f"rayeval {phase}", disable=disable_tqdm, unit="req")
+        done = 0
+
+        def on_step(step: StepDone) -> None:
+            nonlocal done
+            count = sum(requests_per_micro_batch[i] for i in step.micro_batches)
+            done += count
+            stats.real_tokens += sum(s.real_tokens for s in step.stats)
+            stats.padded_tokens += sum(s.padded_tokens for s in step.stats)
+            stats.seconds = base_seconds + time.monotonic() - started
+            bar.update(count)
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:,.0f}", real=f"{stats.real_token_fraction:.2f}")
+            if self._on_progress is not None:
+                self._on_progress(Progress(phase, done, total, stats.tokens_per_s, stats.real_token_fraction))
+
+        try:
+            results = run_steps(self._group, micro_batches, self._timeouts.step_s, on_step)
+        finally:
+            bar.close()
+        _check_exactly_once(micro_batches, results)
+        return results
+
+
+def _check_exactly_once(micro_batches: Sequence[MicroBatch], results: Sequence[Any]) -> None:
+    """Every micro-batch came back once, with one answer per row (per target for scores)."""
+    for index, (batch, result) in enumerate(zip(micro_batches, results, strict=True)):
+        if isinstance(batch, ScoreMicroBatch):
+            expected = [len(row.targets) for row in batch.rows]
+            got = [len(row) for row in result] if result is not None else None
+        else:
+            assert isinstance(batch, GenerateMicroBatch)
+            expected = [1] * len(batch.contexts)
+            got = [1] * len(result) if result is not None else None
+        if got != expected:
+            raise ResultIntegrityError(
+                f"micro-batch {index} came back with {got} answers, expected {expected} "
+                "(a request id is missing or duplicated: please report this bug)"
+            )
+
+
+def _reject_unsupported(model_args: dict[str, Any]) -> None:
+    problems = [f"{key}: {why}" for key, why in _UNSUPPORTED_ARGS.items() if model_args.get(key)]
+    if model_args.get("backend", "default") not in ("default", "causal"):
+        problems.append("backend: only causal (decoder-only) models are supported")
+    if problems:
+        raise ConfigError("unsupported model_args — " + "; ".join(problems))
+
+
+def _budget(batch_size: int | str | None, max_batch_size: int | None, max_batch_tokens: int | None) -> TokenBudget:
+    text = str(batch_size if batch_size is not None else "auto")
+    if text.startswith("auto"):
+        return TokenBudget(
+            max_tokens=max_batch_tokens or _DEFAULT_MAX_BATCH_TOKENS,
+            max_rows=max_batch_size or _DEFAULT_MAX_ROWS,
+        )
+    try:
+        rows = int(text)
+    except ValueError:
+        raise ConfigError(f"batch_size must be 'auto' or an integer, got {batch_size!r}") from None
+    return TokenBudget(max_tokens=max_batch_tokens or 2**62, max_rows=rows)
+
+
+def _build_encoder(pretrained: str, model_args: dict[str, Any]) -> tuple[HFLM, torch.dtype]:
+    """lm-eval's own HFLM over a weightless copy of the model: the driver's tokeniser."""
+    common = {
+        "revision": str(model_args.get("revision", "main")),
+        "subfolder": model_args.get("subfolder", ""),
+        "trust_remote_code": bool(model_args.get("trust_remote_code", False)),
+    }
+    try:
+        config = transformers.AutoConfig.from_pretrained(pretrained, **common)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot load model {pretrained!r}: {exc}. Pass an existing local path or a Hugging "
+            "Face hub id as pretrained=..."
+        ) from exc
+    dtype = resolve_dtype(model_args.get("dtype", "auto"), config)
+    with torch.device("meta"):
+        shell = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=common["trust_remote_code"]
+        )
+    encoder_kwargs = {k: v for k, v in model_args.items() if k in _ENCODER_ARGS}
+    encoder_kwargs.setdefault("tokenizer", pretrained)
+    encoder = HFLM(pretrained=shell, backend="causal", **common, **encoder_kwargs)
+    return encoder, dtype
+
+
+def _model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -> ModelSpec:
+    handled = _ENCODER_ARGS | {
+        "revision",
+        "subfolder",
+        "trust_remote_code",
+        "dtype",
+        "backend",
+        "logits_cache",
+        "softmax_dtype",
+        "mixed_precision_dtype",
+    }
+    tokenizer = model_args.get("tokenizer")
+    return ModelSpec(
+        pretrained=pretrained,
+        revision=str(model_args.get("revision", "main")),
+        subfolder=model_args.get("subfolder", ""),
+        dtype=str(model_args.get("dtype", "auto")),
+        trust_remote_code=bool(model_args.get("trust_remote_code", False)),
+        tokenizer=tokenizer if isinstance(tokenizer, str) else None,
+        pad_token_id=pad_token_id,
+        softmax_dtype=model_args.get("softmax_dtype"),
+        mixed_precision_dtype=model_args.get("mixed_precision_dtype"),
+        extra_kwargs={k: v for k, v in model_args.items() if k not in handled},
+    )
+
+
+def _model_sha(pretrained: str, revision: str) -> str:
+    """The hub commit of the model, as lm-eval records it; empty for local paths or offline."""
+    import os
+
+    if os.path.isdir(pretrained) or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return ""
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().model_info(repo_id=pretrained, revision=revision).sha or ""
+    except Exception:  # lm-eval records "" whenever the hub cannot say
+        return ""
