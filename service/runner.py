@@ -1,0 +1,193 @@
+"""Running one evaluation end to end, as ``lm_eval run`` does, but on Ray.
+
+The runner takes lm-eval's own ``EvaluatorConfig`` (so every lm-eval flag means what it means in
+lm-eval), resolves the tasks, evaluates with :class:`service.lm.RayEvalLM` and writes what
+``lm_eval`` writes, where it writes it: ``OUT/<model>/results_<ts>.json`` and, with
+``--log_samples``, ``samples_<task>_<ts>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lm_eval.config.evaluate_config import EvaluatorConfig
+from lm_eval.tasks import TaskManager
+
+from actors.errors import ConfigError
+from actors.group import Timeouts
+from service.lm import Progress, RayEvalLM
+
+logger = logging.getLogger(__name__)
+
+#: Names lm-eval gives its Hugging Face backend; rayeval runs exactly that backend.
+HF_MODEL_NAMES = frozenset({"hf", "hf-auto", "huggingface"})
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How rayeval runs an evaluation (what lm-eval has no flag for).
+
+    Args:
+        num_replicas: R, data-parallel replicas.
+        shard_size: G, FSDP ranks per replica.
+        address: Ray cluster address; None: ``RAY_ADDRESS`` or an embedded local Ray.
+        max_batch_tokens: Padded-token budget per micro-batch (None: the default).
+        timeouts: Every wait of the run.
+        name: Placement-group name / actor-name prefix (default: a random id).
+    """
+
+    num_replicas: int = 1
+    shard_size: int = 1
+    address: str | None = None
+    max_batch_tokens: int | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    name: str | None = None
+
+
+@dataclass
+class EvaluationOutput:
+    """lm-eval's results dict (``samples`` removed) and where the files went."""
+
+    results: dict[str, Any]
+    samples: dict[str, list[dict[str, Any]]] | None
+    stats: dict[str, Any]
+
+
+def resolve_tasks(cfg: EvaluatorConfig) -> TaskManager:
+    """Resolve ``cfg.tasks`` to lm-eval task names/configs, as ``lm_eval run`` does.
+
+    When every requested name is found under ``--include_path`` alone, lm-eval's scan of its
+    built-in task index (seconds) is skipped; the outcome is the same.
+
+    Raises:
+        ConfigError: naming the tasks that were not found.
+    """
+    names = _task_names(cfg.tasks)
+    if cfg.include_path and names and not any(n.endswith(".yaml") for n in names):
+        local = TaskManager(include_defaults=False, include_path=cfg.include_path, metadata=cfg.metadata or {})
+        matched = {name: local.match_tasks([name]) for name in names}
+        if all(matched.values()):
+            cfg.tasks = list(dict.fromkeys(t for found in matched.values() for t in found))
+            return local
+    try:
+        return cfg.process_tasks(cfg.metadata)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{exc}. List available tasks with `lm_eval ls tasks`, or point --include_path at "
+            "the directory holding your task YAMLs."
+        ) from None
+
+
+def run_evaluation(
+    cfg: EvaluatorConfig,
+    engine: EngineOptions,
+    on_progress: Callable[[Progress], None] | None = None,
+    write_outputs: bool = True,
+) -> EvaluationOutput | None:
+    """Evaluate like ``lm_eval run --model hf`` with the model spread over Ray actors.
+
+    Args:
+        cfg: lm-eval's configuration (from its CLI parser or built directly).
+        engine: Layout and Ray options.
+        on_progress: Called after every finished step.
+        write_outputs: Write results/samples under ``cfg.output_path`` when it is set.
+
+    Returns:
+        The results, or None where lm-eval returns None.
+
+    Raises:
+        ConfigError: bad model, model args or tasks.
+        RayEvalError: any other failure, with a message naming the fix.
+    """
+    from lm_eval import simple_evaluate
+    from lm_eval.loggers import EvaluationTracker
+
+    model_args = _hf_model_args(cfg)
+    task_manager = resolve_tasks(cfg)
+    if cfg.output_path:
+        cfg.hf_hub_log_args["output_path"] = cfg.output_path
+    if os.environ.get("HF_TOKEN"):
+        cfg.hf_hub_log_args["token"] = os.environ["HF_TOKEN"]
+    tracker = EvaluationTracker(**cfg.hf_hub_log_args)
+    seed = cfg.seed or [None, None, None, None]
+
+    with RayEvalLM(
+        num_replicas=engine.num_replicas,
+        shard_size=engine.shard_size,
+        batch_size=cfg.batch_size,
+        max_batch_size=cfg.max_batch_size,
+        max_batch_tokens=engine.max_batch_tokens,
+        device=cfg.device or "auto",
+        address=engine.address,
+        timeouts=engine.timeouts,
+        name=engine.name,
+        seed=seed[2] if seed[2] is not None else 1234,
+        on_progress=on_progress,
+        **model_args,
+    ) as lm:
+        results = simple_evaluate(
+            model=lm,
+            model_args=cfg.model_args,
+            tasks=cfg.tasks,
+            num_fewshot=cfg.num_fewshot,
+            batch_size=cfg.batch_size,
+            max_batch_size=cfg.max_batch_size,
+            use_cache=cfg.use_cache,
+            cache_requests=cfg.cache_requests.get("cache_requests", False),
+            rewrite_requests_cache=cfg.cache_requests.get("rewrite_requests_cache", False),
+            delete_requests_cache=cfg.cache_requests.get("delete_requests_cache", False),
+            limit=cfg.limit,
+            samples=cfg.samples,
+            check_integrity=cfg.check_integrity,
+            write_out=cfg.write_out,
+            log_samples=cfg.log_samples,
+            evaluation_tracker=tracker,
+            system_instruction=cfg.system_instruction,
+            apply_chat_template=cfg.apply_chat_template,
+            fewshot_as_multiturn=cfg.fewshot_as_multiturn,
+            gen_kwargs=cfg.gen_kwargs,
+            task_manager=task_manager,
+            predict_only=cfg.predict_only,
+            random_seed=seed[0],
+            numpy_random_seed=seed[1],
+            torch_random_seed=seed[2],
+            fewshot_random_seed=seed[3],
+            confirm_run_unsafe_code=cfg.confirm_run_unsafe_code,
+            metadata=cfg.metadata,
+        )
+        stats = {phase: vars(s) | {"tokens_per_s": s.tokens_per_s, "real_token_fraction": s.real_token_fraction} for phase, s in lm.stats.items()}
+    if results is None:
+        return None
+    # Record the run as lm-eval's HF backend would, so downstream tools see the same header.
+    results["config"]["model"] = cfg.model
+    tracker.general_config_tracker.model_source = cfg.model
+    samples = results.pop("samples", None) if cfg.log_samples else None
+    if write_outputs and cfg.output_path:
+        tracker.save_results_aggregated(results=results, samples=samples)
+        if samples is not None:
+            for task_name in results["configs"]:
+                tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+    return EvaluationOutput(results=results, samples=samples, stats=stats)
+
+
+def _task_names(tasks: Any) -> list[str]:
+    if tasks is None:
+        raise ConfigError("no tasks given: pass --tasks task1,task2 (task or group names)")
+    items = tasks.split(",") if isinstance(tasks, str) else [t for task in tasks for t in str(task).split(",")]
+    return [item.strip() for item in items if item.strip()]
+
+
+def _hf_model_args(cfg: EvaluatorConfig) -> dict[str, Any]:
+    if cfg.model not in HF_MODEL_NAMES:
+        raise ConfigError(
+            f"--model {cfg.model!r} is not supported: rayeval runs lm-eval's Hugging Face backend, "
+            "use --model hf"
+        )
+    model_args = dict(cfg.model_args or {})
+    if not model_args.get("pretrained"):
+        raise ConfigError("model_args needs pretrained=<hub id or local path>")
+    return model_args
