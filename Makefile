@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/python -m service.demo --root $(DEMO_DIR)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/rayeval run --model hf \
-	    --model_args pretrained=$(DEMO_DIR)/tiny-llama,dtype=float32 \
+	    --model_args pretrained=$(DEMO_DIR)/model,dtype=float32 \
 	    --include_path $(DEMO_DIR)/tasks --tasks demo \
 	    --num_replicas 2 --shard_size 1 --batch_size auto \
 	    --output_path $(DEMO_OUT) --log_samples
