@@ -26,7 +26,7 @@ class ModelSpec:
         pad_token_id: The pad id the driver's tokenizer uses (after lm-eval's pad-token fix-up).
         softmax_dtype: dtype for the log-softmax, as lm-eval's ``softmax_dtype`` model arg.
         mixed_precision_dtype: autocast dtype, as lm-eval's ``mixed_precision_dtype`` model arg.
-        extra_kwargs: Other keyword arguments for ``from_pretrained`` (e.g. ``attn_implementation``).
+        extra_kwargs: Other ``from_pretrained`` keyword arguments (e.g. ``attn_implementation``).
     """
 
     pretrained: str

@@ -25,7 +25,7 @@ from actors.errors import (
     RayEvalError,
     ResourcesUnavailableError,
 )
-from actors.layout import ParallelLayout
+from actors.layout import DeviceKind, ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,12 @@ class Replica:
     def submit(self, method: str, micro_batches: list[MicroBatch]) -> list[ray.ObjectRef]:
         """Send one step: micro-batch ``i`` to shard rank ``i`` (every rank gets one)."""
         if len(micro_batches) != len(self.workers):
-            raise ValueError(f"a step needs {len(self.workers)} micro-batches, got {len(micro_batches)}")
-        return [getattr(w, method).remote(mb) for w, mb in zip(self.workers, micro_batches, strict=True)]
+            raise ValueError(
+                f"a step needs {len(self.workers)} micro-batches, got {len(micro_batches)}"
+            )
+        return [
+            getattr(w, method).remote(mb) for w, mb in zip(self.workers, micro_batches, strict=True)
+        ]
 
     def kill(self) -> None:
         """Kill every rank actor of this replica (pending calls fail at once)."""
@@ -79,7 +83,9 @@ class Replica:
 class WorkerGroup:
     """All replicas of one evaluation and the placement group that holds them."""
 
-    def __init__(self, name: str, layout: ParallelLayout, pg: PlacementGroup, replicas: list[Replica]) -> None:
+    def __init__(
+        self, name: str, layout: ParallelLayout, pg: PlacementGroup, replicas: list[Replica]
+    ) -> None:
         self.name = name
         self.layout = layout
         self.replicas = replicas
@@ -121,13 +127,15 @@ class WorkerGroup:
         group._load_timeout_s = timeouts.load_s
         group._deadline = time.monotonic() + timeouts.load_s
         try:
-            group._start_actors(spec, timeouts, seed)
+            group._start_actors(pg, spec, timeouts, seed)
         except BaseException:
             group.shutdown()
             raise
         return group
 
-    def _start_actors(self, spec: ModelSpec, timeouts: Timeouts, seed: int) -> None:
+    def _start_actors(
+        self, pg: PlacementGroup, spec: ModelSpec, timeouts: Timeouts, seed: int
+    ) -> None:
         from actors.worker import ShardWorker
 
         env = {key: os.environ[key] for key in _FORWARDED_ENV if key in os.environ}
@@ -138,20 +146,27 @@ class WorkerGroup:
             options: dict[str, Any] = {
                 "name": f"{self.name}-r{coord.replica}-s{coord.shard_rank}",
                 "num_cpus": self.layout.cpus_per_rank,
-                "num_gpus": 1 if self.layout.device.value == "cuda" else 0,
+                "num_gpus": 1 if self.layout.device is DeviceKind.CUDA else 0,
                 "max_restarts": 0,
                 "runtime_env": {"env_vars": env},
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=coord.global_rank
+                    placement_group=pg, placement_group_bundle_index=coord.global_rank
                 ),
             }
             workers.append(
                 remote_cls.options(**options).remote(
-                    spec, coord, self.layout.shard_size, self.layout.device, timeouts.collective_s, seed
+                    spec,
+                    coord,
+                    self.layout.shard_size,
+                    self.layout.device,
+                    timeouts.collective_s,
+                    seed,
                 )
             )
         G = self.layout.shard_size
-        self.replicas = [Replica(r, workers[r * G : (r + 1) * G]) for r in range(self.layout.num_replicas)]
+        self.replicas = [
+            Replica(r, workers[r * G : (r + 1) * G]) for r in range(self.layout.num_replicas)
+        ]
         # Shard rank 0 of each replica picks the rendezvous address; all ranks then join and load.
         rendezvous = ray.get(
             [replica.workers[0].reserve_port.remote() for replica in self.replicas],
@@ -170,7 +185,9 @@ class WorkerGroup:
         if self.load_reports or not self._setup_refs:
             return self.load_reports
         remaining = max(0.0, self._deadline - time.monotonic())
-        ready, pending = ray.wait(self._setup_refs, num_returns=len(self._setup_refs), timeout=remaining)
+        ready, pending = ray.wait(
+            self._setup_refs, num_returns=len(self._setup_refs), timeout=remaining
+        )
         for ref in ready:  # surface a real load error before a timeout
             _get_or_raise(ref, ModelLoadError, "loading the model")
         if pending:
@@ -179,7 +196,9 @@ class WorkerGroup:
                 f"within {self._load_timeout_s:g}s: raise the load timeout for very large models, "
                 "or check the Ray dashboard / worker logs for a stuck rank."
             )
-        self.load_reports = [_get_or_raise(ref, ModelLoadError, "loading the model") for ref in ready]
+        self.load_reports = [
+            _get_or_raise(ref, ModelLoadError, "loading the model") for ref in ready
+        ]
         return self.load_reports
 
     def shutdown(self) -> None:

@@ -116,7 +116,10 @@ class ParallelLayout:
         }
         if not short:
             return
-        detail = ", ".join(f"{need:g} {key} requested, {have:g} in the cluster" for key, (need, have) in short.items())
+        detail = ", ".join(
+            f"{need:g} {key} requested, {have:g} in the cluster"
+            for key, (need, have) in short.items()
+        )
         raise LayoutError(
             f"layout {self.describe()} needs more than the whole cluster has: {detail}. "
             "Lower --num_replicas / --shard_size, or add nodes to the Ray cluster."

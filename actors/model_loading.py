@@ -61,7 +61,11 @@ def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -
             "path or a Hugging Face hub id in model_args pretrained=..."
         ) from exc
     dtype = resolve_dtype(spec.dtype, config)
-    model = _load_plain(spec, dtype) if mesh is None else _load_sharded(spec, config, dtype, mesh, device)
+    model = (
+        _load_plain(spec, dtype)
+        if mesh is None
+        else _load_sharded(spec, config, dtype, mesh, device)
+    )
     if mesh is None:
         model.to(device)
     model.eval()
@@ -69,7 +73,7 @@ def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -
 
 
 def resolve_dtype(name: str | None, config: transformers.PretrainedConfig) -> torch.dtype:
-    """Turn lm-eval's ``dtype`` model arg into a torch dtype (``auto``: the checkpoint's, else fp32)."""
+    """lm-eval's ``dtype`` model arg as a torch dtype (``auto``: the checkpoint's, else fp32)."""
     if name in (None, "auto"):
         configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(configured, torch.dtype):
@@ -108,8 +112,9 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     blocks = [module for module in model.modules() if type(module).__name__ in names]
     if not blocks:
-        lists = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
-        blocks = list(max(lists, key=len)) if lists else []
+        for module in model.modules():
+            if isinstance(module, nn.ModuleList) and len(module) > len(blocks):
+                blocks = list(module)
     # modules() is pre-order; FSDP2 wants nested modules sharded before their parents.
     return blocks[::-1]
 
@@ -176,7 +181,9 @@ def _read_local_shards(
             assert key is not None
             path = index[key]
             if path not in handles:
-                handles[path] = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                handles[path] = stack.enter_context(
+                    safe_open(str(path), framework="pt", device="cpu")
+                )
             tensor_slice = handles[path].get_slice(key)
             local = param.to_local() if isinstance(param, DTensor) else param
             if isinstance(param, DTensor):

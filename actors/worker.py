@@ -79,7 +79,7 @@ class ShardWorker:
         }
 
     def reserve_port(self) -> tuple[str, int]:
-        """Pick a free TCP port on this node for the replica's rendezvous (called on shard rank 0)."""
+        """A free TCP port on this node for the replica's rendezvous (called on shard rank 0)."""
         import ray
 
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -118,7 +118,8 @@ class ShardWorker:
             trust_remote_code=self._spec.trust_remote_code,
         )
         local_params = sum(
-            (p.to_local() if hasattr(p, "to_local") else p).numel() for p in self._model.parameters()
+            (p.to_local() if hasattr(p, "to_local") else p).numel()
+            for p in self._model.parameters()
         )
         return {
             "seconds": time.monotonic() - started,
@@ -218,7 +219,9 @@ class ShardWorker:
 
     def _autocast(self) -> Any:
         dtype = _dtype(self._spec.mixed_precision_dtype)
-        return torch.autocast(device_type=self._device().type, dtype=dtype, enabled=dtype is not None)
+        return torch.autocast(
+            device_type=self._device().type, dtype=dtype, enabled=dtype is not None
+        )
 
     def _forward(self, inputs: torch.Tensor, keep: int) -> torch.Tensor:
         with torch.no_grad(), self._autocast():

@@ -40,7 +40,7 @@ def connect(address: str | None, layout: ParallelLayout) -> str:
 
 
 def pick_device(requested: str | None) -> DeviceKind:
-    """Decide what a rank holds: ``cpu``/``cuda`` as asked; ``auto``/None: GPUs if the cluster has any.
+    """What a rank holds: ``cpu``/``cuda`` as asked; ``auto``/None: GPUs if the cluster has any.
 
     Must be called after :func:`connect`.
     """

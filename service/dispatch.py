@@ -64,7 +64,10 @@ def run_steps(
     width = group.layout.shard_size
     method = "score" if isinstance(micro_batches[0], ScoreMicroBatch) else "generate"
     dummy: MicroBatch = ScoreMicroBatch() if method == "score" else GenerateMicroBatch()
-    steps = [list(range(i, min(i + width, len(micro_batches)))) for i in range(0, len(micro_batches), width)]
+    steps = [
+        list(range(i, min(i + width, len(micro_batches))))
+        for i in range(0, len(micro_batches), width)
+    ]
     results: list[Any] = [None] * len(micro_batches)
     filled = [False] * len(micro_batches)
 
@@ -94,7 +97,8 @@ def run_steps(
             if len(done) < len(refs):
                 if time.monotonic() - head_since[index] > step_timeout_s:
                     raise EvaluationTimeoutError(
-                        f"replica {index} did not finish a batch within {step_timeout_s:g}s: a rank "
+                        f"replica {index} did not finish a batch within {step_timeout_s:g}s: "
+                        "a rank "
                         "is stuck or far too slow; raise the step timeout or lower the batch size"
                     )
                 continue
@@ -111,10 +115,14 @@ def run_steps(
                 head_since[index] = time.monotonic()
             for i, (result, _) in zip(steps[step], outputs, strict=False):
                 if filled[i]:
-                    raise RayEvalError(f"micro-batch {i} came back twice (internal error, please report)")
+                    raise RayEvalError(
+                        f"micro-batch {i} came back twice (internal error, please report)"
+                    )
                 results[i], filled[i] = result, True
             if on_step is not None:
-                on_step(StepDone(step, index, tuple(steps[step]), tuple(stats for _, stats in outputs)))
+                on_step(
+                    StepDone(step, index, tuple(steps[step]), tuple(stats for _, stats in outputs))
+                )
         refill()
     return results
 
@@ -140,11 +148,14 @@ def _drop_replica(
     head_since.pop(index, None)
     pending.extendleft(reversed(lost))
     replica.kill()
-    logger.warning("replica %d lost (%s); re-queued %d batches on the others", index, exc, len(lost))
+    logger.warning(
+        "replica %d lost (%s); re-queued %d batches on the others", index, exc, len(lost)
+    )
     if not alive:
         raise WorkerLostError(
             f"every replica was lost (last: {exc}). Check node health and memory "
-            "(a rank killed for out-of-memory needs a smaller --batch_size or a larger --shard_size)."
+            "(a rank killed for out-of-memory needs a smaller --batch_size or a larger "
+            "--shard_size)."
         )
 
 

@@ -223,14 +223,16 @@ class RayEvalLM(TemplateLM):
             "model_revision": self._encoder.revision,
             "model_sha": _model_sha(self.pretrained, self._encoder.revision),
             "rayeval_layout": {
-            "num_replicas": self.layout.num_replicas,
-            "shard_size": self.layout.shard_size,
+                "num_replicas": self.layout.num_replicas,
+                "shard_size": self.layout.shard_size,
                 "device": self.layout.device.value,
             },
         }
 
     # -------------------------------------------------------------------- request types
-    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    def loglikelihood(
+        self, requests: list[Any], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
         if self._encoder.enable_thinking:
             raise ConfigError(
                 "enable_thinking=True is not compatible with loglikelihood tasks: "
@@ -241,7 +243,9 @@ class RayEvalLM(TemplateLM):
     def _loglikelihood_tokens(
         self, requests: list[Any], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
-        answers = self._score([(ctx, cont) for _, ctx, cont in requests], "loglikelihood", disable_tqdm)
+        answers = self._score(
+            [(ctx, cont) for _, ctx, cont in requests], "loglikelihood", disable_tqdm
+        )
         for (request_str, _, _), answer in zip(requests, answers, strict=True):
             if request_str is not None:
                 self.cache_hook.add_partial("loglikelihood", request_str, answer)
@@ -274,14 +278,22 @@ class RayEvalLM(TemplateLM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         eos = self._encoder.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        prepared = [self._generate_request(context, gen_kwargs, eos) for context, gen_kwargs in (r.args for r in requests)]
+        prepared = [
+            self._generate_request(context, gen_kwargs, eos)
+            for context, gen_kwargs in (r.args for r in requests)
+        ]
         plan = plan_generate(prepared, self._budget)
         outputs = self._run(
-            plan.micro_batches, "generate_until", Counter(mb for mb, _ in plan.locations), disable_tqdm
+            plan.micro_batches,
+            "generate_until",
+            Counter(mb for mb, _ in plan.locations),
+            disable_tqdm,
         )
         think_end = self._encoder.think_end_token
         texts = []
-        for request, prepared_request, (mb, position) in zip(requests, prepared, plan.locations, strict=True):
+        for request, prepared_request, (mb, position) in zip(
+            requests, prepared, plan.locations, strict=True
+        ):
             tokens = outputs[mb][position]
             if isinstance(think_end, int) and think_end in tokens:
                 tokens = tokens[len(tokens) - tokens[::-1].index(think_end) :]
@@ -298,8 +310,10 @@ class RayEvalLM(TemplateLM):
         return texts
 
     # ------------------------------------------------------------------------ internals
-    def _generate_request(self, context: str, gen_kwargs: dict[str, Any], eos: str) -> GenerateRequest:
-        """Tokenise one generate_until request as lm-eval's HF backend does in ``generate_until``."""
+    def _generate_request(
+        self, context: str, gen_kwargs: dict[str, Any], eos: str
+    ) -> GenerateRequest:
+        """Tokenise one generate_until request as lm-eval's HF ``generate_until`` does."""
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
         max_gen_toks = kwargs.pop("max_gen_toks")
@@ -329,7 +343,10 @@ class RayEvalLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         plan = plan_score(pairs, self.max_length, self._budget)
         results = self._run(
-            plan.micro_batches, phase, Counter(loc.micro_batch for loc in plan.locations), disable_tqdm
+            plan.micro_batches,
+            phase,
+            Counter(loc.micro_batch for loc in plan.locations),
+            disable_tqdm,
         )
         return [results[loc.micro_batch][loc.row][loc.target] for loc in plan.locations]
 
@@ -360,9 +377,13 @@ class RayEvalLM(TemplateLM):
             stats.padded_tokens += sum(s.padded_tokens for s in step.stats)
             stats.seconds = base_seconds + time.monotonic() - started
             bar.update(count)
-            bar.set_postfix(tok_s=f"{stats.tokens_per_s:,.0f}", real=f"{stats.real_token_fraction:.2f}")
+            bar.set_postfix(
+                tok_s=f"{stats.tokens_per_s:,.0f}", real=f"{stats.real_token_fraction:.2f}"
+            )
             if self._on_progress is not None:
-                self._on_progress(Progress(phase, done, total, stats.tokens_per_s, stats.real_token_fraction))
+                self._on_progress(
+                    Progress(phase, done, total, stats.tokens_per_s, stats.real_token_fraction)
+                )
 
         try:
             results = run_steps(self._group, micro_batches, self._timeouts.step_s, on_step)
@@ -397,7 +418,9 @@ def _reject_unsupported(model_args: dict[str, Any]) -> None:
         raise ConfigError("unsupported model_args — " + "; ".join(problems))
 
 
-def _budget(batch_size: int | str | None, max_batch_size: int | None, max_batch_tokens: int | None) -> TokenBudget:
+def _budget(
+    batch_size: int | str | None, max_batch_size: int | None, max_batch_tokens: int | None
+) -> TokenBudget:
     text = str(batch_size if batch_size is not None else "auto")
     if text.startswith("auto"):
         return TokenBudget(

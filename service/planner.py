@@ -77,7 +77,9 @@ class GenerateRequest:
     def config_key(self) -> str:
         """Requests with equal keys may share a ``generate`` call (lm-eval groups by gen_kwargs)."""
         return json.dumps(
-            [self.max_gen_toks, self.until, self.max_length, self.kwargs], sort_keys=True, default=str
+            [self.max_gen_toks, self.until, self.max_length, self.kwargs],
+            sort_keys=True,
+            default=str,
         )
 
 
@@ -89,7 +91,9 @@ class GeneratePlan:
     locations: list[tuple[int, int]]
 
 
-def model_input(context: Sequence[int], continuation: Sequence[int], max_length: int) -> tuple[int, ...]:
+def model_input(
+    context: Sequence[int], continuation: Sequence[int], max_length: int
+) -> tuple[int, ...]:
     """The exact tokens lm-eval's HF backend feeds the model for one loglikelihood request.
 
     Raises:
@@ -150,7 +154,11 @@ def plan_generate(requests: Sequence[GenerateRequest], budget: TokenBudget) -> G
     for indices in groups.values():
         indices.sort(key=lambda i: (-len(requests[i].context), requests[i].context))
         first = requests[indices[0]]
-        for chunk in _cut(indices, budget, width=lambda i: len(requests[i].context) + first.max_gen_toks):
+        for chunk in _cut(
+            indices,
+            budget,
+            width=lambda i, room=first.max_gen_toks: len(requests[i].context) + room,
+        ):
             for position, index in enumerate(chunk):
                 locations[index] = (len(micro_batches), position)
             micro_batches.append(

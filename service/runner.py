@@ -68,7 +68,9 @@ def resolve_tasks(cfg: EvaluatorConfig) -> TaskManager:
     """
     names = _task_names(cfg.tasks)
     if cfg.include_path and names and not any(n.endswith(".yaml") for n in names):
-        local = TaskManager(include_defaults=False, include_path=cfg.include_path, metadata=cfg.metadata or {})
+        local = TaskManager(
+            include_defaults=False, include_path=cfg.include_path, metadata=cfg.metadata or {}
+        )
         matched = {name: local.match_tasks([name]) for name in names}
         if all(matched.values()):
             cfg.tasks = list(dict.fromkeys(t for found in matched.values() for t in found))
@@ -87,6 +89,7 @@ def run_evaluation(
     engine: EngineOptions,
     on_progress: Callable[[Progress], None] | None = None,
     write_outputs: bool = True,
+    bootstrap_iters: int = 100000,
 ) -> EvaluationOutput | None:
     """Evaluate like ``lm_eval run --model hf`` with the model spread over Ray actors.
 
@@ -95,6 +98,7 @@ def run_evaluation(
         engine: Layout and Ray options.
         on_progress: Called after every finished step.
         write_outputs: Write results/samples under ``cfg.output_path`` when it is set.
+        bootstrap_iters: Bootstrap iterations for stderrs (lm-eval's default; 0 skips them).
 
     Returns:
         The results, or None where lm-eval returns None.
@@ -152,6 +156,7 @@ def run_evaluation(
             gen_kwargs=cfg.gen_kwargs,
             task_manager=task_manager,
             predict_only=cfg.predict_only,
+            bootstrap_iters=bootstrap_iters,
             random_seed=seed[0],
             numpy_random_seed=seed[1],
             torch_random_seed=seed[2],
@@ -159,7 +164,11 @@ def run_evaluation(
             confirm_run_unsafe_code=cfg.confirm_run_unsafe_code,
             metadata=cfg.metadata,
         )
-        stats = {phase: vars(s) | {"tokens_per_s": s.tokens_per_s, "real_token_fraction": s.real_token_fraction} for phase, s in lm.stats.items()}
+        stats = {
+            phase: vars(s)
+            | {"tokens_per_s": s.tokens_per_s, "real_token_fraction": s.real_token_fraction}
+            for phase, s in lm.stats.items()
+        }
     if results is None:
         return None
     # Record the run as lm-eval's HF backend would, so downstream tools see the same header.
@@ -177,7 +186,11 @@ def run_evaluation(
 def _task_names(tasks: Any) -> list[str]:
     if tasks is None:
         raise ConfigError("no tasks given: pass --tasks task1,task2 (task or group names)")
-    items = tasks.split(",") if isinstance(tasks, str) else [t for task in tasks for t in str(task).split(",")]
+    items = (
+        tasks.split(",")
+        if isinstance(tasks, str)
+        else [t for task in tasks for t in str(task).split(",")]
+    )
     return [item.strip() for item in items if item.strip()]
 
 

@@ -1,0 +1,85 @@
+"""Running lm-eval's own HF backend and rayeval side by side, and comparing them sample by sample.
+
+Fidelity (DESIGN invariant 1): per request |delta logprob| <= 1e-4, identical is_greedy, identical
+greedy generations, identical metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+LOGPROB_TOL = 1e-4
+
+
+def evaluate(model: Any, task_manager: Any, tasks: list[str], **kwargs: Any) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` with samples logged and a fixed seed."""
+    import lm_eval
+
+    return lm_eval.simple_evaluate(
+        model=model, tasks=tasks, task_manager=task_manager, log_samples=True, **kwargs
+    )
+
+
+def hf_reference(
+    model_dir: Any, task_manager: Any, tasks: list[str], **kwargs: Any
+) -> dict[str, Any]:
+    """lm-eval's own ``hf`` backend on the CPU in fp32: the reference every result must match."""
+    return evaluate(
+        "hf",
+        task_manager,
+        tasks,
+        model_args={"pretrained": str(model_dir), "dtype": "float32"},
+        device="cpu",
+        batch_size=4,
+        **kwargs,
+    )
+
+
+def assert_same_results(
+    reference: dict[str, Any], ours: dict[str, Any], exact: bool = False
+) -> None:
+    """Per-sample responses and every metric agree (``exact``: bit-identical responses)."""
+    assert set(reference["samples"]) == set(ours["samples"]), "different task sets"
+    compared = 0
+    for task, ref_samples in reference["samples"].items():
+        ref_by_doc = {s["doc_id"]: s for s in ref_samples}
+        our_by_doc = {s["doc_id"]: s for s in ours["samples"][task]}
+        assert ref_by_doc.keys() == our_by_doc.keys(), f"{task}: different doc ids"
+        for doc_id, ref in ref_by_doc.items():
+            ours_sample = our_by_doc[doc_id]
+            assert ref["arguments"] == ours_sample["arguments"], f"{task}/{doc_id}: prompts differ"
+            _assert_same_response(ref["resps"], ours_sample["resps"], f"{task}/{doc_id}", exact)
+            compared += 1
+    assert compared > 0
+    for section in ("results", "groups"):
+        for name, metrics in reference.get(section, {}).items():
+            for key, value in metrics.items():
+                other = ours[section][name][key]
+                if isinstance(value, float) and not exact:
+                    assert math.isclose(value, other, rel_tol=1e-5, abs_tol=1e-6), (
+                        f"{section}/{name}/{key}: {value} != {other}"
+                    )
+                else:
+                    assert value == other, f"{section}/{name}/{key}: {value!r} != {other!r}"
+
+
+def _assert_same_response(ref: Any, ours: Any, where: str, exact: bool) -> None:
+    if isinstance(ref, (list, tuple)):
+        assert isinstance(ours, (list, tuple)) and len(ref) == len(ours), (
+            f"{where}: {ref} vs {ours}"
+        )
+        for a, b in zip(ref, ours, strict=True):
+            _assert_same_response(a, b, where, exact)
+    elif isinstance(ref, str) and isinstance(ours, str) and ref != ours and not exact:
+        # lm-eval's samples JSONL stores log-probs as strings: compare them as numbers.
+        assert abs(float(ref) - float(ours)) <= LOGPROB_TOL, f"{where}: {ref!r} != {ours!r}"
+    elif isinstance(ref, (bool, str)):
+        assert ref == ours, f"{where}: {ref!r} != {ours!r}"
+    elif isinstance(ref, float):
+        if exact:
+            assert ref == ours, f"{where}: {ref} != {ours}"
+        else:
+            assert abs(ref - ours) <= LOGPROB_TOL, f"{where}: logprob {ref} vs {ours}"
+    else:
+        assert ref == ours, f"{where}: {ref!r} != {ours!r}"

@@ -1,0 +1,102 @@
+"""``rayeval run``: lm-eval's flags, lm-eval's output files, clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.cli import main
+from tests.helpers import assert_same_results
+
+pytestmark = pytest.mark.slow
+
+
+def _run_lm_eval_cli(argv: list[str]) -> None:
+    """lm-eval's own ``lm_eval run`` command line, in this process."""
+    from lm_eval._cli import HarnessCLI
+
+    cli = HarnessCLI()
+    cli.execute(cli._parser.parse_args(argv))
+
+
+def _read_outputs(out: Path) -> tuple[str, dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    (model_dir,) = out.iterdir()
+    (results_file,) = model_dir.glob("results_*.json")
+    samples = {}
+    for path in model_dir.glob("samples_*.jsonl"):
+        task = path.name.removeprefix("samples_").rsplit("_", 1)[0]
+        samples[task] = [json.loads(line) for line in path.read_text().splitlines()]
+    return model_dir.name, json.loads(results_file.read_text()), samples
+
+
+def test_run_writes_what_lm_eval_writes(
+    demo: Any, ray_session: None, tmp_path: Path, capsys: Any
+) -> None:
+    common = [
+        "--model", "hf",
+        "--model_args", f"pretrained={demo.model_dir},dtype=float32",
+        "--include_path", str(demo.tasks_dir),
+        "--tasks", "demo_gen_short,demo_mc",
+        "--limit", "4", "--num_fewshot", "2", "--gen_kwargs", "max_gen_toks=5",
+        "--seed", "7", "--log_samples",
+    ]  # fmt: skip
+    _run_lm_eval_cli(["run", *common, "--device", "cpu", "--batch_size", "4",
+                      "--output_path", str(tmp_path / "ref")])  # fmt: skip
+    status = main(["run", *common, "--batch_size", "auto", "--num_replicas", "2",
+                   "--output_path", str(tmp_path / "ours")])  # fmt: skip
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "|demo_mc" in printed and "exact_match" in printed and "layout: 2x1" in printed
+
+    ref_name, ref_results, ref_samples = _read_outputs(tmp_path / "ref")
+    our_name, our_results, our_samples = _read_outputs(tmp_path / "ours")
+    assert our_name == ref_name == str(demo.model_dir).replace("/", "__")
+    assert set(our_results) == set(ref_results)
+    assert our_results["config"]["model"] == "hf"
+    assert our_results["n-shot"] == {"demo_gen_short": 2, "demo_mc": 2}
+    for key in ("configs", "versions", "n-shot", "higher_is_better", "n-samples"):
+        assert our_results[key] == ref_results[key], key
+    assert set(our_samples) == {"demo_gen_short", "demo_mc"}
+    assert set(our_samples["demo_mc"][0]) == set(ref_samples["demo_mc"][0])
+    assert_same_results(
+        {"results": ref_results["results"], "samples": ref_samples},
+        {"results": our_results["results"], "samples": our_samples},
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--model", "vllm"],
+            "--model 'vllm' is not supported: rayeval runs lm-eval's Hugging Face",
+        ),
+        (["--tasks", "no_such_task"], "Tasks not found: no_such_task"),
+        (["--num_replicas", "0"], "num_replicas must be an integer >= 1, got 0"),
+        (
+            ["--model_args", "pretrained=/nonexistent/model"],
+            "cannot load model '/nonexistent/model'",
+        ),
+        (["--model_args", "pretrained=MODEL,parallelize=True"], "parallelize: rayeval shards"),
+    ],
+)
+def test_bad_input_is_a_clear_error(
+    args: list[str], message: str, demo: Any, ray_session: None, capsys: Any
+) -> None:
+    base = {
+        "--model": "hf",
+        "--model_args": f"pretrained={demo.model_dir}",
+        "--include_path": str(demo.tasks_dir),
+        "--tasks": "demo_mc",
+    }
+    given = dict(zip(args[::2], args[1::2], strict=True))
+    if "--model_args" in given:
+        given["--model_args"] = given["--model_args"].replace("MODEL", str(demo.model_dir))
+    argv = ["run"] + [x for pair in (base | given).items() for x in pair]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err

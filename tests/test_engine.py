@@ -1,0 +1,170 @@
+"""The engine under stress: uneven work, impossible layouts, lost replicas, another architecture."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import assert_same_results, evaluate, hf_reference
+
+pytestmark = pytest.mark.slow
+
+
+def _generate_requests() -> list[Any]:
+    """Five generate_until requests whose generations have very different lengths."""
+    from lm_eval.api.instance import Instance
+
+    specs = [
+        ("The cat sat on the", {"until": ["\n"], "max_gen_toks": 1, "do_sample": False}),
+        ("Once upon a time", {"until": [], "max_gen_toks": 90, "do_sample": False}),
+        ("Q: What is two plus two?\nA:", {"until": ["\n"], "max_gen_toks": 12, "do_sample": False}),
+        ("The colour of the sky is", {"until": ["zzzz"], "max_gen_toks": 60, "do_sample": False}),
+        ("Red, green and", {"until": ["."], "max_gen_toks": 3, "do_sample": False}),
+    ]
+    return [
+        Instance(request_type="generate_until", doc={}, arguments=(ctx, kwargs), idx=i)
+        for i, (ctx, kwargs) in enumerate(specs)
+    ]
+
+
+def _loglikelihood_requests() -> list[Any]:
+    from lm_eval.api.instance import Instance
+
+    pairs = [
+        ("The cat", " sat"),
+        ("", "Once upon a time"),
+        ("Two plus two is", " four"),
+        ("The sky is", " blue and the grass is green"),
+        ("A", " B"),
+    ]
+    return [
+        Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i)
+        for i, pair in enumerate(pairs)
+    ]
+
+
+def test_uneven_work_over_2x2_finishes_and_matches(demo: Any, ray_session: None) -> None:
+    """5 requests over 4 ranks (dummy micro-batches) with generations from 1 to 90 tokens."""
+    from lm_eval.models.huggingface import HFLM
+
+    from service.lm import RayEvalLM
+
+    reference = HFLM(pretrained=str(demo.model_dir), device="cpu", dtype="float32", batch_size=1)
+    expected_text = reference.generate_until(_generate_requests())
+    expected_ll = reference.loglikelihood(_loglikelihood_requests())
+
+    started = time.monotonic()
+    with RayEvalLM(
+        pretrained=str(demo.model_dir), num_replicas=2, shard_size=2, batch_size=1
+    ) as lm:
+        text = lm.generate_until(_generate_requests())
+        ll = lm.loglikelihood(_loglikelihood_requests())
+    assert time.monotonic() - started < 240, "uneven work took far too long (a rank waited?)"
+
+    assert text == expected_text
+    assert len({len(t) for t in text}) > 2, f"generation lengths should differ: {text}"
+    for (ref_lp, ref_greedy), (lp, greedy) in zip(expected_ll, ll, strict=True):
+        assert abs(ref_lp - lp) <= 1e-4 and ref_greedy == greedy
+
+
+def test_impossible_layout_fails_fast(demo: Any, ray_session: None) -> None:
+    import ray
+
+    from actors.errors import LayoutError
+    from service.lm import RayEvalLM
+
+    started = time.monotonic()
+    with pytest.raises(LayoutError, match=r"6 CPU requested, 4 in the cluster"):
+        RayEvalLM(pretrained=str(demo.model_dir), num_replicas=3, shard_size=2)
+    with pytest.raises(LayoutError, match=r"num_replicas must be an integer >= 1, got 0"):
+        RayEvalLM(pretrained=str(demo.model_dir), num_replicas=0, shard_size=1)
+    with pytest.raises(LayoutError, match=r"shard_size must be an integer >= 1, got -2"):
+        RayEvalLM(pretrained=str(demo.model_dir), num_replicas=1, shard_size=-2)
+    assert time.monotonic() - started < 30
+    assert not _live_placement_groups(ray)
+
+
+def test_busy_cluster_times_out_with_requested_vs_available(demo: Any, ray_session: None) -> None:
+    """A layout that fits the cluster but not its free resources fails after the timeout."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from actors.errors import ResourcesUnavailableError
+    from actors.group import Timeouts
+    from service.lm import RayEvalLM
+
+    blocker = placement_group([{"CPU": 1.0}] * 3)
+    ray.get(blocker.ready(), timeout=30)
+    try:
+        started = time.monotonic()
+        with pytest.raises(
+            ResourcesUnavailableError, match=r"needs \{'CPU': 2\.0\} but only \{'CPU': 1\.0\}"
+        ):
+            RayEvalLM(
+                pretrained=str(demo.model_dir),
+                num_replicas=2,
+                timeouts=Timeouts(placement_s=2.0),
+            )
+        assert time.monotonic() - started < 30
+    finally:
+        remove_placement_group(blocker)
+    time.sleep(0.5)
+    assert not _live_placement_groups(ray)
+
+
+def test_lost_replica_is_dropped_and_its_work_rerun(
+    demo: Any, task_manager: Any, ray_session: None
+) -> None:
+    """Kill a rank actor mid-run: its batches go to the surviving replica; results stay exact."""
+    import ray
+
+    from service.lm import RayEvalLM
+
+    run = {"limit": 8, "bootstrap_iters": 0}
+    tasks = ["demo_cloze", "demo_gen_short"]
+    reference = hf_reference(demo.model_dir, task_manager, tasks, **run)
+    killed: list[str] = []
+
+    def kill_first_replica(progress: Any) -> None:
+        if not killed and progress.done > 0:
+            name = f"{lm.name}-r0-s0"
+            ray.kill(ray.get_actor(name), no_restart=True)
+            killed.append(name)
+
+    lm = RayEvalLM(
+        pretrained=str(demo.model_dir), num_replicas=2, batch_size=1, on_progress=kill_first_replica
+    )
+    with lm:
+        ours = evaluate(lm, task_manager, tasks, **run)
+    assert killed, "the failure was never injected"
+    assert_same_results(reference, ours)
+
+
+def test_tied_embeddings_gpt2_sharded(tmp_path: Path, task_manager: Any, ray_session: None) -> None:
+    """Another architecture family, with tied input/output embeddings, sharded over 2 ranks."""
+    import transformers
+
+    from service.demo import build_tiny_model
+    from service.lm import RayEvalLM
+
+    model_dir = build_tiny_model(tmp_path / "gpt2", arch="gpt2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    assert model.config.model_type == "gpt2"
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+    run = {"limit": 5, "bootstrap_iters": 0}
+    tasks = ["demo_cloze", "demo_rolling", "demo_gen_short"]
+    reference = hf_reference(model_dir, task_manager, tasks, **run)
+    with RayEvalLM(
+        pretrained=str(model_dir), num_replicas=1, shard_size=2, max_batch_tokens=256
+    ) as lm:
+        ours = evaluate(lm, task_manager, tasks, **run)
+    assert_same_results(reference, ours)
+
+
+def _live_placement_groups(ray: Any) -> list[str]:
+    table = ray.util.placement_group_table()
+    return [pg_id for pg_id, pg in table.items() if pg["state"] not in ("REMOVED",)]

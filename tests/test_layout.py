@@ -1,0 +1,35 @@
+"""ParallelLayout: validation, rank arithmetic, and the fits-the-cluster check."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.errors import LayoutError
+from actors.layout import DeviceKind, ParallelLayout
+
+
+def test_ranks_are_replica_major() -> None:
+    layout = ParallelLayout(num_replicas=2, shard_size=3)
+    assert layout.world == 6 and layout.sharded
+    assert [(c.replica, c.shard_rank, c.global_rank) for c in layout.coords()][:4] == [
+        (0, 0, 0),
+        (0, 1, 1),
+        (0, 2, 2),
+        (1, 0, 3),
+    ]
+
+
+def test_invalid_numbers_are_all_reported() -> None:
+    with pytest.raises(LayoutError) as info:
+        ParallelLayout(num_replicas=0, shard_size=-1)
+    assert "num_replicas must be an integer >= 1, got 0" in str(info.value)
+    assert "shard_size must be an integer >= 1, got -1" in str(info.value)
+
+
+def test_fits_names_requested_and_available() -> None:
+    gpu = ParallelLayout(num_replicas=4, shard_size=2, device=DeviceKind.CUDA)
+    assert gpu.total_resources() == {"GPU": 8.0, "CPU": 8.0}
+    gpu.check_fits({"GPU": 8, "CPU": 64})
+    with pytest.raises(LayoutError, match=r"8 GPU requested, 4 in the cluster.*--num_replicas"):
+        gpu.check_fits({"GPU": 4, "CPU": 64})
+    ParallelLayout(2, 2).check_fits({"CPU": 4})

@@ -1,0 +1,64 @@
+"""Work planning: token-budget cuts, shared-context rows, and every request located exactly once."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.errors import ConfigError
+from service.planner import GenerateRequest, TokenBudget, model_input, plan_generate, plan_score
+
+
+def test_model_input_truncates_from_the_left_like_lm_eval() -> None:
+    assert model_input([1, 2, 3], [4, 5], max_length=10) == (1, 2, 3, 4)
+    assert model_input([1, 2, 3, 4, 5, 6], [7, 8], max_length=4) == (4, 5, 6, 7)
+    with pytest.raises(ConfigError, match="exceeds the model's max_length 2"):
+        model_input([1], [2, 3, 4], max_length=2)
+
+
+def test_plan_score_locates_every_request_and_shares_identical_inputs() -> None:
+    # Two one-token answers to the same context share one row; a duplicate request shares a target.
+    requests = [([1, 2, 3], [4]), ([1, 2, 3], [5]), ([9, 9], [8, 7]), ([1, 2, 3], [4])]
+    plan = plan_score(requests, max_length=32, budget=TokenBudget(max_tokens=1000))
+    assert sum(len(mb.rows) for mb in plan.micro_batches) == 2
+    first, second, _, duplicate = plan.locations
+    assert (first.micro_batch, first.row) == (second.micro_batch, second.row)
+    assert first.target != second.target and duplicate == first
+    for (context, continuation), loc in zip(requests, plan.locations, strict=True):
+        row = plan.micro_batches[loc.micro_batch].rows[loc.row]
+        assert row.targets[loc.target] == tuple(continuation)
+        assert row.tokens == tuple((context + continuation)[:-1])
+
+
+def test_plan_score_cuts_by_padded_tokens_longest_first() -> None:
+    requests = [([1] * n, [2]) for n in (3, 10, 5, 8, 2, 9)]
+    plan = plan_score(requests, max_length=64, budget=TokenBudget(max_tokens=20))
+    widths = [[len(row.tokens) for row in mb.rows] for mb in plan.micro_batches]
+    assert widths == [[10, 9], [8, 5], [3, 2]]
+    for mb in plan.micro_batches:
+        assert len(mb.rows) * len(mb.rows[0].tokens) <= 20
+
+
+def test_budget_row_cap_and_oversized_single_row() -> None:
+    requests = [([1] * 50, [2])] + [([n] * 4, [2]) for n in (3, 4, 5)]
+    plan = plan_score(requests, 64, TokenBudget(max_tokens=10, max_rows=2))
+    # The 50-token row exceeds the budget and still runs, alone; the rest obey both limits.
+    assert [len(mb.rows) for mb in plan.micro_batches] == [1, 2, 1]
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        TokenBudget(max_tokens=0)
+
+
+def test_plan_generate_groups_by_settings_and_counts_generation_room() -> None:
+    greedy = {"do_sample": False}
+    requests = [
+        GenerateRequest((1,) * 6, max_gen_toks=10, until=("\n",), kwargs=greedy),
+        GenerateRequest((1,) * 3, max_gen_toks=10, until=("\n",), kwargs=greedy),
+        GenerateRequest((2,) * 4, max_gen_toks=2, until=(".",), kwargs=greedy),
+        GenerateRequest((1,) * 5, max_gen_toks=10, until=("\n",), kwargs=greedy),
+    ]
+    plan = plan_generate(requests, TokenBudget(max_tokens=32))
+    # (6 + 10) * 2 = 32 fits; the third request of that group needs a new micro-batch.
+    assert [len(mb.contexts) for mb in plan.micro_batches] == [2, 1, 1]
+    for request, (mb, position) in zip(requests, plan.locations, strict=True):
+        batch = plan.micro_batches[mb]
+        assert batch.contexts[position] == request.context
+        assert (batch.max_gen_toks, batch.until) == (request.max_gen_toks, request.until)
