@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -101,6 +101,7 @@ class PhaseStats:
     real_tokens: int = 0
     padded_tokens: int = 0
     seconds: float = 0.0
+    replica_busy_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -109,6 +110,26 @@ class PhaseStats:
     @property
     def real_token_fraction(self) -> float:
         return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+    @property
+    def replica_utilisation(self) -> dict[int, float]:
+        """Per replica: the share of the phase's wall time its slowest rank spent computing."""
+        if self.seconds <= 0:
+            return {}
+        return {r: busy / self.seconds for r, busy in sorted(self.replica_busy_s.items())}
+
+    def report(self) -> dict[str, Any]:
+        """The figures as plain data (for logs, JSON and the CLI)."""
+        return {
+            "requests": self.requests,
+            "micro_batches": self.micro_batches,
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": self.tokens_per_s,
+            "real_token_fraction": self.real_token_fraction,
+            "replica_utilisation": self.replica_utilisation,
+        }
 
 
 @register_model("rayeval")
@@ -174,6 +195,13 @@ class RayEvalLM(TemplateLM):
         )
 
     # --------------------------------------------------------------------- lifecycle
+    @property
+    def load_reports(self) -> list[dict[str, Any]]:
+        """Per rank, after loading: seconds, local parameter count, peak resident MiB."""
+        if self._group is None:
+            return []
+        return self._group.wait_ready()
+
     def close(self) -> None:
         """Release the actors and the placement group. Safe to call more than once."""
         if self._group is not None:
@@ -375,6 +403,8 @@ class RayEvalLM(TemplateLM):
             done += count
             stats.real_tokens += sum(s.real_tokens for s in step.stats)
             stats.padded_tokens += sum(s.padded_tokens for s in step.stats)
+            busy = max(s.seconds for s in step.stats)
+            stats.replica_busy_s[step.replica] = stats.replica_busy_s.get(step.replica, 0.0) + busy
             stats.seconds = base_seconds + time.monotonic() - started
             bar.update(count)
             bar.set_postfix(

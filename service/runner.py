@@ -164,11 +164,7 @@ def run_evaluation(
             confirm_run_unsafe_code=cfg.confirm_run_unsafe_code,
             metadata=cfg.metadata,
         )
-        stats = {
-            phase: vars(s)
-            | {"tokens_per_s": s.tokens_per_s, "real_token_fraction": s.real_token_fraction}
-            for phase, s in lm.stats.items()
-        }
+        stats = {phase: phase_stats.report() for phase, phase_stats in lm.stats.items()}
     if results is None:
         return None
     # Record the run as lm-eval's HF backend would, so downstream tools see the same header.

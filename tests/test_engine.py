@@ -162,7 +162,11 @@ def test_tied_embeddings_gpt2_sharded(tmp_path: Path, task_manager: Any, ray_ses
         pretrained=str(model_dir), num_replicas=1, shard_size=2, max_batch_tokens=256
     ) as lm:
         ours = evaluate(lm, task_manager, tasks, **run)
+        # Each rank holds only its shard: about half of the (tied, so counted once) parameters.
+        local = [report["local_parameters"] for report in lm.load_reports]
     assert_same_results(reference, ours)
+    assert sum(local) == model.num_parameters()
+    assert max(local) <= model.num_parameters() / 2 + 1024
 
 
 def _live_placement_groups(ray: Any) -> list[str]:
