@@ -94,15 +94,18 @@ def run_steps(
                 continue
             step, refs = inflight[index][0]
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            if len(done) < len(refs):
-                if time.monotonic() - head_since[index] > step_timeout_s:
-                    raise EvaluationTimeoutError(
-                        f"replica {index} did not finish a batch within {step_timeout_s:g}s: "
-                        "a rank "
-                        "is stuck or far too slow; raise the step timeout or lower the batch size"
-                    )
-                continue
             try:
+                # A rank that died fails its ref at once while its peers wait in a collective:
+                # look at the finished refs first so a lost replica is noticed immediately.
+                ray.get(done, timeout=step_timeout_s)
+                if len(done) < len(refs):
+                    if time.monotonic() - head_since[index] > step_timeout_s:
+                        raise EvaluationTimeoutError(
+                            f"replica {index} did not finish a batch within {step_timeout_s:g}s:"
+                            " a rank is stuck or far too slow; raise the step timeout or lower"
+                            " the batch size"
+                        )
+                    continue
                 outputs = ray.get(refs, timeout=step_timeout_s)
             except ray.exceptions.RayActorError as exc:
                 _drop_replica(index, alive, inflight, pending, head_since, exc)

@@ -118,7 +118,8 @@ def test_busy_cluster_times_out_with_requested_vs_available(demo: Any, ray_sessi
 def test_lost_replica_is_dropped_and_its_work_rerun(
     demo: Any, task_manager: Any, ray_session: None
 ) -> None:
-    """Kill a rank actor mid-run: its batches go to the surviving replica; results stay exact."""
+    """Kill one FSDP rank mid-run: its replica is dropped at once (its peer waits in a
+    collective), the replica's batches rerun on the other one, and results stay exact."""
     import ray
 
     from service.lm import RayEvalLM
@@ -130,12 +131,16 @@ def test_lost_replica_is_dropped_and_its_work_rerun(
 
     def kill_first_replica(progress: Any) -> None:
         if not killed and progress.done > 0:
-            name = f"{lm.name}-r0-s0"
+            name = f"{lm.name}-r0-s1"
             ray.kill(ray.get_actor(name), no_restart=True)
             killed.append(name)
 
     lm = RayEvalLM(
-        pretrained=str(demo.model_dir), num_replicas=2, batch_size=1, on_progress=kill_first_replica
+        pretrained=str(demo.model_dir),
+        num_replicas=2,
+        shard_size=2,
+        batch_size=1,
+        on_progress=kill_first_replica,
     )
     with lm:
         ours = evaluate(lm, task_manager, tasks, **run)
