@@ -77,8 +77,11 @@ def run_steps(
     head_since: dict[int, float] = {}
 
     def refill() -> None:
-        for index, replica in alive.items():
-            while len(inflight[index]) < depth and pending:
+        # Level by level: every replica gets a step before any gets a second one.
+        for level in range(depth):
+            for index, replica in alive.items():
+                if len(inflight[index]) > level or not pending:
+                    continue
                 step = pending.popleft()
                 batch = [micro_batches[i] for i in steps[step]]
                 batch += [dummy] * (width - len(batch))

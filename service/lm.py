@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -149,6 +149,7 @@ class RayEvalLM(TemplateLM):
         name: Name of the placement group and prefix of actor names.
         seed: torch seed on the ranks (sampled generations).
         on_progress: Called after every finished step.
+        cpus_per_rank: CPU slots per rank; on CPU ranks also torch's thread count.
         **model_args: The rest of lm-eval's HF model args (``dtype``, ``revision``, ...).
 
     Raises:
@@ -170,6 +171,7 @@ class RayEvalLM(TemplateLM):
         name: str | None = None,
         seed: int = 1234,
         on_progress: Callable[[Progress], None] | None = None,
+        cpus_per_rank: int = 1,
         **model_args: Any,
     ) -> None:
         super().__init__()
@@ -184,9 +186,10 @@ class RayEvalLM(TemplateLM):
         self.tokenizer = self._encoder.tokenizer
         self.pretrained = pretrained
 
-        layout = ParallelLayout(num_replicas, shard_size)  # validates R and G before touching Ray
+        # Validates R, G and CPUs before touching Ray; the device is known once connected.
+        layout = ParallelLayout(num_replicas, shard_size, cpus_per_rank=cpus_per_rank)
         self.connection = connect(address, layout)
-        self.layout = ParallelLayout(num_replicas, shard_size, device=pick_device(device))
+        self.layout = replace(layout, device=pick_device(device))
         self.name = name or f"rayeval-{uuid.uuid4().hex[:8]}"
         spec = _model_spec(pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id)
         logger.info("starting %s on %s (%s)", self.name, self.layout.describe(), self.connection)
@@ -392,6 +395,8 @@ class RayEvalLM(TemplateLM):
         stats = self.stats.setdefault(phase, PhaseStats())
         stats.requests += total
         stats.micro_batches += len(micro_batches)
+        for replica in range(self.layout.num_replicas):  # idle replicas report 0, not nothing
+            stats.replica_busy_s.setdefault(replica, 0.0)
         started = time.monotonic()
         base_seconds = stats.seconds
         bar = tqdm(total=total, desc=f"rayeval {phase}", disable=disable_tqdm, unit="req")

@@ -36,6 +36,7 @@ class EngineOptions:
         shard_size: G, FSDP ranks per replica.
         address: Ray cluster address; None: ``RAY_ADDRESS`` or an embedded local Ray.
         max_batch_tokens: Padded-token budget per micro-batch (None: the default).
+        cpus_per_rank: CPU slots per rank (torch threads on CPU ranks).
         timeouts: Every wait of the run.
         name: Placement-group name / actor-name prefix (default: a random id).
     """
@@ -44,6 +45,7 @@ class EngineOptions:
     shard_size: int = 1
     address: str | None = None
     max_batch_tokens: int | None = None
+    cpus_per_rank: int = 1
     timeouts: Timeouts = field(default_factory=Timeouts)
     name: str | None = None
 
@@ -125,6 +127,7 @@ def run_evaluation(
         batch_size=cfg.batch_size,
         max_batch_size=cfg.max_batch_size,
         max_batch_tokens=engine.max_batch_tokens,
+        cpus_per_rank=engine.cpus_per_rank,
         device=cfg.device or "auto",
         address=engine.address,
         timeouts=engine.timeouts,
