@@ -5,8 +5,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rayeval-installed
 DEMO_DIR ?= .rayeval/demo
 DEMO_OUT ?= .rayeval/demo-results
+PORT     ?= 8000
 
-.PHONY: install run test test-fast lint format bench clean
+.PHONY: install browser run demo-cli test test-fast lint format bench clean
 
 install: $(STAMP)
 
@@ -19,7 +20,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The service on the embedded default (local Ray, SQLite under .rayeval/service, the bundled tiny
+# model), with a demo evaluation submitted once it is up. Ctrl-C stops it.
 run: install
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/rayeval serve --demo --demo-dir $(DEMO_DIR) \
+	    --data-dir .rayeval/service --host 127.0.0.1 --port $(PORT)
+
+# The same demo evaluation once, through the CLI, writing lm-eval's files under $(DEMO_OUT).
+demo-cli: install
 	$(BIN)/python -m service.demo --root $(DEMO_DIR)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/rayeval run --model hf \
 	    --model_args pretrained=$(DEMO_DIR)/model,dtype=float32 \
@@ -27,7 +35,14 @@ run: install
 	    --num_replicas 2 --shard_size 1 --batch_size auto \
 	    --output_path $(DEMO_OUT) --log_samples
 
-test: install
+# Debian's chromium for the dashboard's browser test (Playwright drives it; no browser download).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	    if [ "$$(id -u)" = 0 ]; then \
+	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	    else echo "chromium is missing and this is not root: the browser test will be skipped"; fi; }
+
+test: install browser
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: install

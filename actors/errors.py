@@ -37,3 +37,15 @@ class WorkerLostError(RayEvalError):
 
 class ResultIntegrityError(RayEvalError):
     """A request id came back missing or more than once (a bug: please report it)."""
+
+
+class EvaluationNotFoundError(RayEvalError):
+    """No evaluation (or no output of it) exists under the given id or name."""
+
+
+class EvaluationStateError(RayEvalError):
+    """The evaluation's state forbids this (results before it finished, cancel after it ended)."""
+
+
+class ServiceNotReadyError(RayEvalError):
+    """A transient condition of the service (task index still building): retry shortly."""

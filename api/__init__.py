@@ -1,3 +1,4 @@
-"""User-facing entry points: the ``rayeval`` CLI and (later) the REST service. Never imports torch
-at module level; heavy work is delegated to ``service``.
+"""User-facing entry points: the ``rayeval`` CLI and the FastAPI REST service.
+
+Never imports torch: the heavy work runs in ``service`` (the runner actor holds lm-eval and torch).
 """

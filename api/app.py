@@ -1,0 +1,136 @@
+"""The FastAPI application: ``create_app(settings)`` wires routes, errors and the service.
+
+The lifespan connects to Ray (reusing a Ray session already initialised in this process, else
+``--ray-address``/``$RAY_ADDRESS``, else an embedded local Ray), opens the database, starts the
+background scan of lm-eval's task index and the evaluation manager, and stops them on shutdown.
+Domain errors become HTTP statuses here and only here. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from actors.errors import (
+    ConfigError,
+    EvaluationNotFoundError,
+    EvaluationStateError,
+    LayoutError,
+    RayEvalError,
+    ServiceNotReadyError,
+)
+from api.deps import Services
+from api.routes import dashboard, evaluations, health
+from api.settings import Settings
+from service.manager import EvaluationManager, ManagerOptions, connect_ray
+from service.store import EvaluationStore
+from service.tasks import TaskCatalog
+
+logger = logging.getLogger(__name__)
+
+#: HTTP status of each domain error (first match wins; subclasses before their bases).
+_STATUS_OF_ERROR: tuple[tuple[type[RayEvalError], int], ...] = (
+    (EvaluationNotFoundError, 404),
+    (EvaluationStateError, 409),
+    (ServiceNotReadyError, 503),
+    (LayoutError, 422),
+    (ConfigError, 422),
+)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """Build the application for ``settings`` (nothing starts until its lifespan runs)."""
+    app = FastAPI(
+        title="rayeval",
+        summary="Distributed lm-evaluation-harness on Ray, with FSDP2-sharded models.",
+        version="0.1.0",
+        lifespan=_lifespan,
+    )
+    app.state.settings = settings
+    app.include_router(health.router)
+    app.include_router(evaluations.router)
+    app.include_router(dashboard.router)
+    app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
+    app.add_exception_handler(RayEvalError, _domain_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    owns_ray = await asyncio.to_thread(
+        connect_ray, settings.ray_address, settings.num_cpus, settings.ray_namespace
+    )
+    store = EvaluationStore(settings.effective_database_url)
+    store.create_schema()
+    catalog = await asyncio.to_thread(TaskCatalog, settings.include_paths)
+    catalog.start_builtin_index()
+    manager = EvaluationManager(
+        store,
+        catalog,
+        ManagerOptions(
+            namespace=settings.ray_namespace,
+            poll_interval_s=settings.poll_interval_s,
+            runner_unreachable_s=settings.runner_unreachable_s,
+            cancel_timeout_s=settings.cancel_timeout_s,
+            task_index_wait_s=settings.task_index_wait_s,
+        ),
+    )
+    await asyncio.to_thread(manager.start)
+    app.state.services = Services(settings=settings, store=store, catalog=catalog, manager=manager)
+    logger.info("rayeval service ready (database %s)", store.url)
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(manager.stop)
+        store.close()
+        if owns_ray:
+            ray.shutdown()
+
+
+async def _domain_error(request: Request, exc: RayEvalError) -> JSONResponse:
+    status = next((code for kind, code in _STATUS_OF_ERROR if isinstance(exc, kind)), 500)
+    headers = {"Retry-After": "5"} if status == 503 else None
+    if status == 500:
+        logger.error("unexpected service error on %s: %s", request.url.path, exc)
+    return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = [_explain(error) for error in exc.errors()]
+    return JSONResponse(
+        {
+            "detail": "; ".join(dict.fromkeys(message for message, _ in errors)),
+            "errors": [item for _, item in errors],
+        },
+        status_code=422,
+    )
+
+
+def _explain(error: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """One validation error as a sentence that names the fix, plus its machine-readable form."""
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    where = ".".join(loc) or "body"
+    kind = error.get("type", "")
+    message = str(error.get("msg", "")).removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        text = f"unknown field {where!r}: remove it (accepted fields are listed at /docs)"
+    elif kind == "json_invalid":
+        reason = error.get("ctx", {}).get("error", message)
+        text = f"the body is not valid JSON ({reason}): send a JSON object"
+    elif kind == "missing":
+        text = f"{where}: required field missing"
+    else:
+        text = f"{where}: {message}"
+    return text, {"loc": loc, "msg": message, "type": kind}

@@ -1,0 +1,317 @@
+"""``/evaluations``: submit, list, inspect, stream, fetch results and samples, cancel.
+
+Handlers are thin: they call the manager or the store and shape the answer. They raise domain
+errors (``RayEvalError`` subclasses), which ``api.app`` turns into HTTP statuses; only HTTP-only
+problems (a malformed Last-Event-ID header) are raised as ``HTTPException`` here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
+from fastapi.responses import StreamingResponse
+
+from actors.errors import EvaluationNotFoundError, EvaluationStateError
+from api.deps import ManagerDep, SettingsDep, StoreDep, require_token
+from api.schemas import (
+    ErrorBody,
+    EvaluationCreate,
+    EvaluationList,
+    EvaluationPublic,
+    Links,
+    PhaseProgress,
+    ProgressPublic,
+    Throughput,
+)
+from service.spec import EvaluationSpec, EvaluationStatus
+from service.store import EvaluationRecord, EvaluationStore, EventRecord
+
+router = APIRouter(
+    prefix="/evaluations",
+    tags=["evaluations"],
+    dependencies=[Depends(require_token)],
+    responses={401: {"model": ErrorBody}, 404: {"model": ErrorBody}},  # every route
+)
+_ERRORS: dict[int | str, dict[str, Any]] = {409: {"model": ErrorBody}, 422: {"model": ErrorBody}}
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=EvaluationPublic,
+    responses={**_ERRORS, 503: {"model": ErrorBody}},
+    summary="Submit an evaluation",
+)
+def create_evaluation(
+    body: EvaluationCreate, manager: ManagerDep, store: StoreDep, response: Response
+) -> EvaluationPublic:
+    """Validate and queue an evaluation; it starts when the cluster has room (FIFO).
+
+    422: unknown tasks, missing model path, bad options, or a layout larger than the cluster.
+    503: lm-eval's task index is still being built (retry shortly).
+    """
+    record = manager.submit(body.to_spec())
+    response.headers["Location"] = _url(record.id)
+    return _public(record, store)
+
+
+@router.get("", response_model=EvaluationList, summary="List evaluations, newest first")
+def list_evaluations(
+    store: StoreDep,
+    status_: Annotated[
+        list[EvaluationStatus] | None,
+        Query(alias="status", description="Only these states (repeat for several)."),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> EvaluationList:
+    """A page of evaluations, newest first, optionally only those in the given states."""
+    records, total = store.page(statuses=status_, limit=limit, offset=offset)
+    samples = store.sample_tasks([r.id for r in records])
+    items = [_public(r, store, sample_tasks=samples[r.id], with_stats=False) for r in records]
+    return EvaluationList(items=items, total=total, limit=limit, offset=offset)
+
+
+@router.get("/{evaluation_id}", response_model=EvaluationPublic, summary="One evaluation")
+def get_evaluation(evaluation_id: str, store: StoreDep) -> EvaluationPublic:
+    """State, progress per request type, throughput, timestamps and error of an evaluation."""
+    return _public(store.get(evaluation_id), store)
+
+
+@router.get(
+    "/{evaluation_id}/results",
+    responses={
+        200: {"content": {"application/json": {}}, "description": "lm-eval's results JSON"},
+        **_ERRORS,
+    },
+    summary="lm-eval's results JSON",
+)
+def get_results(evaluation_id: str, store: StoreDep) -> Response:
+    """The results file exactly as lm-eval writes it (``results_<timestamp>.json``).
+
+    409 while the evaluation has not succeeded.
+    """
+    record = store.get(evaluation_id)
+    stored = store.results_json(evaluation_id)
+    if stored is None:
+        raise EvaluationStateError(_no_results(record))
+    return Response(content=stored[0], media_type="application/json")
+
+
+@router.get(
+    "/{evaluation_id}/samples/{task}",
+    responses={
+        200: {"content": {"application/x-ndjson": {}}, "description": "lm-eval's samples JSONL"},
+        **_ERRORS,
+    },
+    summary="One task's samples as JSONL",
+)
+def get_samples(evaluation_id: str, task: str, store: StoreDep) -> Response:
+    """The task's samples file exactly as lm-eval writes it with ``--log_samples``.
+
+    409 while the evaluation has not succeeded; 404 for a task without samples.
+    """
+    record = store.get(evaluation_id)
+    if record.status is not EvaluationStatus.SUCCEEDED:
+        raise EvaluationStateError(_no_results(record))
+    jsonl = store.samples_jsonl(evaluation_id, task)
+    if jsonl is None:
+        tasks = store.sample_tasks([evaluation_id])[evaluation_id]
+        if not record.spec.get("log_samples"):
+            hint = 'it was submitted without log_samples: resubmit with "log_samples": true'
+        else:
+            hint = f"tasks with samples: {tasks}"
+        raise EvaluationNotFoundError(
+            f"evaluation {evaluation_id} has no samples for {task!r}: {hint}"
+        )
+    return Response(content=jsonl, media_type="application/x-ndjson")
+
+
+@router.get(
+    "/{evaluation_id}/events",
+    responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"}},
+    summary="Server-Sent Events of an evaluation",
+)
+async def stream_events(
+    evaluation_id: str,
+    request: Request,
+    store: StoreDep,
+    settings: SettingsDep,
+    last_event_id: Annotated[
+        str | None,
+        Header(description="Resume after this event id (browsers send it when reconnecting)."),
+    ] = None,
+    after: Annotated[
+        int | None, Query(ge=0, description="Same as Last-Event-ID, for clients without headers.")
+    ] = None,
+) -> StreamingResponse:
+    """Every event of the evaluation from the first one (or after Last-Event-ID), then live ones.
+
+    Events: ``state`` (status changes, with the error on failure), ``progress`` (per request
+    type, plus overall totals), ``task_result`` (one per task and group, when the evaluation
+    ends: lm-eval computes metrics for all tasks together), ``result`` (lm-eval's results JSON).
+    The stream ends after the terminal ``state`` event. Each event's id is its number.
+    """
+    seq = _resume_point(last_event_id, after)
+    await asyncio.to_thread(store.get, evaluation_id)  # 404 before the stream starts
+    return StreamingResponse(
+        _sse(
+            store,
+            evaluation_id,
+            seq,
+            settings.poll_interval_s,
+            settings.sse_heartbeat_s,
+            settings.sse_max_stream_s,
+            request,
+        ),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.delete(
+    "/{evaluation_id}",
+    response_model=EvaluationPublic,
+    responses=_ERRORS,
+    summary="Cancel an evaluation",
+)
+def cancel_evaluation(evaluation_id: str, manager: ManagerDep, store: StoreDep) -> EvaluationPublic:
+    """Stop the evaluation and release its actors and placement group; returns it, cancelled.
+
+    409 if it already ended.
+    """
+    return _public(manager.cancel(evaluation_id), store)
+
+
+# ------------------------------------------------------------------------------ helpers
+def _url(evaluation_id: str) -> str:
+    return f"/evaluations/{evaluation_id}"
+
+
+def _no_results(record: EvaluationRecord) -> str:
+    if record.status.is_terminal:
+        reason = f" ({record.error})" if record.error else ""
+        return f"evaluation {record.id} {record.status.value}{reason}: it has no results"
+    return (
+        f"evaluation {record.id} is {record.status.value}: results exist once it has succeeded; "
+        f"follow it with GET {_url(record.id)}/events"
+    )
+
+
+def _public(
+    record: EvaluationRecord,
+    store: EvaluationStore,
+    sample_tasks: list[str] | None = None,
+    with_stats: bool = True,
+) -> EvaluationPublic:
+    if sample_tasks is None:
+        sample_tasks = store.sample_tasks([record.id])[record.id]
+    phases = {
+        name: PhaseProgress.model_validate(p)
+        for name, p in record.progress.get("phases", {}).items()
+    }
+    done = sum(p.done for p in phases.values())
+    stats = None
+    if with_stats and record.status is EvaluationStatus.SUCCEEDED:
+        stored = store.results_json(record.id)
+        stats = stored[1] if stored is not None else None
+    base = _url(record.id)
+    return EvaluationPublic(
+        id=record.id,
+        status=record.status,
+        queue_position=store.queue_position(record),
+        created_at=record.created_at,
+        started_at=record.started_at,
+        finished_at=record.finished_at,
+        error=record.error,
+        progress=ProgressPublic(
+            done=done, total=sum(p.total for p in phases.values()), phases=phases
+        ),
+        throughput=_throughput(record, done),
+        stats=stats,
+        request=EvaluationCreate.from_spec(EvaluationSpec.from_dict(record.spec)),
+        links=Links.model_validate(
+            {
+                "self": base,
+                "events": f"{base}/events",
+                "results": f"{base}/results",
+                "samples": {task: f"{base}/samples/{task}" for task in sample_tasks},
+            }
+        ),
+    )
+
+
+def _throughput(record: EvaluationRecord, done: int) -> Throughput:
+    phases = record.progress.get("phases", {})
+    current = max(phases.values(), key=lambda p: p.get("updated_at", 0.0), default=None)
+    requests_per_s = None
+    if record.started_at is not None and done:
+        end = record.finished_at or datetime.now(UTC)
+        elapsed = (end - record.started_at).total_seconds()
+        requests_per_s = done / elapsed if elapsed > 0 else None
+    return Throughput(
+        tokens_per_s=current["tokens_per_s"] if current is not None else None,
+        requests_per_s=requests_per_s,
+    )
+
+
+def _resume_point(last_event_id: str | None, after: int | None) -> int:
+    if last_event_id is None or not last_event_id.strip():
+        return after or 0
+    try:
+        seq = int(last_event_id)
+    except ValueError:
+        seq = -1
+    if seq < 0:
+        raise HTTPException(
+            status_code=422,
+            detail=f"Last-Event-ID must be an event id (an integer >= 0), got {last_event_id!r}",
+        )
+    return seq
+
+
+async def _sse(
+    store: EvaluationStore,
+    evaluation_id: str,
+    seq: int,
+    poll_s: float,
+    heartbeat_s: float,
+    max_stream_s: float,
+    request: Request,
+) -> AsyncIterator[str]:
+    """Stored events after ``seq``, then new ones as they are stored, until the terminal one."""
+    yield f"retry: {int(max(poll_s, 1.0) * 1000)}\n\n"
+    started = last_sent = time.monotonic()
+    while time.monotonic() - started < max_stream_s:
+        if await request.is_disconnected():
+            return
+        events = await asyncio.to_thread(store.events_since, evaluation_id, seq)
+        for event in events:
+            yield _format(event)
+            seq = event.seq
+            if _is_terminal(event):
+                return
+        if events:
+            last_sent = time.monotonic()
+            continue
+        record = await asyncio.to_thread(store.get, evaluation_id)
+        if record.status.is_terminal and seq >= record.last_event_seq:
+            return  # resumed after the end: nothing more will come
+        if time.monotonic() - last_sent >= heartbeat_s:
+            yield ": keep-alive\n\n"
+            last_sent = time.monotonic()
+        await asyncio.sleep(poll_s)
+
+
+def _format(event: EventRecord) -> str:
+    return f"id: {event.seq}\nevent: {event.type}\ndata: {json.dumps(event.data)}\n\n"
+
+
+def _is_terminal(event: EventRecord) -> bool:
+    return event.type == "state" and EvaluationStatus(event.data["status"]).is_terminal

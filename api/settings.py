@@ -1,0 +1,92 @@
+"""Settings of the REST service: one ``Settings`` object, from flags, environment or defaults.
+
+Every field can be set by an environment variable ``RAYEVAL_<FIELD>`` (``RAYEVAL_API_TOKEN``,
+``RAYEVAL_DATABASE_URL``, ``RAYEVAL_INCLUDE_PATHS='["/srv/tasks"]'``, ...); ``rayeval serve`` flags
+override the environment. Settings are validated on construction: among other things, a server
+without an API token refuses to listen on anything but a loopback address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """How the service listens, where it keeps its data, and how it reaches Ray."""
+
+    model_config = SettingsConfigDict(env_prefix="RAYEVAL_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    data_dir: Path = Field(Path("rayeval-data"), description="Holds the SQLite database.")
+    database_url: str | None = Field(
+        None, description="Any SQLAlchemy URL; default: SQLite file under data_dir."
+    )
+    include_paths: list[str] = Field(
+        default_factory=list, description="Directories of lm-eval task YAMLs evaluations may use."
+    )
+    api_token: SecretStr | None = Field(
+        None, description="Bearer token every endpoint but /healthz requires (None: no auth)."
+    )
+    ray_address: str | None = Field(
+        None, description="Existing Ray cluster; default: $RAY_ADDRESS, else an embedded Ray."
+    )
+    num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of an embedded Ray.")
+    ray_namespace: str = Field("rayeval", description="Ray namespace of the runner actors.")
+    poll_interval_s: float = Field(0.5, gt=0, description="How often runners are polled.")
+    runner_unreachable_s: float = Field(120.0, gt=0, description="Silent runner -> failed.")
+    cancel_timeout_s: float = Field(30.0, gt=0, description="Bound on releasing a cancelled run.")
+    task_index_wait_s: float = Field(
+        20.0, ge=0, description="Bound on waiting for lm-eval's task index in a request."
+    )
+    sse_heartbeat_s: float = Field(15.0, gt=0, description="Keep-alive comment interval on SSE.")
+    sse_max_stream_s: float = Field(
+        3600.0, gt=0, description="SSE streams end after this; clients resume (Last-Event-ID)."
+    )
+
+    @field_validator("api_token")
+    @classmethod
+    def _empty_token_is_none(cls, token: SecretStr | None) -> SecretStr | None:
+        return token if token is not None and token.get_secret_value() else None
+
+    @field_validator("include_paths")
+    @classmethod
+    def _directories_exist(cls, paths: list[str]) -> list[str]:
+        missing = [p for p in paths if not Path(p).expanduser().is_dir()]
+        if missing:
+            raise ValueError(
+                f"include path(s) {missing} are not directories: pass directories of lm-eval "
+                "task YAMLs with --include-path"
+            )
+        return [str(Path(p).expanduser().resolve()) for p in paths]
+
+    @model_validator(mode="after")
+    def _token_or_loopback(self) -> Settings:
+        if self.api_token is None and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to listen on {self.host!r} without an API token: anyone who can reach "
+                "it could run evaluations on the cluster. Set --api-token (or RAYEVAL_API_TOKEN), "
+                "or listen on 127.0.0.1"
+            )
+        return self
+
+    @property
+    def effective_database_url(self) -> str:
+        """``database_url``, or the SQLite file ``<data_dir>/rayeval.db``."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'rayeval.db').resolve()}"
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # any other host name may resolve to a public address

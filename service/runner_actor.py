@@ -1,0 +1,174 @@
+"""The runner actor: one evaluation carried from start to results inside the Ray cluster.
+
+:class:`EvaluationRunner` is a plain class; the service applies ``ray.remote`` where it creates it,
+as a named, detached actor (so it outlives an API restart and can be re-attached). Its constructor
+starts :func:`service.runner.run_evaluation` in a background thread and returns at once; the API
+polls :meth:`EvaluationRunner.events_since` for progress and fetches :meth:`EvaluationRunner.result`
+when the run ends. lm-eval writes its result and sample files into a private temporary directory
+and the runner hands those files back verbatim, so what the API serves is exactly what
+``lm_eval --output_path ... --log_samples`` writes.
+
+This module imports nothing heavy at module level: torch is imported by the background thread,
+inside the actor process only.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from actors.errors import EvaluationStateError, RayEvalError
+from service.spec import EvaluationSpec
+
+logger = logging.getLogger(__name__)
+
+#: Kinds of runner events: a progress report, and the two ways a run ends.
+PROGRESS, SUCCEEDED, FAILED = "progress", "succeeded", "failed"
+
+
+def runner_name(evaluation_id: str) -> str:
+    """Name of the detached runner actor of an evaluation."""
+    return f"rayeval-runner-{evaluation_id}"
+
+
+def group_name(evaluation_id: str) -> str:
+    """Name of the evaluation's placement group, and prefix of its rank actors' names."""
+    return f"rayeval-{evaluation_id}"
+
+
+class EvaluationRunner:
+    """Runs one evaluation in a background thread and records what happens as events.
+
+    Args:
+        evaluation_id: The service's id; names the placement group ``rayeval-<id>``.
+        spec: ``EvaluationSpec.to_dict()`` of the evaluation (device already resolved).
+        include_paths: The server's task directories (must exist on this node too).
+    """
+
+    def __init__(self, evaluation_id: str, spec: dict[str, Any], include_paths: list[str]) -> None:
+        self.evaluation_id = evaluation_id
+        self._spec = EvaluationSpec.from_dict(spec)
+        self._include_paths = tuple(include_paths)
+        self._lock = threading.Lock()
+        self._events: list[dict[str, Any]] = []
+        self._result: dict[str, Any] | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"rayeval-run-{evaluation_id}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ polled by the API
+    def events_since(self, seq: int) -> list[dict[str, Any]]:
+        """Events numbered above ``seq`` (numbers start at 1), each ``{seq, type, data, time}``."""
+        with self._lock:
+            return self._events[seq:]
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot: ``state`` (running | succeeded | failed), event count, Ray namespace."""
+        import ray
+
+        with self._lock:
+            last = self._events[-1]["type"] if self._events else PROGRESS
+            return {
+                "state": last if last in (SUCCEEDED, FAILED) else "running",
+                "events": len(self._events),
+                "namespace": ray.get_runtime_context().namespace,
+            }
+
+    def result(self) -> dict[str, Any]:
+        """The run's outputs: ``results_json`` (lm-eval's results file, verbatim), ``samples``
+        (task -> lm-eval's samples JSONL, verbatim) and ``stats`` (throughput per request type).
+
+        Raises:
+            EvaluationStateError: the run has not succeeded (yet).
+        """
+        with self._lock:
+            if self._result is None:
+                raise EvaluationStateError(
+                    f"evaluation {self.evaluation_id} has no results: it has not succeeded"
+                )
+            return self._result
+
+    # ------------------------------------------------------------------------ the run
+    def _emit(self, kind: str, data: dict[str, Any]) -> None:
+        with self._lock:
+            self._events.append(
+                {"seq": len(self._events) + 1, "type": kind, "data": data, "time": time.time()}
+            )
+
+    def _on_progress(self, progress: Any) -> None:
+        self._emit(
+            PROGRESS,
+            {
+                "phase": progress.phase,
+                "done": progress.done,
+                "total": progress.total,
+                "tokens_per_s": progress.tokens_per_s,
+                "real_token_fraction": progress.real_token_fraction,
+            },
+        )
+
+    def _run(self) -> None:
+        output_dir = Path(tempfile.mkdtemp(prefix=f"rayeval-{self.evaluation_id}-"))
+        try:
+            outputs = self._evaluate(output_dir)
+        except RayEvalError as exc:
+            self._emit(FAILED, {"error": str(exc), "kind": type(exc).__name__})
+        except Exception as exc:  # lm-eval raises plain exceptions for bad task/model setups
+            logger.exception("evaluation %s failed", self.evaluation_id)
+            kind = type(exc).__name__
+            self._emit(FAILED, {"error": f"{kind}: {exc}", "kind": kind})
+        else:
+            with self._lock:
+                self._result = outputs
+            self._emit(SUCCEEDED, {})
+        finally:
+            shutil.rmtree(output_dir, ignore_errors=True)
+
+    def _evaluate(self, output_dir: Path) -> dict[str, Any]:
+        from service.runner import EngineOptions, run_evaluation
+
+        spec = self._spec
+        cfg = spec.evaluator_config(output_path=str(output_dir), include_paths=self._include_paths)
+        engine = EngineOptions(
+            num_replicas=spec.num_replicas,
+            shard_size=spec.shard_size,
+            cpus_per_rank=spec.cpus_per_rank,
+            max_batch_tokens=spec.max_batch_tokens,
+            timeouts=spec.timeouts,
+            name=group_name(self.evaluation_id),
+        )
+        output = run_evaluation(
+            cfg,
+            engine,
+            on_progress=self._on_progress,
+            write_outputs=True,
+            bootstrap_iters=spec.bootstrap_iters,
+        )
+        if output is None:
+            raise RayEvalError("lm-eval returned no results for this evaluation")
+        return {**_read_lm_eval_files(output_dir), "stats": output.stats}
+
+
+def _read_lm_eval_files(output_dir: Path) -> dict[str, Any]:
+    """The results file and per-task samples files lm-eval wrote under ``output_dir``."""
+    import json
+
+    results_files = sorted(output_dir.rglob("results_*.json"))
+    if len(results_files) != 1:
+        raise RuntimeError(f"expected one lm-eval results file, found {results_files}")
+    results_file = results_files[0]
+    results_json = results_file.read_text(encoding="utf-8")
+    date_id = results_file.stem.removeprefix("results_")
+    samples = {}
+    for task in json.loads(results_json).get("configs", {}):
+        # The exact name, not a glob: one task name may be a prefix of another.
+        path = results_file.parent / f"samples_{task}_{date_id}.jsonl"
+        if path.is_file():
+            samples[task] = path.read_text(encoding="utf-8")
+    return {"results_json": results_json, "samples": samples}

@@ -1,0 +1,466 @@
+"""Durable state of the service: evaluations, their event streams, results and samples.
+
+One SQLAlchemy database (SQLite under the data directory by default, any SQLAlchemy URL
+otherwise). Every state change is one short transaction that also appends the matching events, so
+a reader never sees an event whose state is not stored, nor a terminal state without its results.
+State transitions are conditional updates (``... WHERE status IN (expected)``): whoever changes an
+evaluation first wins and the loser learns it from the return value, which is what makes a
+concurrent cancel and completion safe. Event numbers (``seq``) start at 1 and increase by one per
+evaluation. No torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    create_engine,
+    event,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.engine import CursorResult, Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from actors.errors import EvaluationNotFoundError
+from service.spec import ACTIVE_STATUSES, EvaluationStatus
+
+logger = logging.getLogger(__name__)
+
+
+class _UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite drops the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        return value.astimezone(UTC) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class _EvaluationRow(_Base):
+    __tablename__ = "evaluations"
+
+    # ``number`` orders evaluations (FIFO admission, newest-first listing); ``id`` is public.
+    number: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(32), unique=True, index=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    resources: Mapped[dict[str, float]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(_UTCDateTime)
+    started_at: Mapped[datetime | None] = mapped_column(_UTCDateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(_UTCDateTime, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    progress: Mapped[dict[str, Any]] = mapped_column(JSON)
+    last_event_seq: Mapped[int] = mapped_column(Integer, default=0)
+    runner_cursor: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class _EventRow(_Base):
+    __tablename__ = "evaluation_events"
+    __table_args__ = (UniqueConstraint("evaluation_id", "seq"),)
+
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    evaluation_id: Mapped[str] = mapped_column(ForeignKey("evaluations.id"), index=True)
+    seq: Mapped[int] = mapped_column(Integer)
+    type: Mapped[str] = mapped_column(String(32))
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(_UTCDateTime)
+
+
+class _ResultRow(_Base):
+    __tablename__ = "evaluation_results"
+
+    evaluation_id: Mapped[str] = mapped_column(ForeignKey("evaluations.id"), primary_key=True)
+    results_json: Mapped[str] = mapped_column(Text)
+    stats: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class _SamplesRow(_Base):
+    __tablename__ = "evaluation_samples"
+
+    evaluation_id: Mapped[str] = mapped_column(ForeignKey("evaluations.id"), primary_key=True)
+    task: Mapped[str] = mapped_column(String(255), primary_key=True)
+    jsonl: Mapped[str] = mapped_column(Text)
+
+
+@dataclass(frozen=True)
+class EvaluationRecord:
+    """One stored evaluation, detached from the database.
+
+    ``progress`` is ``{"phases": {request type: {done, total, tokens_per_s, ...}}}``;
+    ``runner_cursor`` is the last runner event already turned into stored events.
+    """
+
+    id: str
+    number: int
+    status: EvaluationStatus
+    spec: dict[str, Any]
+    resources: dict[str, float]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error: str | None
+    progress: dict[str, Any]
+    last_event_seq: int
+    runner_cursor: int
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One event of an evaluation's stream."""
+
+    seq: int
+    type: str
+    data: dict[str, Any]
+    created_at: datetime
+
+
+#: An event about to be stored: its type and its JSON-able payload.
+NewEvent = tuple[str, dict[str, Any]]
+
+
+def state_event(status: EvaluationStatus, error: str | None = None) -> NewEvent:
+    """The event that records a state change."""
+    return ("state", {"status": status.value, "error": error})
+
+
+class EvaluationStore:
+    """All reads and writes of the service's database.
+
+    Args:
+        url: A SQLAlchemy URL, e.g. ``sqlite:////srv/rayeval/rayeval.db``.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._engine = _make_engine(url)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+
+    def create_schema(self) -> None:
+        """Create missing tables (existing data is kept)."""
+        _Base.metadata.create_all(self._engine)
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self._engine.dispose()
+
+    # ------------------------------------------------------------------------ writes
+    def create(self, spec: dict[str, Any], resources: dict[str, float]) -> EvaluationRecord:
+        """Store a new queued evaluation (and its first event) and return it."""
+        row = _EvaluationRow(
+            id=uuid.uuid4().hex[:16],
+            status=EvaluationStatus.QUEUED.value,
+            spec=spec,
+            resources=resources,
+            created_at=_now(),
+            progress={"phases": {}},
+            last_event_seq=0,
+            runner_cursor=0,
+        )
+        with self._transaction() as session:
+            session.add(row)
+            session.flush()
+            _append_events(session, row.id, [state_event(EvaluationStatus.QUEUED)])
+            session.refresh(row)
+            return _record(row)
+
+    def transition(
+        self,
+        evaluation_id: str,
+        to: EvaluationStatus,
+        expect: Iterable[EvaluationStatus],
+        error: str | None = None,
+        events: Sequence[NewEvent] = (),
+    ) -> bool:
+        """Move an evaluation to ``to`` if it is in one of ``expect``; append ``events`` + state.
+
+        Returns:
+            True if this call made the change; False if the evaluation was in another state.
+        """
+        values: dict[str, Any] = {"status": to.value}
+        if to is EvaluationStatus.STARTING:
+            values["started_at"] = _now()
+        if to.is_terminal:
+            values["finished_at"] = _now()
+            values["error"] = error
+        with self._transaction() as session:
+            changed = _rowcount(
+                session,
+                update(_EvaluationRow)
+                .where(
+                    _EvaluationRow.id == evaluation_id,
+                    _EvaluationRow.status.in_([s.value for s in expect]),
+                )
+                .values(**values),
+            )
+            if changed != 1:
+                return False
+            _append_events(session, evaluation_id, [*events, state_event(to, error)])
+            return True
+
+    def record_progress(
+        self,
+        evaluation_id: str,
+        progress: dict[str, Any],
+        runner_cursor: int,
+        events: Sequence[NewEvent] = (),
+    ) -> bool:
+        """Store new progress and the runner cursor of an active evaluation, with its events.
+
+        Returns:
+            False if the evaluation is no longer active (nothing is written then).
+        """
+        with self._transaction() as session:
+            changed = _rowcount(
+                session,
+                update(_EvaluationRow)
+                .where(
+                    _EvaluationRow.id == evaluation_id,
+                    _EvaluationRow.status.in_([s.value for s in ACTIVE_STATUSES]),
+                )
+                .values(progress=progress, runner_cursor=runner_cursor),
+            )
+            if changed != 1:
+                return False
+            _append_events(session, evaluation_id, events)
+            return True
+
+    def finish_succeeded(
+        self,
+        evaluation_id: str,
+        results_json: str,
+        samples: dict[str, str],
+        stats: dict[str, Any],
+        events: Sequence[NewEvent],
+    ) -> bool:
+        """Store the results and samples and mark the evaluation succeeded, atomically.
+
+        Args:
+            results_json: The results file exactly as lm-eval wrote it.
+            samples: Per task, the samples file exactly as lm-eval wrote it (JSONL).
+            stats: rayeval's throughput figures per request type.
+            events: Appended before the final state event.
+
+        Returns:
+            False (and nothing stored) if the evaluation was no longer active.
+        """
+        with self._transaction() as session:
+            changed = _rowcount(
+                session,
+                update(_EvaluationRow)
+                .where(
+                    _EvaluationRow.id == evaluation_id,
+                    _EvaluationRow.status.in_([s.value for s in ACTIVE_STATUSES]),
+                )
+                .values(status=EvaluationStatus.SUCCEEDED.value, finished_at=_now(), error=None),
+            )
+            if changed != 1:
+                return False
+            session.add(
+                _ResultRow(evaluation_id=evaluation_id, results_json=results_json, stats=stats)
+            )
+            for task, jsonl in samples.items():
+                session.add(_SamplesRow(evaluation_id=evaluation_id, task=task, jsonl=jsonl))
+            _append_events(
+                session, evaluation_id, [*events, state_event(EvaluationStatus.SUCCEEDED)]
+            )
+            return True
+
+    # ------------------------------------------------------------------------- reads
+    def get(self, evaluation_id: str) -> EvaluationRecord:
+        """One evaluation.
+
+        Raises:
+            EvaluationNotFoundError: no evaluation has this id.
+        """
+        with self._sessions() as session:
+            row = session.scalar(select(_EvaluationRow).where(_EvaluationRow.id == evaluation_id))
+            if row is None:
+                raise EvaluationNotFoundError(
+                    f"no evaluation with id {evaluation_id!r}: list them with GET /evaluations"
+                )
+            return _record(row)
+
+    def page(
+        self,
+        statuses: Iterable[EvaluationStatus] | None = None,
+        limit: int = 50,
+        offset: int = 0,
+        oldest_first: bool = False,
+    ) -> tuple[list[EvaluationRecord], int]:
+        """A page of evaluations (newest first unless ``oldest_first``) and the total count."""
+        query = select(_EvaluationRow)
+        count = select(func.count()).select_from(_EvaluationRow)
+        if statuses is not None:
+            wanted = [s.value for s in statuses]
+            query = query.where(_EvaluationRow.status.in_(wanted))
+            count = count.where(_EvaluationRow.status.in_(wanted))
+        order = _EvaluationRow.number.asc() if oldest_first else _EvaluationRow.number.desc()
+        with self._sessions() as session:
+            rows = session.scalars(query.order_by(order).limit(limit).offset(offset)).all()
+            return [_record(row) for row in rows], int(session.scalar(count) or 0)
+
+    def queued(self) -> list[EvaluationRecord]:
+        """Every queued evaluation, in submission (FIFO) order."""
+        return self._all([EvaluationStatus.QUEUED])
+
+    def active(self) -> list[EvaluationRecord]:
+        """Every evaluation that has (or should have) a runner: starting or running."""
+        return self._all(ACTIVE_STATUSES)
+
+    def queue_position(self, record: EvaluationRecord) -> int | None:
+        """1 for the next evaluation to start, None when not queued."""
+        if record.status is not EvaluationStatus.QUEUED:
+            return None
+        with self._sessions() as session:
+            ahead = session.scalar(
+                select(func.count())
+                .select_from(_EvaluationRow)
+                .where(
+                    _EvaluationRow.status == EvaluationStatus.QUEUED.value,
+                    _EvaluationRow.number < record.number,
+                )
+            )
+            return int(ahead or 0) + 1
+
+    def events_since(self, evaluation_id: str, seq: int, limit: int = 500) -> list[EventRecord]:
+        """Events with a number above ``seq``, in order (at most ``limit``)."""
+        with self._sessions() as session:
+            rows = session.scalars(
+                select(_EventRow)
+                .where(_EventRow.evaluation_id == evaluation_id, _EventRow.seq > seq)
+                .order_by(_EventRow.seq)
+                .limit(limit)
+            ).all()
+            return [EventRecord(r.seq, r.type, r.data, r.created_at) for r in rows]
+
+    def results_json(self, evaluation_id: str) -> tuple[str, dict[str, Any]] | None:
+        """The stored lm-eval results file and rayeval's stats, or None if there are none."""
+        with self._sessions() as session:
+            row = session.get(_ResultRow, evaluation_id)
+            return (row.results_json, row.stats) if row is not None else None
+
+    def sample_tasks(self, evaluation_ids: Sequence[str]) -> dict[str, list[str]]:
+        """For each id, the tasks whose samples are stored (sorted)."""
+        if not evaluation_ids:
+            return {}
+        with self._sessions() as session:
+            rows = session.execute(
+                select(_SamplesRow.evaluation_id, _SamplesRow.task)
+                .where(_SamplesRow.evaluation_id.in_(list(evaluation_ids)))
+                .order_by(_SamplesRow.task)
+            ).all()
+        found: dict[str, list[str]] = {i: [] for i in evaluation_ids}
+        for evaluation_id, task in rows:
+            found[evaluation_id].append(task)
+        return found
+
+    def samples_jsonl(self, evaluation_id: str, task: str) -> str | None:
+        """One task's samples file as lm-eval wrote it, or None."""
+        with self._sessions() as session:
+            row = session.get(_SamplesRow, (evaluation_id, task))
+            return row.jsonl if row is not None else None
+
+    # ---------------------------------------------------------------------- internals
+    def _all(self, statuses: Iterable[EvaluationStatus]) -> list[EvaluationRecord]:
+        with self._sessions() as session:
+            rows = session.scalars(
+                select(_EvaluationRow)
+                .where(_EvaluationRow.status.in_([s.value for s in statuses]))
+                .order_by(_EvaluationRow.number)
+            ).all()
+            return [_record(row) for row in rows]
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Session]:
+        with self._sessions() as session, session.begin():
+            yield session
+
+
+def _append_events(session: Session, evaluation_id: str, events: Sequence[NewEvent]) -> None:
+    """Number and store events; the counter update serialises concurrent writers."""
+    if not events:
+        return
+    last = session.execute(
+        update(_EvaluationRow)
+        .where(_EvaluationRow.id == evaluation_id)
+        .values(last_event_seq=_EvaluationRow.last_event_seq + len(events))
+        .returning(_EvaluationRow.last_event_seq)
+    ).scalar_one()
+    now = _now()
+    for offset, (kind, data) in enumerate(events):
+        seq = last - len(events) + 1 + offset
+        session.add(
+            _EventRow(evaluation_id=evaluation_id, seq=seq, type=kind, data=data, created_at=now)
+        )
+
+
+def _rowcount(session: Session, statement: Any) -> int:
+    """Rows changed by an UPDATE."""
+    result = session.execute(statement)
+    assert isinstance(result, CursorResult)
+    return int(result.rowcount)
+
+
+def _record(row: _EvaluationRow) -> EvaluationRecord:
+    return EvaluationRecord(
+        id=row.id,
+        number=row.number,
+        status=EvaluationStatus(row.status),
+        spec=row.spec,
+        resources=row.resources,
+        created_at=row.created_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        error=row.error,
+        progress=row.progress,
+        last_event_seq=row.last_event_seq,
+        runner_cursor=row.runner_cursor,
+    )
+
+
+def _make_engine(url: str) -> Engine:
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True)
+    # The API's request threads and the manager thread share the file: allow cross-thread use,
+    # wait for a writer instead of failing at once, and let readers proceed during writes (WAL).
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(connection: Any, _record: Any) -> None:
+        cursor = connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    return engine
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,189 @@
+"""Which lm-eval task names the service accepts: the server's include paths plus lm-eval's own.
+
+Scanning the server's ``--include-path`` directories is fast and done when the catalog is built.
+lm-eval's built-in index (~15k tasks) takes many seconds to scan, so it is built once per process,
+in a child process started in the background (the scan is pure Python and would otherwise hold the
+API's GIL), and never per request. A request whose tasks are all found under the include paths
+never waits for it. ``python -m service.tasks`` prints the built-in names as JSON (the child's job).
+No torch here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from enum import StrEnum
+
+from actors.errors import ConfigError, ServiceNotReadyError
+
+logger = logging.getLogger(__name__)
+
+#: How long the background scan of lm-eval's built-in tasks may take before it counts as failed.
+BUILTIN_SCAN_TIMEOUT_S = 900.0
+
+
+class IndexState(StrEnum):
+    """Progress of the background scan of lm-eval's built-in task index."""
+
+    NOT_STARTED = "not_started"
+    BUILDING = "building"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class _BuiltinIndex:
+    """lm-eval's built-in task names, scanned once per process in a child process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._state = IndexState.NOT_STARTED
+        self._names: frozenset[str] = frozenset()
+        self._error = ""
+
+    @property
+    def state(self) -> IndexState:
+        return self._state
+
+    def start(self) -> None:
+        """Start the scan unless it already started (idempotent, returns at once)."""
+        with self._lock:
+            if self._state is not IndexState.NOT_STARTED:
+                return
+            self._state = IndexState.BUILDING
+        threading.Thread(target=self._scan, name="rayeval-task-index", daemon=True).start()
+
+    def names(self, wait_s: float) -> frozenset[str]:
+        """The built-in names, waiting at most ``wait_s`` for the scan.
+
+        Raises:
+            ServiceNotReadyError: the scan is still running after ``wait_s``, or it failed.
+        """
+        self.start()
+        if not self._done.wait(timeout=wait_s):
+            raise ServiceNotReadyError(
+                "lm-eval's task index is still being built (once, at server start): retry in a "
+                "few seconds, or use tasks from the server's include paths"
+            )
+        if self._state is IndexState.FAILED:
+            raise ServiceNotReadyError(
+                f"lm-eval's task index could not be built ({self._error}): check the server log; "
+                "only tasks under the server's include paths can be checked meanwhile"
+            )
+        return self._names
+
+    def _scan(self) -> None:
+        started = time.monotonic()
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "service.tasks"],
+                capture_output=True,
+                text=True,
+                timeout=BUILTIN_SCAN_TIMEOUT_S,
+                check=True,
+            )
+            self._names = frozenset(json.loads(done.stdout))
+            self._state = IndexState.READY
+            logger.info(
+                "lm-eval task index ready: %d names in %.1fs",
+                len(self._names),
+                time.monotonic() - started,
+            )
+        except (subprocess.SubprocessError, OSError, ValueError) as exc:
+            stderr = getattr(exc, "stderr", None) or ""
+            self._error = f"{type(exc).__name__}: {str(exc)[:200]} {stderr[-500:]}".strip()
+            self._state = IndexState.FAILED
+            logger.error("building lm-eval's task index failed: %s", self._error)
+        finally:
+            self._done.set()
+
+
+#: One scan per process: the built-in index depends only on the installed lm-eval.
+_BUILTIN = _BuiltinIndex()
+
+
+class TaskCatalog:
+    """Task names an evaluation may use: the include paths' tasks plus lm-eval's built-in ones.
+
+    Args:
+        include_paths: The server's task directories (scanned now; fast).
+    """
+
+    def __init__(self, include_paths: Sequence[str] = ()) -> None:
+        self.include_paths = tuple(str(p) for p in include_paths)
+        self._local = _scan_include_paths(self.include_paths)
+
+    @property
+    def builtin_state(self) -> IndexState:
+        """Where the background scan of lm-eval's built-in index is."""
+        return _BUILTIN.state
+
+    def start_builtin_index(self) -> None:
+        """Begin scanning lm-eval's built-in index in the background (once per process)."""
+        _BUILTIN.start()
+
+    def check(self, names: Sequence[str], wait_s: float) -> None:
+        """Refuse names that match no task, group or tag.
+
+        Args:
+            names: Task names or glob patterns.
+            wait_s: How long to wait for lm-eval's built-in index if a name is not local.
+
+        Raises:
+            ConfigError: naming every unknown task, with close matches.
+            ServiceNotReadyError: the built-in index is needed but not ready within ``wait_s``.
+        """
+        from lm_eval.utils import pattern_match
+
+        missing = [n for n in names if not pattern_match([n], self._local)]
+        if not missing:
+            return
+        builtin = sorted(_BUILTIN.names(wait_s))
+        unknown = [n for n in missing if not pattern_match([n], builtin)]
+        if not unknown:
+            return
+        everything = [*self._local, *builtin]
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, everything, n=3, cutoff=0.75)
+            hints.append(f"{name!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        where = (
+            f" or under the server's include paths {list(self.include_paths)}"
+            if (self.include_paths)
+            else ""
+        )
+        raise ConfigError(
+            f"unknown tasks: {'; '.join(hints)}. Use task, group or tag names that lm-eval knows "
+            f"(`lm_eval ls tasks`){where}; the server operator adds task directories with "
+            "--include-path"
+        )
+
+
+def _scan_include_paths(include_paths: tuple[str, ...]) -> list[str]:
+    if not include_paths:
+        return []
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_defaults=False, include_path=list(include_paths))
+    return sorted(manager.all_tasks)
+
+
+def _print_builtin_names() -> None:
+    """Scan lm-eval's built-in index and print its names as a JSON list on stdout."""
+    logging.disable(logging.WARNING)  # lm-eval warns about every odd YAML
+    out, sys.stdout = sys.stdout, sys.stderr  # whatever the scan prints must not corrupt the JSON
+    from lm_eval.tasks import TaskManager
+
+    names = sorted(TaskManager().all_tasks)
+    sys.stdout = out
+    json.dump(names, sys.stdout)
+
+
+if __name__ == "__main__":
+    _print_builtin_names()
