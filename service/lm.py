@@ -45,6 +45,7 @@ from actors.layout import ParallelLayout
 from actors.model_loading import resolve_dtype
 from service.cluster import connect, pick_device
 from service.dispatch import StepDone, run_steps
+from service.model_args import unsupported_model_args
 from service.planner import GenerateRequest, TokenBudget, plan_generate, plan_score
 
 logger = logging.getLogger(__name__)
@@ -63,20 +64,6 @@ _ENCODER_ARGS = frozenset(
         "chat_template_args",
     }
 )
-#: lm-eval HF model args that rayeval replaces or does not support, and what to do instead.
-_UNSUPPORTED_ARGS = {
-    "parallelize": "rayeval shards the model itself: use --shard_size instead",
-    "device_map": "rayeval places the model itself: use --shard_size instead",
-    "max_memory_per_gpu": "rayeval places the model itself: use --shard_size instead",
-    "max_cpu_memory": "rayeval places the model itself: use --shard_size instead",
-    "offload_folder": "CPU offload is not supported: use a larger --shard_size",
-    "tp_plan": "tensor parallelism is not supported: use --shard_size (FSDP2) instead",
-    "peft": "PEFT adapters are not supported yet: merge the adapter into the model first",
-    "delta": "delta weights are not supported yet: merge them into the model first",
-    "autogptq": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
-    "gptqmodel": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
-    "gguf_file": "GGUF checkpoints are not supported: use a safetensors checkpoint",
-}
 _DEFAULT_MAX_BATCH_TOKENS = 8192
 _DEFAULT_MAX_ROWS = 64
 
@@ -446,9 +433,7 @@ def _check_exactly_once(micro_batches: Sequence[MicroBatch], results: Sequence[A
 
 
 def _reject_unsupported(model_args: dict[str, Any]) -> None:
-    problems = [f"{key}: {why}" for key, why in _UNSUPPORTED_ARGS.items() if model_args.get(key)]
-    if model_args.get("backend", "default") not in ("default", "causal"):
-        problems.append("backend: only causal (decoder-only) models are supported")
+    problems = unsupported_model_args(model_args)
     if problems:
         raise ConfigError("unsupported model_args — " + "; ".join(problems))
 

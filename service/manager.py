@@ -42,6 +42,7 @@ from actors.errors import (
 )
 from actors.group import _FORWARDED_ENV
 from service.cluster import pick_device
+from service.model_args import HF_MODEL_NAMES, unsupported_model_args
 from service.runner_actor import (
     FAILED,
     PROGRESS,
@@ -50,7 +51,7 @@ from service.runner_actor import (
     group_name,
     runner_name,
 )
-from service.spec import ACTIVE_STATUSES, HF_MODEL_NAMES, EvaluationSpec, EvaluationStatus
+from service.spec import ACTIVE_STATUSES, EvaluationSpec, EvaluationStatus
 from service.store import EvaluationRecord, EvaluationStore, NewEvent
 from service.tasks import TaskCatalog
 
@@ -504,6 +505,7 @@ def _model_problems(spec: EvaluationSpec) -> list[str]:
             f"model {spec.model!r} is not supported: rayeval runs lm-eval's Hugging Face "
             'backend, use "model": "hf"'
         )
+    problems += [f"model_args.{problem}" for problem in unsupported_model_args(spec.model_args)]
     for key in ("pretrained", "tokenizer"):
         value = spec.model_args.get(key)
         if isinstance(value, str) and _looks_local(value) and not Path(value).expanduser().exists():

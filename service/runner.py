@@ -20,11 +20,9 @@ from lm_eval.tasks import TaskManager
 from actors.errors import ConfigError
 from actors.group import Timeouts
 from service.lm import Progress, RayEvalLM
+from service.model_args import HF_MODEL_NAMES
 
 logger = logging.getLogger(__name__)
-
-#: Names lm-eval gives its Hugging Face backend; rayeval runs exactly that backend.
-HF_MODEL_NAMES = frozenset({"hf", "hf-auto", "huggingface"})
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,6 @@ from actors.layout import DeviceKind, ParallelLayout
 DEFAULT_SEED: tuple[int, ...] = (0, 1234, 1234, 1234)
 #: lm-eval's default number of bootstrap iterations for metric standard errors.
 DEFAULT_BOOTSTRAP_ITERS = 100000
-#: Names lm-eval gives its Hugging Face backend (``service.runner.HF_MODEL_NAMES``, which imports
-#: torch; a test keeps the two equal).
-HF_MODEL_NAMES = frozenset({"hf", "hf-auto", "huggingface"})
 
 
 class EvaluationStatus(StrEnum):

@@ -537,6 +537,7 @@ BAD_BODIES = [
     ({"model": "vllm"}, 'use "model": "hf"'),
     ({"model_args": {"pretrained": "/nonexistent/model"}}, "does not exist on the server"),
     ({"model_args": "pretrained=./no/such/model,dtype=float32"}, "does not exist on the server"),
+    ({"model_args": "pretrained=org/model,parallelize=True"}, "parallelize: rayeval shards"),
     ({"tasks": ["../../etc/task.yaml"]}, "look like paths"),
     ({"tasks": []}, "at least one task"),
     ({"tasks": ["demo_nope"]}, "unknown tasks: 'demo_nope'"),
@@ -738,13 +739,6 @@ def test_api_never_imports_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
     )
     assert done.returncode == 0, done.stderr
-
-
-def test_model_names_agree_with_the_engine() -> None:
-    from service.runner import HF_MODEL_NAMES as ENGINE_NAMES
-    from service.spec import HF_MODEL_NAMES
-
-    assert HF_MODEL_NAMES == ENGINE_NAMES
 
 
 def test_status_lifecycle() -> None:
