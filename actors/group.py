@@ -1,9 +1,11 @@
 """The worker group of one evaluation: a placement group, R x G rank actors, R process groups.
 
-``WorkerGroup.create`` refuses a layout the cluster can never hold, waits for the placement group
-with a timeout that reports requested vs available resources, starts one actor per bundle and has
-every replica form its process group and load the model. A partial start is cleaned up: no actor
-or placement group outlives a failed ``create``. ``shutdown`` releases everything.
+``WorkerGroup.create`` refuses a layout the cluster can never hold, reserves the placement group
+(``actors.placement``: waits with a timeout that reports requested vs available resources, then
+maps bundles to ranks so that a replica sits on one node when it fits there), starts one actor per
+bundle and has every replica form its process group and load the model. A partial start is
+cleaned up: no actor or placement group outlives a failed ``create``. ``shutdown`` releases
+everything.
 """
 
 from __future__ import annotations
@@ -15,22 +17,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from actors.batches import MicroBatch, ModelSpec
-from actors.errors import (
-    EvaluationTimeoutError,
-    ModelLoadError,
-    RayEvalError,
-    ResourcesUnavailableError,
-)
+from actors.errors import EvaluationTimeoutError, ModelLoadError, RayEvalError
 from actors.layout import DeviceKind, ParallelLayout
+from actors.placement import Placement, reserve
 
 logger = logging.getLogger(__name__)
 
 # Environment that the ranks need to see as the driver does (offline mode, caches, hub token).
-_FORWARDED_ENV = (
+FORWARDED_ENV = (
     "HF_HOME",
     "HF_HUB_OFFLINE",
     "HF_DATASETS_OFFLINE",
@@ -84,11 +81,18 @@ class WorkerGroup:
     """All replicas of one evaluation and the placement group that holds them."""
 
     def __init__(
-        self, name: str, layout: ParallelLayout, pg: PlacementGroup, replicas: list[Replica]
+        self,
+        name: str,
+        layout: ParallelLayout,
+        pg: PlacementGroup,
+        replicas: list[Replica],
+        placement: Placement | None = None,
     ) -> None:
         self.name = name
         self.layout = layout
         self.replicas = replicas
+        #: Where each global rank runs (node, device) and which bundle holds it.
+        self.placement = placement
         self._pg: PlacementGroup | None = pg
         self._setup_refs: list[ray.ObjectRef] = []
         self._load_timeout_s = 0.0
@@ -113,32 +117,23 @@ class WorkerGroup:
             ResourcesUnavailableError: if the placement group is not ready within the timeout.
         """
         layout.check_fits(ray.cluster_resources())
-        pg = placement_group([layout.bundle()] * layout.world, strategy="PACK", name=name)
-        ready, _ = ray.wait([pg.ready()], timeout=timeouts.placement_s)
-        if not ready:
-            remove_placement_group(pg)
-            available = {k: v for k, v in ray.available_resources().items() if k in layout.bundle()}
-            raise ResourcesUnavailableError(
-                f"layout {layout.describe()} needs {layout.total_resources()} but only {available} "
-                f"became free within {timeouts.placement_s:g}s: wait for other evaluations to "
-                "finish, lower --num_replicas / --shard_size, or add nodes."
-            )
-        group = cls(name, layout, pg, replicas=[])
+        placement = reserve(name, layout, timeouts.placement_s)
+        group = cls(name, layout, placement.pg, replicas=[], placement=placement)
         group._load_timeout_s = timeouts.load_s
         group._deadline = time.monotonic() + timeouts.load_s
         try:
-            group._start_actors(pg, spec, timeouts, seed)
+            group._start_actors(placement, spec, timeouts, seed)
         except BaseException:
             group.shutdown()
             raise
         return group
 
     def _start_actors(
-        self, pg: PlacementGroup, spec: ModelSpec, timeouts: Timeouts, seed: int
+        self, placement: Placement, spec: ModelSpec, timeouts: Timeouts, seed: int
     ) -> None:
         from actors.worker import ShardWorker
 
-        env = {key: os.environ[key] for key in _FORWARDED_ENV if key in os.environ}
+        env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
         env["TOKENIZERS_PARALLELISM"] = "false"
         remote_cls = ray.remote(ShardWorker)
         workers = []
@@ -149,9 +144,8 @@ class WorkerGroup:
                 "num_gpus": 1 if self.layout.device is DeviceKind.CUDA else 0,
                 "max_restarts": 0,
                 "runtime_env": {"env_vars": env},
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=coord.global_rank
-                ),
+                # The bundle chosen for this rank, not bundle == rank: see actors.placement.
+                "scheduling_strategy": placement.scheduling(coord.global_rank),
             }
             workers.append(
                 remote_cls.options(**options).remote(
@@ -168,12 +162,11 @@ class WorkerGroup:
             Replica(r, workers[r * G : (r + 1) * G]) for r in range(self.layout.num_replicas)
         ]
         # Shard rank 0 of each replica picks the rendezvous address; all ranks then join and load.
-        rendezvous = ray.get(
-            [replica.workers[0].reserve_port.remote() for replica in self.replicas],
-            timeout=timeouts.load_s,
-        )
-        for replica, (addr, port) in zip(self.replicas, rendezvous, strict=True):
-            self._setup_refs += [worker.setup.remote(addr, port) for worker in replica.workers]
+        # Nothing here blocks: Ray hands the address to `setup` once rank 0 has it, so actor
+        # start-up and model loading overlap with lm-eval building its requests on the driver.
+        for replica in self.replicas:
+            rendezvous = replica.workers[0].reserve_port.remote()
+            self._setup_refs += [worker.setup.remote(rendezvous) for worker in replica.workers]
 
     def wait_ready(self) -> list[dict[str, Any]]:
         """Wait (bounded) until every rank has loaded the model; return their load reports.
@@ -220,9 +213,20 @@ def _get_or_raise(ref: ray.ObjectRef, error: type[RayEvalError], doing: str) -> 
     try:
         return ray.get(ref, timeout=0)
     except ray.exceptions.RayTaskError as exc:
-        cause = exc.cause
-        if isinstance(cause, RayEvalError):
-            raise type(cause)(str(cause)) from None
-        raise error(f"a rank failed while {doing}: {type(cause).__name__}: {cause}") from None
+        raise rank_failure(exc, error, doing) from None
     except ray.exceptions.RayActorError as exc:
         raise error(f"a rank died while {doing}: {exc}") from None
+
+
+def rank_failure(
+    exc: ray.exceptions.RayTaskError, error: type[RayEvalError], doing: str, hint: str = ""
+) -> RayEvalError:
+    """The driver-side error for an exception raised inside a rank actor.
+
+    A rayeval error keeps its own class and message (it already names the fix); anything else
+    becomes ``error`` naming what the rank was doing, with ``hint`` appended.
+    """
+    cause = exc.cause
+    if isinstance(cause, RayEvalError):
+        return type(cause)(str(cause))
+    return error(f"a rank failed while {doing}: {type(cause).__name__}: {cause}{hint}")

@@ -30,6 +30,7 @@ from actors.batches import (
     StepStats,
 )
 from actors.layout import DeviceKind, RankCoord
+from actors.placement import cuda_device_index
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,17 @@ class ShardWorker:
         self._model: Any = None
         self._tokenizer: Any = None
         self._keeps_logits = False
+        self._cuda_index: int | None = None
 
     # ----------------------------------------------------------------------------- lifecycle
     def node_info(self) -> dict[str, Any]:
-        """Where this rank runs: node id, IP, GPU ids and pid (for placement checks and logs)."""
+        """Where this rank runs, for placement checks and logs.
+
+        Returns:
+            ``node_id``, ``ip``, ``gpu_ids`` (as Ray assigned them), ``pid``,
+            ``cuda_visible_devices`` (None: unset) and ``cuda_device`` (the local CUDA index this
+            rank computes on; None for CPU ranks).
+        """
         import ray
 
         context = ray.get_runtime_context()
@@ -76,6 +84,10 @@ class ShardWorker:
             "ip": ray.util.get_node_ip_address(),
             "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
             "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cuda_device": (
+                self._local_cuda_index() if self._device_kind is DeviceKind.CUDA else None
+            ),
         }
 
     def reserve_port(self) -> tuple[str, int]:
@@ -87,8 +99,8 @@ class ShardWorker:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
-        """Join the replica's process group and load the model.
+    def setup(self, rendezvous: tuple[str, int]) -> dict[str, Any]:
+        """Join the replica's process group at ``rendezvous`` (address, port) and load the model.
 
         Returns:
             Load figures: seconds, local parameter count, peak resident memory (MiB).
@@ -102,7 +114,7 @@ class ShardWorker:
         if self._shard_size > 1:
             dist.init_process_group(
                 backend=self._device_kind.backend,
-                init_method=f"tcp://{master_addr}:{master_port}",
+                init_method=f"tcp://{rendezvous[0]}:{rendezvous[1]}",
                 rank=self._coord.shard_rank,
                 world_size=self._shard_size,
                 timeout=timedelta(seconds=self._collective_timeout_s),
@@ -205,17 +217,30 @@ class ShardWorker:
                 **kwargs,
             )
         generated = [row[width:] for row in output.tolist()] if batch.contexts else []
-        real = sum(len(c) for c in batch.contexts)
-        stats = StepStats(real, len(batch.contexts) * width, time.monotonic() - started)
-        return generated, stats
+        # Prompt tokens plus generated ones (HF pads a sequence once it has finished).
+        real = sum(len(c) for c in batch.contexts) + sum(
+            sum(1 for token in row if token != self._spec.pad_token_id) for row in generated
+        )
+        padded = len(generated) * output.shape[1]
+        return generated, StepStats(real, padded, time.monotonic() - started)
 
     # ------------------------------------------------------------------------------- helpers
     def _device(self) -> torch.device:
         if self._device_kind is DeviceKind.CUDA:
-            # Ray exposes only this actor's GPU, so it is always device 0 here.
-            torch.cuda.set_device(0)
-            return torch.device("cuda", 0)
+            index = self._local_cuda_index()
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
         return torch.device("cpu")
+
+    def _local_cuda_index(self) -> int:
+        """This rank's GPU among those its process sees (0 when Ray isolates it; see placement)."""
+        if self._cuda_index is None:
+            import ray
+
+            self._cuda_index = cuda_device_index(
+                ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")
+            )
+        return self._cuda_index
 
     def _autocast(self) -> Any:
         dtype = _dtype(self._spec.mixed_precision_dtype)

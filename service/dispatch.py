@@ -20,7 +20,7 @@ import ray
 
 from actors.batches import GenerateMicroBatch, MicroBatch, ScoreMicroBatch, StepStats
 from actors.errors import EvaluationTimeoutError, RayEvalError, WorkerLostError
-from actors.group import Replica, WorkerGroup
+from actors.group import Replica, WorkerGroup, rank_failure
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,13 @@ def run_steps(
                 _drop_replica(index, alive, inflight, pending, head_since, exc)
                 continue
             except ray.exceptions.RayTaskError as exc:
-                raise _task_error(exc) from None
+                raise rank_failure(
+                    exc,
+                    RayEvalError,
+                    "computing a batch",
+                    hint=". If it ran out of memory, lower --batch_size / --max_batch_tokens or "
+                    "raise --shard_size.",
+                ) from None
             inflight[index].popleft()
             head_since.pop(index)
             if inflight[index]:
@@ -163,13 +169,3 @@ def _drop_replica(
             "(a rank killed for out-of-memory needs a smaller --batch_size or a larger "
             "--shard_size)."
         )
-
-
-def _task_error(exc: ray.exceptions.RayTaskError) -> RayEvalError:
-    cause = exc.cause
-    if isinstance(cause, RayEvalError):
-        return type(cause)(str(cause))
-    return RayEvalError(
-        f"a rank failed while computing a batch: {type(cause).__name__}: {cause}. "
-        "If it ran out of memory, lower --batch_size / --max_batch_tokens or raise --shard_size."
-    )

@@ -40,7 +40,7 @@ from actors.errors import (
     RayEvalError,
     ServiceNotReadyError,
 )
-from actors.group import _FORWARDED_ENV
+from actors.group import FORWARDED_ENV
 from service.cluster import pick_device
 from service.model_args import HF_MODEL_NAMES, unsupported_model_args
 from service.runner_actor import (
@@ -258,7 +258,7 @@ class EvaluationManager:
         return free
 
     def _start_runner(self, record: EvaluationRecord) -> None:
-        env = {key: os.environ[key] for key in _FORWARDED_ENV if key in os.environ}
+        env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
         env["TOKENIZERS_PARALLELISM"] = "false"
         try:
             handle = (

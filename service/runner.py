@@ -21,6 +21,7 @@ from actors.errors import ConfigError
 from actors.group import Timeouts
 from service.lm import Progress, RayEvalLM
 from service.model_args import HF_MODEL_NAMES
+from service.outputs import OutputTarget
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def run_evaluation(
         cfg: lm-eval's configuration (from its CLI parser or built directly).
         engine: Layout and Ray options.
         on_progress: Called after every finished step.
-        write_outputs: Write results/samples under ``cfg.output_path`` when it is set.
+        write_outputs: Write results/samples under ``cfg.output_path`` when it is set (a local
+            path, or an fsspec URL such as ``s3://bucket/evals`` with its package installed).
         bootstrap_iters: Bootstrap iterations for stderrs (lm-eval's default; 0 skips them).
 
     Returns:
@@ -107,13 +109,33 @@ def run_evaluation(
         ConfigError: bad model, model args or tasks.
         RayEvalError: any other failure, with a message naming the fix.
     """
+    model_args = _hf_model_args(cfg)
+    task_manager = resolve_tasks(cfg)
+    # A URL (s3://...) is checked now, staged locally for lm-eval's tracker, copied at the end.
+    target = OutputTarget(cfg.output_path) if write_outputs and cfg.output_path else None
+    try:
+        return _evaluate(
+            cfg, engine, model_args, task_manager, target, on_progress, bootstrap_iters
+        )
+    finally:
+        if target is not None:
+            target.close()
+
+
+def _evaluate(
+    cfg: EvaluatorConfig,
+    engine: EngineOptions,
+    model_args: dict[str, Any],
+    task_manager: TaskManager,
+    target: OutputTarget | None,
+    on_progress: Callable[[Progress], None] | None,
+    bootstrap_iters: int,
+) -> EvaluationOutput | None:
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
 
-    model_args = _hf_model_args(cfg)
-    task_manager = resolve_tasks(cfg)
-    if cfg.output_path:
-        cfg.hf_hub_log_args["output_path"] = cfg.output_path
+    if target is not None:
+        cfg.hf_hub_log_args["output_path"] = target.local_path
     if os.environ.get("HF_TOKEN"):
         cfg.hf_hub_log_args["token"] = os.environ["HF_TOKEN"]
     tracker = EvaluationTracker(**cfg.hf_hub_log_args)
@@ -172,11 +194,12 @@ def run_evaluation(
     results["config"]["model"] = cfg.model
     tracker.general_config_tracker.model_source = cfg.model
     samples = results.pop("samples", None) if cfg.log_samples else None
-    if write_outputs and cfg.output_path:
+    if target is not None:
         tracker.save_results_aggregated(results=results, samples=samples)
         if samples is not None:
             for task_name in results["configs"]:
                 tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+        target.publish()
     return EvaluationOutput(results=results, samples=samples, stats=stats)
 
 

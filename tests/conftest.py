@@ -14,6 +14,8 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test clusters only
+# A loaded 2-core CI machine can take longer than Ray's default to start a dashboard agent.
+os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
 
 from collections.abc import Iterator
 

@@ -6,7 +6,9 @@ greedy generations, identical metrics.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 LOGPROB_TOL = 1e-4
@@ -34,6 +36,25 @@ def hf_reference(
         batch_size=4,
         **kwargs,
     )
+
+
+def run_lm_eval_cli(argv: list[str]) -> None:
+    """lm-eval's own ``lm_eval run`` command line, in this process."""
+    from lm_eval._cli import HarnessCLI
+
+    cli = HarnessCLI()
+    cli.execute(cli._parser.parse_args(argv))
+
+
+def read_outputs(out: Path) -> tuple[str, dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """What ``lm_eval run --output_path out --log_samples`` wrote: model dir, results, samples."""
+    (model_dir,) = out.iterdir()
+    (results_file,) = model_dir.glob("results_*.json")
+    samples = {}
+    for path in model_dir.glob("samples_*.jsonl"):
+        task = path.name.removeprefix("samples_").rsplit("_", 1)[0]
+        samples[task] = [json.loads(line) for line in path.read_text().splitlines()]
+    return model_dir.name, json.loads(results_file.read_text()), samples
 
 
 def assert_same_results(

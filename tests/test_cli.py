@@ -2,34 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from api.cli import main
-from tests.helpers import assert_same_results
+from tests.helpers import assert_same_results, read_outputs, run_lm_eval_cli
 
 pytestmark = pytest.mark.slow
-
-
-def _run_lm_eval_cli(argv: list[str]) -> None:
-    """lm-eval's own ``lm_eval run`` command line, in this process."""
-    from lm_eval._cli import HarnessCLI
-
-    cli = HarnessCLI()
-    cli.execute(cli._parser.parse_args(argv))
-
-
-def _read_outputs(out: Path) -> tuple[str, dict[str, Any], dict[str, list[dict[str, Any]]]]:
-    (model_dir,) = out.iterdir()
-    (results_file,) = model_dir.glob("results_*.json")
-    samples = {}
-    for path in model_dir.glob("samples_*.jsonl"):
-        task = path.name.removeprefix("samples_").rsplit("_", 1)[0]
-        samples[task] = [json.loads(line) for line in path.read_text().splitlines()]
-    return model_dir.name, json.loads(results_file.read_text()), samples
 
 
 def test_run_writes_what_lm_eval_writes(
@@ -43,7 +24,7 @@ def test_run_writes_what_lm_eval_writes(
         "--limit", "4", "--num_fewshot", "2", "--gen_kwargs", "max_gen_toks=5",
         "--seed", "7", "--log_samples",
     ]  # fmt: skip
-    _run_lm_eval_cli(["run", *common, "--device", "cpu", "--batch_size", "4",
+    run_lm_eval_cli(["run", *common, "--device", "cpu", "--batch_size", "4",
                       "--output_path", str(tmp_path / "ref")])  # fmt: skip
     status = main(["run", *common, "--batch_size", "auto", "--num_replicas", "2",
                    "--output_path", str(tmp_path / "ours")])  # fmt: skip
@@ -51,8 +32,8 @@ def test_run_writes_what_lm_eval_writes(
     printed = capsys.readouterr().out
     assert "|demo_mc" in printed and "exact_match" in printed and "layout: 2x1" in printed
 
-    ref_name, ref_results, ref_samples = _read_outputs(tmp_path / "ref")
-    our_name, our_results, our_samples = _read_outputs(tmp_path / "ours")
+    ref_name, ref_results, ref_samples = read_outputs(tmp_path / "ref")
+    our_name, our_results, our_samples = read_outputs(tmp_path / "ours")
     assert our_name == ref_name == str(demo.model_dir).replace("/", "__")
     assert set(our_results) == set(ref_results)
     assert our_results["config"]["model"] == "hf"
