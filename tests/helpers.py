@@ -6,8 +6,12 @@ greedy generations, identical metrics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,45 @@ def hf_reference(
         batch_size=4,
         **kwargs,
     )
+
+
+def demo_cli_args(demo: Any) -> list[str]:
+    """Flags shared by ``lm_eval run`` and ``rayeval run`` in the output-file comparisons."""
+    return [
+        "--model", "hf",
+        "--model_args", f"pretrained={demo.model_dir},dtype=float32",
+        "--include_path", str(demo.tasks_dir),
+        "--tasks", "demo_gen_short,demo_mc",
+        "--limit", "4", "--num_fewshot", "2", "--gen_kwargs", "max_gen_toks=5",
+        "--seed", "7", "--log_samples",
+    ]  # fmt: skip
+
+
+def stop_process_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a process we started (it shuts down what it started); if it outlives the wait,
+    SIGKILL its whole process group."""
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+def kill_processes_naming(marker: str) -> None:
+    """Kill, by pid, every process whose command line names ``marker`` (a test's own temp dir)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def run_lm_eval_cli(argv: list[str]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from api.cli import main
-from tests.helpers import assert_same_results, read_outputs, run_lm_eval_cli
+from tests.helpers import assert_same_results, demo_cli_args, read_outputs, run_lm_eval_cli
 
 pytestmark = pytest.mark.slow
 
@@ -16,14 +16,7 @@ pytestmark = pytest.mark.slow
 def test_run_writes_what_lm_eval_writes(
     demo: Any, ray_session: None, tmp_path: Path, capsys: Any
 ) -> None:
-    common = [
-        "--model", "hf",
-        "--model_args", f"pretrained={demo.model_dir},dtype=float32",
-        "--include_path", str(demo.tasks_dir),
-        "--tasks", "demo_gen_short,demo_mc",
-        "--limit", "4", "--num_fewshot", "2", "--gen_kwargs", "max_gen_toks=5",
-        "--seed", "7", "--log_samples",
-    ]  # fmt: skip
+    common = demo_cli_args(demo)
     run_lm_eval_cli(["run", *common, "--device", "cpu", "--batch_size", "4",
                       "--output_path", str(tmp_path / "ref")])  # fmt: skip
     status = main(["run", *common, "--batch_size", "auto", "--num_replicas", "2",

@@ -19,13 +19,11 @@ find it and join it. It reports what it saw as JSON and the tests assert on that
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +42,7 @@ from actors.placement import (
     choose_strategy,
     cuda_device_index,
 )
+from tests.helpers import kill_processes_naming, stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 #: (R, G, device) of the layouts whose placement the cluster run records (no actors started).
@@ -200,41 +199,15 @@ def cluster_report(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[
         try:
             process.wait(timeout=CLUSTER_RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            _kill_group(process)
+            stop_process_group(process)
         finally:
-            _kill_leftovers(str(ray_tmp))
+            kill_processes_naming(str(ray_tmp))
             shutil.rmtree(ray_tmp, ignore_errors=True)
     logging.getLogger(__name__).info("cluster run took %.0fs", time.monotonic() - started)
     if process.returncode != 0 or not report.exists():
         tail = log.read_text(errors="replace")[-6000:]
         pytest.fail(f"the cluster run failed (exit {process.returncode}):\n{tail}")
     return json.loads(report.read_text())
-
-
-def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    """Stop the subprocess: SIGTERM (its Cluster shuts down at exit), then SIGKILL its group."""
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-
-
-def _kill_leftovers(marker: str) -> None:
-    """Kill, by pid, any process of this run still alive: its command line names our temp dir."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def _placed(report: dict[str, Any], key: str) -> list[tuple[str, str | None]]:

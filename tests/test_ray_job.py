@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +32,14 @@ import pytest
 
 from actors.errors import ConfigError, RayEvalError
 from service.outputs import OutputTarget, is_url
-from tests.helpers import assert_same_results, read_outputs, run_lm_eval_cli
+from tests.helpers import (
+    assert_same_results,
+    demo_cli_args,
+    kill_processes_naming,
+    read_outputs,
+    run_lm_eval_cli,
+    stop_process_group,
+)
 
 VENV_BIN = Path(sys.executable).parent
 HEAD_START_TIMEOUT_S = 180
@@ -107,8 +113,8 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, di
                     yield url, env
                     return
             finally:
-                _stop_process_group(head)
-                _kill_leftovers(str(temp_dir))
+                stop_process_group(head)
+                kill_processes_naming(str(temp_dir))
                 shutil.rmtree(temp_dir, ignore_errors=True)
         if attempt == HEAD_START_ATTEMPTS:
             pytest.fail(f"{problem}:\n{log.read_text(errors='replace')[-4000:]}")
@@ -134,33 +140,6 @@ def _wait_for_head(url: str, head: subprocess.Popen[bytes], log: Path) -> str | 
                 pass
         time.sleep(1)
     return f"the Ray head at {url} was not ready within {HEAD_START_TIMEOUT_S}s"
-
-
-def _stop_process_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process we started (``ray start --block`` then stops the Ray processes it
-    started, in order); if it outlives the wait, SIGKILL its whole process group."""
-    with contextlib.suppress(ProcessLookupError):
-        process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-
-
-def _kill_leftovers(marker: str) -> None:
-    """Kill, by pid, any Ray process of this head still alive: its command line names our dir."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
 
 
 # ------------------------------------------------------------------------ the job
@@ -193,14 +172,7 @@ def test_ray_job_submit_runs_rayeval_and_writes_what_lm_eval_writes(
     ray_head: tuple[str, dict[str, str]], demo: Any, tmp_path: Path
 ) -> None:
     url, env = ray_head
-    common = [
-        "--model", "hf",
-        "--model_args", f"pretrained={demo.model_dir},dtype=float32",
-        "--include_path", str(demo.tasks_dir),
-        "--tasks", "demo_gen_short,demo_mc",
-        "--limit", "4", "--num_fewshot", "2", "--gen_kwargs", "max_gen_toks=5",
-        "--seed", "7", "--log_samples",
-    ]  # fmt: skip
+    common = demo_cli_args(demo)
     working_dir = tmp_path / "job"  # what the job ships: a small directory, not the repo
     working_dir.mkdir()
     (working_dir / "README.txt").write_text("rayeval job test\n")
@@ -225,7 +197,7 @@ def test_ray_job_submit_runs_rayeval_and_writes_what_lm_eval_writes(
             follow.wait(timeout=JOB_TIMEOUT_S)
         except BaseException:
             _ray(env, "job", "stop", "--address", url, submission_id, timeout=60)
-            _stop_process_group(follow)
+            stop_process_group(follow)
             raise
     streamed = follow_log.read_text(errors="replace")
     from ray.job_submission import JobStatus, JobSubmissionClient
