@@ -209,16 +209,7 @@ class EvaluationStore:
             values["finished_at"] = _now()
             values["error"] = error
         with self._transaction() as session:
-            changed = _rowcount(
-                session,
-                update(_EvaluationRow)
-                .where(
-                    _EvaluationRow.id == evaluation_id,
-                    _EvaluationRow.status.in_([s.value for s in expect]),
-                )
-                .values(**values),
-            )
-            if changed != 1:
+            if not _update_if(session, evaluation_id, expect, **values):
                 return False
             _append_events(session, evaluation_id, [*events, state_event(to, error)])
             return True
@@ -236,16 +227,13 @@ class EvaluationStore:
             False if the evaluation is no longer active (nothing is written then).
         """
         with self._transaction() as session:
-            changed = _rowcount(
+            if not _update_if(
                 session,
-                update(_EvaluationRow)
-                .where(
-                    _EvaluationRow.id == evaluation_id,
-                    _EvaluationRow.status.in_([s.value for s in ACTIVE_STATUSES]),
-                )
-                .values(progress=progress, runner_cursor=runner_cursor),
-            )
-            if changed != 1:
+                evaluation_id,
+                ACTIVE_STATUSES,
+                progress=progress,
+                runner_cursor=runner_cursor,
+            ):
                 return False
             _append_events(session, evaluation_id, events)
             return True
@@ -270,16 +258,14 @@ class EvaluationStore:
             False (and nothing stored) if the evaluation was no longer active.
         """
         with self._transaction() as session:
-            changed = _rowcount(
+            if not _update_if(
                 session,
-                update(_EvaluationRow)
-                .where(
-                    _EvaluationRow.id == evaluation_id,
-                    _EvaluationRow.status.in_([s.value for s in ACTIVE_STATUSES]),
-                )
-                .values(status=EvaluationStatus.SUCCEEDED.value, finished_at=_now(), error=None),
-            )
-            if changed != 1:
+                evaluation_id,
+                ACTIVE_STATUSES,
+                status=EvaluationStatus.SUCCEEDED.value,
+                finished_at=_now(),
+                error=None,
+            ):
                 return False
             session.add(
                 _ResultRow(evaluation_id=evaluation_id, results_json=results_json, stats=stats)
@@ -420,11 +406,20 @@ def _append_events(session: Session, evaluation_id: str, events: Sequence[NewEve
         )
 
 
-def _rowcount(session: Session, statement: Any) -> int:
-    """Rows changed by an UPDATE."""
-    result = session.execute(statement)
+def _update_if(
+    session: Session, evaluation_id: str, statuses: Iterable[EvaluationStatus], **values: Any
+) -> bool:
+    """Update one evaluation only while its status is one of ``statuses``; True if it was."""
+    result = session.execute(
+        update(_EvaluationRow)
+        .where(
+            _EvaluationRow.id == evaluation_id,
+            _EvaluationRow.status.in_([s.value for s in statuses]),
+        )
+        .values(**values)
+    )
     assert isinstance(result, CursorResult)
-    return int(result.rowcount)
+    return int(result.rowcount) == 1
 
 
 def _record(row: _EvaluationRow) -> EvaluationRecord:
