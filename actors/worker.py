@@ -66,6 +66,7 @@ class ShardWorker:
         self._tokenizer: Any = None
         self._keeps_logits = False
         self._cuda_index: int | None = None
+        self._torch_device = torch.device("cpu")  # chosen once, in setup()
 
     # ----------------------------------------------------------------------------- lifecycle
     def node_info(self) -> dict[str, Any]:
@@ -109,7 +110,7 @@ class ShardWorker:
 
         started = time.monotonic()
         torch.manual_seed(self._seed)
-        device = self._device()
+        device = self._torch_device = self._select_device()
         mesh = None
         if self._shard_size > 1:
             dist.init_process_group(
@@ -164,7 +165,7 @@ class ShardWorker:
             (len(row.tokens) - max(len(t) for t in row.targets) for row in rows), default=width - 1
         )
         keep = width - first_needed
-        logits = self._forward(inputs.to(self._device()), keep)
+        logits = self._forward(inputs.to(self._torch_device), keep)
         offset = width - logits.shape[1]
         results: ScoreResult = []
         for i, row in enumerate(rows):
@@ -201,7 +202,7 @@ class ShardWorker:
             kwargs["do_sample"] = False
         if kwargs.get("do_sample") is False and kwargs["temperature"] == 0.0:
             kwargs.pop("temperature")
-        device = self._device()
+        device = self._torch_device
         with torch.no_grad(), self._autocast():
             output = self._model.generate(
                 input_ids=input_ids.to(device),
@@ -225,7 +226,8 @@ class ShardWorker:
         return generated, StepStats(real, padded, time.monotonic() - started)
 
     # ------------------------------------------------------------------------------- helpers
-    def _device(self) -> torch.device:
+    def _select_device(self) -> torch.device:
+        """This rank's device; for CUDA also makes it the current device of the process."""
         if self._device_kind is DeviceKind.CUDA:
             index = self._local_cuda_index()
             torch.cuda.set_device(index)
@@ -245,7 +247,7 @@ class ShardWorker:
     def _autocast(self) -> Any:
         dtype = _dtype(self._spec.mixed_precision_dtype)
         return torch.autocast(
-            device_type=self._device().type, dtype=dtype, enabled=dtype is not None
+            device_type=self._torch_device.type, dtype=dtype, enabled=dtype is not None
         )
 
     def _forward(self, inputs: torch.Tensor, keep: int) -> torch.Tensor:

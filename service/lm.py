@@ -164,7 +164,6 @@ class RayEvalLM(TemplateLM):
         super().__init__()
         _reject_unsupported(model_args)
         self._budget = _budget(batch_size, max_batch_size, max_batch_tokens)
-        self.batch_size_per_gpu = batch_size
         self.batch_sizes: dict[int, int] = {}
         self._timeouts = timeouts or Timeouts()
         self._on_progress = on_progress
