@@ -280,6 +280,15 @@ def evaluate(model: Any, args: argparse.Namespace, task_manager: Any) -> dict[st
     return results
 
 
+def evaluate_timed(row: Row, lm: Any, args: argparse.Namespace, task_manager: Any) -> None:
+    """Evaluate with ``lm``, recording results, eval wall time and per-phase LM time in ``row``."""
+    timer = PhaseTimer(lm)
+    started = time.perf_counter()
+    row.results = evaluate(lm, args, task_manager)
+    row.eval_s = time.perf_counter() - started
+    row.phases = timer.phases
+
+
 def run_hf(args: argparse.Namespace, model_dir: str, task_manager: Any) -> Row:
     """lm-eval's own hf backend in this process."""
     import torch
@@ -295,12 +304,8 @@ def run_hf(args: argparse.Namespace, model_dir: str, task_manager: Any) -> Row:
         {"batch_size": args.batch_size, "max_batch_size": None, "device": args.device},
     )
     row.load_s = time.perf_counter() - started
-    timer = PhaseTimer(lm)
-    started = time.perf_counter()
-    row.results = evaluate(lm, args, task_manager)
-    row.eval_s = time.perf_counter() - started
-    row.phases = timer.phases
-    del lm, timer
+    evaluate_timed(row, lm, args, task_manager)
+    del lm
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -330,11 +335,7 @@ def run_rayeval(
         # Waits until every rank has loaded the model, so the load stays out of the eval time.
         row.load_reports = lm.load_reports
         row.load_s = time.perf_counter() - started
-        timer = PhaseTimer(lm)
-        started = time.perf_counter()
-        row.results = evaluate(lm, args, task_manager)
-        row.eval_s = time.perf_counter() - started
-        row.phases = timer.phases
+        evaluate_timed(row, lm, args, task_manager)
         for phase, stats in lm.stats.items():
             figures = row.phases.setdefault(phase, PhaseFigures())
             figures.engine_seconds = stats.seconds
