@@ -64,10 +64,6 @@ class ScoreMicroBatch:
 
     rows: tuple[ScoreRow, ...] = ()
 
-    @property
-    def is_dummy(self) -> bool:
-        return not self.rows
-
 
 @dataclass(frozen=True)
 class GenerateMicroBatch:
@@ -86,10 +82,6 @@ class GenerateMicroBatch:
     until: tuple[str, ...] = ()
     max_length: int | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def is_dummy(self) -> bool:
-        return not self.contexts
 
 
 MicroBatch = ScoreMicroBatch | GenerateMicroBatch

@@ -31,9 +31,10 @@ from actors.errors import (
 from api.deps import Services
 from api.routes import dashboard, evaluations, health
 from api.settings import Settings
-from service.manager import EvaluationManager, ManagerOptions, connect_ray
-from service.store import EvaluationStore
-from service.tasks import TaskCatalog
+from service.jobs.manager import EvaluationManager, ManagerOptions
+from service.jobs.ray_resources import connect_ray
+from service.jobs.store import EvaluationStore
+from service.jobs.tasks import TaskCatalog
 
 logger = logging.getLogger(__name__)
 

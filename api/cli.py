@@ -16,23 +16,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-#: Our flags on top of lm-eval's; they are removed before lm-eval's config sees the namespace.
-_ENGINE_FLAGS = (
-    "num_replicas",
-    "shard_size",
-    "address",
-    "max_batch_tokens",
-    "cpus_per_rank",
-    "placement_timeout",
-    "load_timeout",
-    "step_timeout",
-    "collective_timeout",
-    "bootstrap_iters",
-)
-
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``rayeval`` parser: ``run`` with lm-eval's flags plus the layout."""
+    """The ``rayeval`` parser: ``run`` with lm-eval's flags plus the layout, and ``serve``."""
     from lm_eval._cli.run import Run
 
     parser = argparse.ArgumentParser(
@@ -46,77 +32,42 @@ def build_parser() -> argparse.ArgumentParser:
         "rayeval run --model hf --model_args pretrained=PATH_OR_ID --tasks TASKS "
         "[--num_replicas R] [--shard_size G] [lm-eval options]"
     )
-    group = run.add_argument_group("rayeval layout and cluster")
-    group.add_argument(
-        "--num_replicas",
-        type=int,
-        default=1,
-        metavar="R",
-        help="data-parallel replicas of the model (default 1)",
-    )
-    group.add_argument(
-        "--shard_size",
-        type=int,
-        default=1,
-        metavar="G",
-        help="ranks (GPUs) per replica; the model is FSDP2-sharded over them (default 1)",
-    )
-    group.add_argument(
+    _add_config_flags(run.add_argument_group("rayeval layout, batching and timeouts"))
+    run.add_argument(
         "--address",
         default=None,
         help="Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)",
     )
-    group.add_argument(
-        "--max_batch_tokens",
-        type=int,
-        default=None,
-        help="padded tokens per micro-batch with --batch_size auto (default 8192)",
-    )
-    group.add_argument(
-        "--cpus_per_rank",
-        type=int,
-        default=1,
-        metavar="N",
-        help="CPU slots per rank; on CPU-only clusters also torch's threads per rank (default 1)",
-    )
-    group.add_argument(
-        "--placement_timeout",
-        type=float,
-        default=120.0,
-        metavar="S",
-        help="seconds to wait for the cluster to provide the layout's resources",
-    )
-    group.add_argument(
-        "--load_timeout",
-        type=float,
-        default=1800.0,
-        metavar="S",
-        help="seconds for every rank to load the model",
-    )
-    group.add_argument(
-        "--step_timeout",
-        type=float,
-        default=900.0,
-        metavar="S",
-        help="seconds one batch may take on one replica before the run fails",
-    )
-    group.add_argument(
-        "--collective_timeout",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="seconds one collective may take inside a replica",
-    )
-    # lm-eval's simple_evaluate takes this, its 0.4.13 CLI has no flag for it.
-    run.add_argument(
-        "--bootstrap_iters",
-        type=int,
-        default=100000,
-        metavar="N",
-        help="bootstrap iterations for metric stderrs (0 skips them; lm-eval's default 100000)",
-    )
     _add_serve_parser(subparsers)
     return parser
+
+
+def _add_config_flags(group: argparse._ArgumentGroup) -> None:
+    """rayeval's own ``run`` flags, one per config field lm-eval has no flag for: name, type,
+    default and help all come from :class:`service.config.EvaluationConfig`."""
+    from service.config import RAYEVAL_FLAGS, field_info
+
+    for path, flag in RAYEVAL_FLAGS.items():
+        info = field_info(path)
+        kind = float if path[0] == "timeouts" else int
+        default = info.get_default(call_default_factory=True)
+        group.add_argument(
+            flag,
+            dest=_dest(path),
+            type=kind,
+            default=default,
+            metavar="S" if kind is float else "N",
+            help=info.description
+            if "default" in info.description
+            else f"{info.description.rstrip('.')} (default {default}).",
+        )
+
+
+def _dest(path: Sequence[str]) -> str:
+    """The namespace attribute of a rayeval flag: its name (``num_replicas``, ...)."""
+    from service.config import RAYEVAL_FLAGS
+
+    return RAYEVAL_FLAGS[tuple(path)].removeprefix("--")
 
 
 def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -313,46 +264,27 @@ def _run(args: argparse.Namespace) -> int:
     import os
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from lm_eval.config.evaluate_config import EvaluatorConfig
     from lm_eval.utils import make_table
 
     from actors.errors import RayEvalError
-    from actors.group import Timeouts
-    from service.runner import EngineOptions, run_evaluation
+    from service.engine.runner import run_evaluation
 
-    # lm-eval's config defaults the device to cuda; rayeval picks it from the cluster instead.
-    args.device = args.device or "auto"
-    engine_args = {flag: getattr(args, flag) for flag in _ENGINE_FLAGS}
-    for flag in _ENGINE_FLAGS:
-        delattr(args, flag)
     try:
-        engine = EngineOptions(
-            num_replicas=engine_args["num_replicas"],
-            shard_size=engine_args["shard_size"],
-            address=engine_args["address"],
-            max_batch_tokens=engine_args["max_batch_tokens"],
-            cpus_per_rank=engine_args["cpus_per_rank"],
-            timeouts=Timeouts(
-                placement_s=engine_args["placement_timeout"],
-                load_s=engine_args["load_timeout"],
-                step_s=engine_args["step_timeout"],
-                collective_s=engine_args["collective_timeout"],
-            ),
-        )
-        cfg = EvaluatorConfig.from_cli(args)
-        output = run_evaluation(cfg, engine, bootstrap_iters=engine_args["bootstrap_iters"])
-    except (RayEvalError, ValueError, FileNotFoundError) as exc:
+        config, host = _config_from_args(args)
+        output = run_evaluation(config, host)
+    except (RayEvalError, ValueError, TypeError, FileNotFoundError) as exc:
         print(f"rayeval run: error: {exc}", file=sys.stderr)
         return 2
     if output is None:
         return 0
     results = output.results
     batch_sizes = ",".join(map(str, results["config"].get("batch_sizes", [])))
+    layout = config.parallelism
     print(
-        f"{cfg.model} ({cfg.model_args}), gen_kwargs: ({cfg.gen_kwargs}), limit: {cfg.limit}, "
-        f"num_fewshot: {cfg.num_fewshot}, batch_size: {cfg.batch_size}"
-        f"{f' ({batch_sizes})' if batch_sizes else ''}, layout: "
-        f"{engine.num_replicas}x{engine.shard_size}"
+        f"{config.model} ({config.model_args}), gen_kwargs: ({config.gen_kwargs}), "
+        f"limit: {config.limit}, num_fewshot: {config.num_fewshot}, "
+        f"batch_size: {config.batch_size}{f' ({batch_sizes})' if batch_sizes else ''}, "
+        f"layout: {layout.num_replicas}x{layout.shard_size}"
     )
     print(make_table(results))
     if "groups" in results:
@@ -365,6 +297,76 @@ def _run(args: argparse.Namespace) -> int:
             + ", ".join(f"r{r}={u:.0%}" for r, u in stats["replica_utilisation"].items())
         )
     return 0
+
+
+def _config_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The evaluation's config and the host options from ``rayeval run``'s flags.
+
+    lm-eval's flags are read exactly as ``lm_eval run`` reads them (its precedence: flags over
+    ``--config`` YAML over its defaults, then its own validation); rayeval's flags come from the
+    config's fields. Errors name the flag.
+
+    Raises:
+        ConfigError: naming each bad flag.
+    """
+    from dataclasses import asdict
+
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+    from pydantic import ValidationError
+
+    from actors.errors import ConfigError
+    from service.config import (
+        LM_EVAL_HOST_FIELDS,
+        RAYEVAL_FLAGS,
+        EvaluationConfig,
+        HostOptions,
+        cli_flag,
+        describe_errors,
+    )
+
+    ours = {path: getattr(args, _dest(path)) for path in RAYEVAL_FLAGS}
+    rayeval_only = {_dest(path) for path in RAYEVAL_FLAGS} | {"address"}
+    given = {k: v for k, v in vars(args).items() if k not in rayeval_only}
+    given["device"] = given.get("device") or "auto"  # lm-eval would default to cuda
+    # lm-eval's own precedence, as its EvaluatorConfig.from_cli applies it.
+    values = asdict(EvaluatorConfig())
+    if given.get("config"):
+        values.update(EvaluatorConfig.load_yaml_config(given["config"]))
+    values.update(
+        {k: v for k, v in given.items() if (v or v == 0) and k not in ("command", "func")}
+    )
+    values.pop("config", None)
+    metadata = dict(values["metadata"] or {})  # before lm-eval merges model_args into it
+    cfg = EvaluatorConfig(**values)._configure()
+
+    data: dict[str, Any] = {
+        name: getattr(cfg, name)
+        for name in EvaluationConfig.model_fields
+        if hasattr(cfg, name) and name not in ("metadata", "parallelism", "timeouts")
+    }
+    data["metadata"] = metadata
+    for path, value in ours.items():
+        target = data
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+        target[path[-1]] = value
+    try:
+        config = EvaluationConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_errors(exc, cli_flag)) from None
+    host = HostOptions(
+        output_path=cfg.output_path,
+        include_paths=tuple(_as_list(cfg.include_path)),
+        address=args.address,
+        lm_eval={name: getattr(cfg, name) for name in LM_EVAL_HOST_FIELDS},
+    )
+    return config, host
+
+
+def _as_list(value: Any) -> list[str]:
+    if not value:
+        return []
+    return [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
 
 
 if __name__ == "__main__":

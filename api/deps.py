@@ -14,9 +14,9 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.settings import Settings
-from service.manager import EvaluationManager
-from service.store import EvaluationStore
-from service.tasks import TaskCatalog
+from service.jobs.manager import EvaluationManager
+from service.jobs.store import EvaluationStore
+from service.jobs.tasks import TaskCatalog
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ One process evaluates the same lm-eval tasks (default: the bundled ``demo`` grou
 * ``lm-eval hf`` — lm-eval's ``hf`` backend in this process, created exactly as
   ``simple_evaluate(model="hf", model_args={"pretrained": ..., "dtype": ...}, batch_size=...,
   device=...)`` creates it (``HFLM.create_from_arg_obj``), so its load time can be timed apart;
-* ``rayeval RxG`` — :class:`service.lm.RayEvalLM` with ``R`` replicas of ``G`` ranks and
+* ``rayeval RxG`` — :class:`service.engine.lm.RayEvalLM` with ``R`` replicas of ``G`` ranks and
   ``batch_size="auto"`` (token-budget micro-batches), passed to ``lm_eval.simple_evaluate``.
 
 Ray is started once, before any row, and its start-up is reported on its own line (it is in no
@@ -316,7 +316,7 @@ def run_rayeval(
     args: argparse.Namespace, model_dir: str, task_manager: Any, layout: tuple[int, int]
 ) -> Row:
     """One rayeval layout on the already running Ray."""
-    from service.lm import RayEvalLM
+    from service.engine.lm import RayEvalLM
 
     replicas, shards = layout
     row = Row(f"rayeval {replicas}x{shards}", f"{replicas}x{shards}")
@@ -632,7 +632,7 @@ def warm_up_imports(model_dir: str) -> None:
     import torch
     import transformers
 
-    import service.lm  # noqa: F401
+    import service.engine.lm  # noqa: F401
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):

@@ -1,6 +1,8 @@
-"""The driver side of an evaluation: planning, dispatch, and the lm-eval ``LM`` that ties them.
+"""The driver side: one evaluation's engine, and the job service around it.
 
-Public entry points: :class:`service.lm.RayEvalLM` (an lm-eval ``LM``) and
-:func:`service.runner.run_evaluation` (what ``rayeval run`` calls). Modules are imported lazily by
-callers; importing this package is cheap.
+- :mod:`service.config` — the one configuration object of an evaluation (every entry point).
+- :mod:`service.engine` — one evaluation: the lm-eval ``LM``, planning, dispatch, outputs.
+- :mod:`service.jobs` — the long-lived service: validation, admission, the manager, the store,
+  the runner actor.
+Modules are imported lazily by callers; importing this package is cheap.
 """

@@ -46,10 +46,11 @@ def test_run_writes_what_lm_eval_writes(
     [
         (
             ["--model", "vllm"],
-            "--model 'vllm' is not supported: rayeval runs lm-eval's Hugging Face",
+            "--model: 'vllm' is not supported: rayeval runs lm-eval's Hugging Face",
         ),
         (["--tasks", "no_such_task"], "Tasks not found: no_such_task"),
-        (["--num_replicas", "0"], "num_replicas must be an integer >= 1, got 0"),
+        (["--num_replicas", "0"], "--num_replicas: Input should be greater than or equal to 1"),
+        (["--step_timeout", "-1"], "--step_timeout: Input should be greater than 0, got -1.0"),
         (
             ["--model_args", "pretrained=/nonexistent/model"],
             "cannot load model '/nonexistent/model'",

@@ -442,7 +442,7 @@ def _record_evaluation(model_dir: str, tasks_dir: str, names: dict[str, str]) ->
     from lm_eval.tasks import TaskManager
 
     from actors.group import Timeouts
-    from service.lm import RayEvalLM
+    from service.engine.lm import RayEvalLM
     from tests.helpers import evaluate
 
     task_manager = TaskManager(include_defaults=False, include_path=tasks_dir)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from actors.errors import ConfigError
-from service.planner import GenerateRequest, TokenBudget, model_input, plan_generate, plan_score
+from service.engine.planner import (
+    GenerateRequest,
+    TokenBudget,
+    model_input,
+    plan_generate,
+    plan_score,
+)
 
 
 def test_model_input_truncates_from_the_left_like_lm_eval() -> None:

@@ -406,8 +406,8 @@ def test_dashboard_lists_evaluation_and_shows_metrics(
 def test_restart_keeps_finished_and_fails_lost_runs(
     main_run: dict[str, Any], server: ServerThread, client: httpx.Client, demo: Any
 ) -> None:
-    from service.spec import EvaluationStatus
-    from service.store import EvaluationStore
+    from service.jobs.states import EvaluationStatus
+    from service.jobs.store import EvaluationStore
 
     evaluation_id = main_run["final"]["id"]
     results_before = client.get(f"/evaluations/{evaluation_id}/results").content
@@ -421,7 +421,7 @@ def test_restart_keeps_finished_and_fails_lost_runs(
     store = EvaluationStore(server.settings.effective_database_url)
     spec = {**main_run["final"]["request"]}
     lost = store.create(_spec_dict(spec), {"CPU": 1.0})
-    assert store.transition(lost.id, EvaluationStatus.STARTING, [EvaluationStatus.QUEUED])
+    assert store.transition(lost.id, EvaluationStatus.STARTING)
     store.close()
     server.start()
 
@@ -435,10 +435,10 @@ def test_restart_keeps_finished_and_fails_lost_runs(
 
 
 def _spec_dict(request: dict[str, Any]) -> dict[str, Any]:
-    """A stored spec from a public request (the inverse of EvaluationCreate.from_spec)."""
-    from api.schemas import EvaluationCreate
+    """A stored config from a public request (the request is the config)."""
+    from service.config import EvaluationConfig
 
-    return EvaluationCreate.model_validate(request).to_spec().to_dict()
+    return EvaluationConfig.model_validate(request).to_json()
 
 
 # ------------------------------------------------------------- admission, restart, cancel
@@ -534,7 +534,7 @@ BAD_BODIES = [
     ({"include_path": "/tmp"}, "include_path: task directories come only from the server"),
     ({"output_path": "/tmp"}, "GET /evaluations/{id}/results"),
     ({"num_replicas": 2}, '"parallelism"'),
-    ({"model": "vllm"}, 'use "model": "hf"'),
+    ({"model": "vllm"}, "model: 'vllm' is not supported: rayeval runs lm-eval's Hugging Face"),
     ({"model_args": {"pretrained": "/nonexistent/model"}}, "does not exist on the server"),
     ({"model_args": "pretrained=./no/such/model,dtype=float32"}, "does not exist on the server"),
     ({"model_args": "pretrained=org/model,parallelize=True"}, "parallelize: rayeval shards"),
@@ -682,14 +682,14 @@ def test_loopback_rule() -> None:
 def test_store_state_changes_are_exclusive_and_events_numbered(tmp_path: Path) -> None:
     """A cancel racing a completion and a progress report: exactly one of the two state changes
     wins, results exist only if completion won, and event numbers stay 1, 2, 3, ..."""
-    from service.spec import EvaluationStatus
-    from service.store import EvaluationStore
+    from service.jobs.states import EvaluationStatus
+    from service.jobs.store import EvaluationStore
 
     store = EvaluationStore(f"sqlite:///{tmp_path / 'race.db'}")
     store.create_schema()
     for _ in range(5):
         record = store.create({"model": "hf"}, {"CPU": 1.0})
-        assert store.transition(record.id, EvaluationStatus.STARTING, [EvaluationStatus.QUEUED])
+        assert store.transition(record.id, EvaluationStatus.STARTING)
         assert sorted(_race(store, record.id)) == [False, True]
         final = store.get(record.id)
         assert final.status in {EvaluationStatus.CANCELLED, EvaluationStatus.SUCCEEDED}
@@ -703,17 +703,16 @@ def test_store_state_changes_are_exclusive_and_events_numbered(tmp_path: Path) -
 
 def _race(store: Any, record_id: str) -> list[bool]:
     """Cancel, complete and report progress at the same instant; the two state changes' results."""
-    from service.spec import EvaluationStatus
+    from service.jobs.states import EvaluationStatus, EventKind
 
-    active = [EvaluationStatus.STARTING, EvaluationStatus.RUNNING]
     barrier = threading.Barrier(3)
     outcomes: list[bool] = []
     calls = [
-        lambda: outcomes.append(store.transition(record_id, EvaluationStatus.CANCELLED, active)),
-        lambda: outcomes.append(
-            store.finish_succeeded(record_id, "{}", {"t": "{}\n"}, {}, [("result", {})])
+        lambda: outcomes.append(store.transition(record_id, EvaluationStatus.CANCELLED)),
+        lambda: outcomes.append(store.finish_succeeded(record_id, "{}", {"t": "{}\n"}, {}, [])),
+        lambda: store.record_progress(
+            record_id, {"phases": {}}, 1, [(EventKind.PROGRESS, {"done": 1})]
         ),
-        lambda: store.record_progress(record_id, {"phases": {}}, 1, [("progress", {"done": 1})]),
     ]
 
     def run(call: Callable[[], Any]) -> None:
@@ -731,7 +730,8 @@ def _race(store: Any, record_id: str) -> list[bool]:
 # ----------------------------------------------------------------------- layering rules
 def test_api_never_imports_torch() -> None:
     code = (
-        "import sys; import api.app, api.cli, service.manager, service.runner_actor; "
+        "import sys; import api.app, api.cli, service.config, service.jobs.manager, "
+        "service.jobs.runner_actor; "
         "from api.settings import Settings; api.app.create_app(Settings()); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
@@ -741,8 +741,27 @@ def test_api_never_imports_torch() -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_status_lifecycle() -> None:
-    from service.spec import EvaluationStatus
+def test_status_lifecycle(tmp_path: Path) -> None:
+    """The state machine: terminal states have no way out, and the store allows only its moves."""
+    from service.jobs.states import EvaluationStatus as S
+    from service.jobs.store import EvaluationStore
 
-    assert {s.value for s in EvaluationStatus if s.is_terminal} == TERMINAL
-    assert {s.value for s in EvaluationStatus if s.is_active} == {"starting", "running"}
+    assert {s.value for s in S if s.is_terminal} == TERMINAL
+    assert {s.value for s in S if s.is_active} == {"starting", "running"}
+    assert S.sources_of(S.RUNNING) == {S.STARTING}
+    assert S.sources_of(S.STARTING) == {S.QUEUED}
+    assert not S.QUEUED.can_become(S.SUCCEEDED) and not S.SUCCEEDED.can_become(S.FAILED)
+
+    store = EvaluationStore(f"sqlite:///{tmp_path / 'states.db'}")
+    store.create_schema()
+    record = store.create({"model": "hf"}, {"CPU": 1.0})
+    assert not store.transition(record.id, S.RUNNING), "queued -> running skips starting"
+    assert not store.finish_succeeded(record.id, "{}", {}, {}, [])
+    assert store.transition(record.id, S.STARTING)
+    assert not store.transition(record.id, S.CANCELLED, only_from=[S.QUEUED])
+    assert store.transition(record.id, S.RUNNING)
+    assert store.transition(record.id, S.FAILED, error="boom")
+    assert not any(store.transition(record.id, to) for to in S), "failed is final"
+    states = [e.data["status"] for e in store.events_since(record.id, 0)]
+    assert states == ["queued", "starting", "running", "failed"]
+    store.close()

@@ -29,8 +29,9 @@ from api.schemas import (
     ProgressPublic,
     Throughput,
 )
-from service.spec import EvaluationSpec, EvaluationStatus
-from service.store import EvaluationRecord, EvaluationStore, EventRecord
+from service.config import EvaluationConfig
+from service.jobs.states import EvaluationStatus, EventKind
+from service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
 
 router = APIRouter(
     prefix="/evaluations",
@@ -56,7 +57,7 @@ def create_evaluation(
     422: unknown tasks, missing model path, bad options, or a layout larger than the cluster.
     503: lm-eval's task index is still being built (retry shortly).
     """
-    record = manager.submit(body.to_spec())
+    record = manager.submit(body)
     response.headers["Location"] = _url(record.id)
     return _public(record, store)
 
@@ -123,7 +124,7 @@ def get_samples(evaluation_id: str, task: str, store: StoreDep) -> Response:
     jsonl = store.samples_jsonl(evaluation_id, task)
     if jsonl is None:
         tasks = store.sample_tasks([evaluation_id])[evaluation_id]
-        if not record.spec.get("log_samples"):
+        if not record.config.get("log_samples"):
             hint = 'it was submitted without log_samples: resubmit with "log_samples": true'
         else:
             hint = f"tasks with samples: {tasks}"
@@ -235,7 +236,7 @@ def _public(
         ),
         throughput=_throughput(record, done),
         stats=stats,
-        request=EvaluationCreate.from_spec(EvaluationSpec.from_dict(record.spec)),
+        request=EvaluationConfig.from_json(record.config),
         links=Links.model_validate(
             {
                 "self": base,
@@ -293,7 +294,7 @@ async def _sse(
             return
         events = await asyncio.to_thread(store.events_since, evaluation_id, seq)
         for event in events:
-            yield _format(event)
+            yield await _format(store, evaluation_id, event)
             seq = event.seq
             if _is_terminal(event):
                 return
@@ -309,9 +310,13 @@ async def _sse(
         await asyncio.sleep(poll_s)
 
 
-def _format(event: EventRecord) -> str:
-    return f"id: {event.seq}\nevent: {event.type}\ndata: {json.dumps(event.data)}\n\n"
+async def _format(store: EvaluationStore, evaluation_id: str, event: EventRecord) -> str:
+    data = json.dumps(event.data)
+    if event.type is EventKind.RESULT:  # results are stored once, in their own table
+        stored = await asyncio.to_thread(store.results_json, evaluation_id)
+        data = json.dumps(json.loads(stored[0])) if stored is not None else "{}"
+    return f"id: {event.seq}\nevent: {event.type.value}\ndata: {data}\n\n"
 
 
 def _is_terminal(event: EventRecord) -> bool:
-    return event.type == "state" and EvaluationStatus(event.data["status"]).is_terminal
+    return event.type is EventKind.STATE and EvaluationStatus(event.data["status"]).is_terminal

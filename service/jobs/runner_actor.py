@@ -2,11 +2,11 @@
 
 :class:`EvaluationRunner` is a plain class; the service applies ``ray.remote`` where it creates it,
 as a named, detached actor (so it outlives an API restart and can be re-attached). Its constructor
-starts :func:`service.runner.run_evaluation` in a background thread and returns at once; the API
-polls :meth:`EvaluationRunner.events_since` for progress and fetches :meth:`EvaluationRunner.result`
-when the run ends. lm-eval writes its result and sample files into a private temporary directory
-and the runner hands those files back verbatim, so what the API serves is exactly what
-``lm_eval --output_path ... --log_samples`` writes.
+starts :func:`service.engine.runner.run_evaluation` in a background thread and returns at once; the
+service polls :meth:`EvaluationRunner.events_since`, whose last event carries the outputs when the
+run succeeded (so nobody waits on a second call for them). lm-eval writes its result and sample
+files into a private temporary directory and the runner hands those files back verbatim, so what
+the API serves is exactly what ``lm_eval --output_path ... --log_samples`` writes.
 
 This module imports nothing heavy at module level: torch is imported by the background thread,
 inside the actor process only.
@@ -22,13 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.errors import EvaluationStateError, RayEvalError
-from service.spec import EvaluationSpec
+from actors.errors import RayEvalError
+from service.config import EvaluationConfig, HostOptions
+from service.jobs.states import RunnerEventKind
 
 logger = logging.getLogger(__name__)
-
-#: Kinds of runner events: a progress report, and the two ways a run ends.
-PROGRESS, SUCCEEDED, FAILED = "progress", "succeeded", "failed"
 
 
 def runner_name(evaluation_id: str) -> str:
@@ -46,17 +44,18 @@ class EvaluationRunner:
 
     Args:
         evaluation_id: The service's id; names the placement group ``rayeval-<id>``.
-        spec: ``EvaluationSpec.to_dict()`` of the evaluation (device already resolved).
+        config: ``EvaluationConfig.to_json()`` of the evaluation (device already resolved).
         include_paths: The server's task directories (must exist on this node too).
     """
 
-    def __init__(self, evaluation_id: str, spec: dict[str, Any], include_paths: list[str]) -> None:
+    def __init__(
+        self, evaluation_id: str, config: dict[str, Any], include_paths: list[str]
+    ) -> None:
         self.evaluation_id = evaluation_id
-        self._spec = EvaluationSpec.from_dict(spec)
+        self._config = EvaluationConfig.from_json(config)
         self._include_paths = tuple(include_paths)
         self._lock = threading.Lock()
         self._events: list[dict[str, Any]] = []
-        self._result: dict[str, Any] | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"rayeval-run-{evaluation_id}", daemon=True
         )
@@ -64,46 +63,30 @@ class EvaluationRunner:
 
     # ------------------------------------------------------------------ polled by the API
     def events_since(self, seq: int) -> list[dict[str, Any]]:
-        """Events numbered above ``seq`` (numbers start at 1), each ``{seq, type, data, time}``."""
+        """Events numbered above ``seq`` (numbers start at 1), each ``{seq, type, data, time}``.
+
+        The ``succeeded`` event's data are the run's outputs: ``results_json`` (lm-eval's
+        results file, verbatim), ``samples`` (task -> lm-eval's samples JSONL, verbatim) and
+        ``stats`` (throughput per request type).
+        """
         with self._lock:
             return self._events[seq:]
 
-    def status(self) -> dict[str, Any]:
-        """A snapshot: ``state`` (running | succeeded | failed), event count, Ray namespace."""
-        import ray
-
-        with self._lock:
-            last = self._events[-1]["type"] if self._events else PROGRESS
-            return {
-                "state": last if last in (SUCCEEDED, FAILED) else "running",
-                "events": len(self._events),
-                "namespace": ray.get_runtime_context().namespace,
-            }
-
-    def result(self) -> dict[str, Any]:
-        """The run's outputs: ``results_json`` (lm-eval's results file, verbatim), ``samples``
-        (task -> lm-eval's samples JSONL, verbatim) and ``stats`` (throughput per request type).
-
-        Raises:
-            EvaluationStateError: the run has not succeeded (yet).
-        """
-        with self._lock:
-            if self._result is None:
-                raise EvaluationStateError(
-                    f"evaluation {self.evaluation_id} has no results: it has not succeeded"
-                )
-            return self._result
-
     # ------------------------------------------------------------------------ the run
-    def _emit(self, kind: str, data: dict[str, Any]) -> None:
+    def _emit(self, kind: RunnerEventKind, data: dict[str, Any]) -> None:
         with self._lock:
             self._events.append(
-                {"seq": len(self._events) + 1, "type": kind, "data": data, "time": time.time()}
+                {
+                    "seq": len(self._events) + 1,
+                    "type": kind.value,
+                    "data": data,
+                    "time": time.time(),
+                }
             )
 
     def _on_progress(self, progress: Any) -> None:
         self._emit(
-            PROGRESS,
+            RunnerEventKind.PROGRESS,
             {
                 "phase": progress.phase,
                 "done": progress.done,
@@ -118,38 +101,25 @@ class EvaluationRunner:
         try:
             outputs = self._evaluate(output_dir)
         except RayEvalError as exc:
-            self._emit(FAILED, {"error": str(exc), "kind": type(exc).__name__})
+            self._emit(RunnerEventKind.FAILED, {"error": str(exc), "kind": type(exc).__name__})
         except Exception as exc:  # lm-eval raises plain exceptions for bad task/model setups
             logger.exception("evaluation %s failed", self.evaluation_id)
             kind = type(exc).__name__
-            self._emit(FAILED, {"error": f"{kind}: {exc}", "kind": kind})
+            self._emit(RunnerEventKind.FAILED, {"error": f"{kind}: {exc}", "kind": kind})
         else:
-            with self._lock:
-                self._result = outputs
-            self._emit(SUCCEEDED, {})
+            self._emit(RunnerEventKind.SUCCEEDED, outputs)
         finally:
             shutil.rmtree(output_dir, ignore_errors=True)
 
     def _evaluate(self, output_dir: Path) -> dict[str, Any]:
-        from service.runner import EngineOptions, run_evaluation
+        from service.engine.runner import run_evaluation
 
-        spec = self._spec
-        cfg = spec.evaluator_config(output_path=str(output_dir), include_paths=self._include_paths)
-        engine = EngineOptions(
-            num_replicas=spec.num_replicas,
-            shard_size=spec.shard_size,
-            cpus_per_rank=spec.cpus_per_rank,
-            max_batch_tokens=spec.max_batch_tokens,
-            timeouts=spec.timeouts,
+        host = HostOptions(
+            output_path=str(output_dir),
+            include_paths=self._include_paths,
             name=group_name(self.evaluation_id),
         )
-        output = run_evaluation(
-            cfg,
-            engine,
-            on_progress=self._on_progress,
-            write_outputs=True,
-            bootstrap_iters=spec.bootstrap_iters,
-        )
+        output = run_evaluation(self._config, host, on_progress=self._on_progress)
         if output is None:
             raise RayEvalError("lm-eval returned no results for this evaluation")
         return {**_read_lm_eval_files(output_dir), "stats": output.stats}

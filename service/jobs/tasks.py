@@ -4,8 +4,8 @@ Scanning the server's ``--include-path`` directories is fast and done when the c
 lm-eval's built-in index (~15k tasks) takes many seconds to scan, so it is built once per process,
 in a child process started in the background (the scan is pure Python and would otherwise hold the
 API's GIL), and never per request. A request whose tasks are all found under the include paths
-never waits for it. ``python -m service.tasks`` prints the built-in names as JSON (the child's job).
-No torch here.
+never waits for it. ``python -m service.jobs.tasks`` prints the built-in names as JSON (the child's
+job). No torch here.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class _BuiltinIndex:
         started = time.monotonic()
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "service.tasks"],
+                [sys.executable, "-m", "service.jobs.tasks"],
                 capture_output=True,
                 text=True,
                 timeout=BUILTIN_SCAN_TIMEOUT_S,

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,13 +40,19 @@ from tqdm import tqdm
 
 from actors.batches import GenerateMicroBatch, MicroBatch, ModelSpec, ScoreMicroBatch
 from actors.errors import ConfigError, ResultIntegrityError
-from actors.group import Timeouts, WorkerGroup
-from actors.layout import ParallelLayout
+from actors.group import WorkerGroup
+from actors.layout import DeviceKind
 from actors.model_loading import resolve_dtype
-from service.cluster import connect, pick_device
-from service.dispatch import StepDone, run_steps
-from service.model_args import unsupported_model_args
-from service.planner import GenerateRequest, TokenBudget, plan_generate, plan_score
+from service.config import (
+    DEFAULT_MAX_BATCH_ROWS,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_SEED,
+    EngineConfig,
+    HostOptions,
+)
+from service.engine.cluster import connect, pick_device
+from service.engine.dispatch import StepDone, run_steps
+from service.engine.planner import GenerateRequest, TokenBudget, plan_generate, plan_score
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +70,6 @@ _ENCODER_ARGS = frozenset(
         "chat_template_args",
     }
 )
-_DEFAULT_MAX_BATCH_TOKENS = 8192
-_DEFAULT_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -123,65 +127,77 @@ class PhaseStats:
 class RayEvalLM(TemplateLM):
     """Evaluate a Hugging Face causal LM on R x G Ray actors with results identical to lm-eval's HF.
 
+    Built from an :class:`EngineConfig` (what ``rayeval run`` and the service do, through
+    :meth:`from_config`), or from keywords, as lm-eval builds a model by name
+    (``model_args="pretrained=...,num_replicas=4"``) and as a Python user writes it.
+
     Args:
-        pretrained: Hub id or local path, as lm-eval's ``pretrained=``.
-        num_replicas: R, data-parallel replicas.
-        shard_size: G, ranks per replica (FSDP2 when > 1).
-        batch_size: ``auto`` (token budget) or an int (max rows per micro-batch), as lm-eval.
-        max_batch_size: Max rows per micro-batch with ``auto`` (lm-eval's ``max_batch_size``).
-        max_batch_tokens: Max padded tokens per micro-batch (default 8192).
-        device: ``auto``, ``cpu`` or ``cuda``.
-        address: Ray address; default ``RAY_ADDRESS`` or an embedded local Ray.
-        timeouts: Every wait of the run.
-        name: Name of the placement group and prefix of actor names.
-        seed: torch seed on the ranks (sampled generations).
+        pretrained: Hub id or local path, as lm-eval's ``pretrained=`` (keywords form).
+        config: The engine's configuration (instead of ``pretrained`` and ``options``).
+        host: Where it runs: the Ray address and the actors' name prefix.
         on_progress: Called after every finished step.
-        cpus_per_rank: CPU slots per rank; on CPU ranks also torch's thread count.
-        **model_args: The rest of lm-eval's HF model args (``dtype``, ``revision``, ...).
+        **options: :meth:`EngineConfig.from_kwargs`'s keywords: ``num_replicas``, ``shard_size``,
+            ``cpus_per_rank``, ``batch_size``, ``max_batch_size``, ``max_batch_tokens``,
+            ``device``, ``seed``, ``timeouts`` (or ``placement_s``, ``load_s``, ...), ``address``
+            and ``name``; the rest are lm-eval's HF model args (``dtype``, ``revision``, ...).
 
     Raises:
-        ConfigError: an unsupported model arg or bad batch settings.
-        LayoutError: an impossible layout (fails before anything starts).
+        ConfigError: a bad option or an unsupported model arg.
+        LayoutError: a layout larger than the cluster (fails before anything starts).
     """
 
     def __init__(
         self,
-        pretrained: str,
-        num_replicas: int = 1,
-        shard_size: int = 1,
-        batch_size: int | str | None = "auto",
-        max_batch_size: int | None = None,
-        max_batch_tokens: int | None = None,
-        device: str | None = "auto",
-        address: str | None = None,
-        timeouts: Timeouts | None = None,
-        name: str | None = None,
-        seed: int = 1234,
+        pretrained: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        host: HostOptions | None = None,
         on_progress: Callable[[Progress], None] | None = None,
-        cpus_per_rank: int = 1,
-        **model_args: Any,
+        **options: Any,
     ) -> None:
         super().__init__()
-        _reject_unsupported(model_args)
-        self._budget = _budget(batch_size, max_batch_size, max_batch_tokens)
+        if host is None:
+            host = HostOptions(address=options.pop("address", None), name=options.pop("name", None))
+        if config is None:
+            if pretrained is None:
+                raise ConfigError("pass pretrained=<hub id or local path> (or a config)")
+            config = EngineConfig.from_kwargs(pretrained, **options)
+        elif pretrained is not None or options:
+            raise ConfigError("pass either a config or pretrained=... with keywords, not both")
+        self.config = config
+        self._budget = _budget(config)
         self.batch_sizes: dict[int, int] = {}
-        self._timeouts = timeouts or Timeouts()
+        self._timeouts = config.timeouts.for_ranks()
         self._on_progress = on_progress
         self.stats: dict[str, PhaseStats] = {}
-        self._encoder, self._dtype = _build_encoder(pretrained, model_args)
+        self.pretrained = config.pretrained
+        model_args = {k: v for k, v in config.model_args.items() if k != "pretrained"}
+        self._encoder, self._dtype = _build_encoder(self.pretrained, model_args)
         self.tokenizer = self._encoder.tokenizer
-        self.pretrained = pretrained
 
-        # Validates R, G and CPUs before touching Ray; the device is known once connected.
-        layout = ParallelLayout(num_replicas, shard_size, cpus_per_rank=cpus_per_rank)
-        self.connection = connect(address, layout)
-        self.layout = replace(layout, device=pick_device(device))
-        self.name = name or f"rayeval-{uuid.uuid4().hex[:8]}"
-        spec = _model_spec(pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id)
+        self.connection = connect(host.address, config.layout(DeviceKind.CPU))
+        self.layout = config.layout(pick_device(config.device))
+        self.name = host.name or f"rayeval-{uuid.uuid4().hex[:8]}"
+        spec = _model_spec(self.pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id)
         logger.info("starting %s on %s (%s)", self.name, self.layout.describe(), self.connection)
+        torch_seed = config.seeds[2]
         self._group: WorkerGroup | None = WorkerGroup.create(
-            self.name, self.layout, spec, self._timeouts, seed=seed
+            self.name,
+            self.layout,
+            spec,
+            self._timeouts,
+            seed=torch_seed if torch_seed is not None else DEFAULT_SEED[2],
         )
+
+    @classmethod
+    def from_config(
+        cls,
+        config: EngineConfig,
+        host: HostOptions | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> RayEvalLM:
+        """The engine for ``config`` (an :class:`EvaluationConfig` is one), started on ``host``."""
+        return cls(config=config, host=host, on_progress=on_progress)
 
     # --------------------------------------------------------------------- lifecycle
     @property
@@ -431,26 +447,14 @@ def _check_exactly_once(micro_batches: Sequence[MicroBatch], results: Sequence[A
             )
 
 
-def _reject_unsupported(model_args: dict[str, Any]) -> None:
-    problems = unsupported_model_args(model_args)
-    if problems:
-        raise ConfigError("unsupported model_args — " + "; ".join(problems))
-
-
-def _budget(
-    batch_size: int | str | None, max_batch_size: int | None, max_batch_tokens: int | None
-) -> TokenBudget:
-    text = str(batch_size if batch_size is not None else "auto")
-    if text.startswith("auto"):
+def _budget(config: EngineConfig) -> TokenBudget:
+    """Micro-batch limits: a token budget with ``auto``, lm-eval's rows per batch otherwise."""
+    if isinstance(config.batch_size, str):  # "auto" or "auto:N" (validated by the config)
         return TokenBudget(
-            max_tokens=max_batch_tokens or _DEFAULT_MAX_BATCH_TOKENS,
-            max_rows=max_batch_size or _DEFAULT_MAX_ROWS,
+            max_tokens=config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
+            max_rows=config.max_batch_size or DEFAULT_MAX_BATCH_ROWS,
         )
-    try:
-        rows = int(text)
-    except ValueError:
-        raise ConfigError(f"batch_size must be 'auto' or an integer, got {batch_size!r}") from None
-    return TokenBudget(max_tokens=max_batch_tokens or 2**62, max_rows=rows)
+    return TokenBudget(max_tokens=config.max_batch_tokens or 2**62, max_rows=config.batch_size)
 
 
 def _build_encoder(pretrained: str, model_args: dict[str, Any]) -> tuple[HFLM, torch.dtype]:

@@ -1,9 +1,11 @@
 """Running one evaluation end to end, as ``lm_eval run`` does, but on Ray.
 
-The runner takes lm-eval's own ``EvaluatorConfig`` (so every lm-eval flag means what it means in
-lm-eval), resolves the tasks, evaluates with :class:`service.lm.RayEvalLM` and writes what
-``lm_eval`` writes, where it writes it: ``OUT/<model>/results_<ts>.json`` and, with
-``--log_samples``, ``samples_<task>_<ts>.jsonl``.
+:func:`run_evaluation` takes the evaluation's :class:`service.config.EvaluationConfig` and the
+:class:`service.config.HostOptions` of where it runs, turns them into lm-eval's own
+``EvaluatorConfig`` (so every lm-eval option means what it means in lm-eval), resolves the tasks,
+evaluates with :class:`service.engine.lm.RayEvalLM` and writes what ``lm_eval`` writes, where it
+writes it: ``OUT/<model>/results_<ts>.json`` and, with ``--log_samples``,
+``samples_<task>_<ts>.jsonl``.
 """
 
 from __future__ import annotations
@@ -11,47 +13,23 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.tasks import TaskManager
 
 from actors.errors import ConfigError
-from actors.group import Timeouts
-from service.lm import Progress, RayEvalLM
-from service.model_args import HF_MODEL_NAMES
-from service.outputs import OutputTarget
+from service.config import EvaluationConfig, HostOptions
+from service.engine.lm import Progress, RayEvalLM
+from service.engine.outputs import OutputTarget
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """How rayeval runs an evaluation (what lm-eval has no flag for).
-
-    Args:
-        num_replicas: R, data-parallel replicas.
-        shard_size: G, FSDP ranks per replica.
-        address: Ray cluster address; None: ``RAY_ADDRESS`` or an embedded local Ray.
-        max_batch_tokens: Padded-token budget per micro-batch (None: the default).
-        cpus_per_rank: CPU slots per rank (torch threads on CPU ranks).
-        timeouts: Every wait of the run.
-        name: Placement-group name / actor-name prefix (default: a random id).
-    """
-
-    num_replicas: int = 1
-    shard_size: int = 1
-    address: str | None = None
-    max_batch_tokens: int | None = None
-    cpus_per_rank: int = 1
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    name: str | None = None
-
-
 @dataclass
 class EvaluationOutput:
-    """lm-eval's results dict (``samples`` removed) and where the files went."""
+    """lm-eval's results dict (``samples`` removed), the samples, and rayeval's figures."""
 
     results: dict[str, Any]
     samples: dict[str, list[dict[str, Any]]] | None
@@ -67,7 +45,7 @@ def resolve_tasks(cfg: EvaluatorConfig) -> TaskManager:
     Raises:
         ConfigError: naming the tasks that were not found.
     """
-    names = _task_names(cfg.tasks)
+    names = [str(name) for name in cfg.tasks]
     if cfg.include_path and names and not any(n.endswith(".yaml") for n in names):
         local = TaskManager(
             include_defaults=False, include_path=cfg.include_path, metadata=cfg.metadata or {}
@@ -86,21 +64,18 @@ def resolve_tasks(cfg: EvaluatorConfig) -> TaskManager:
 
 
 def run_evaluation(
-    cfg: EvaluatorConfig,
-    engine: EngineOptions,
+    config: EvaluationConfig,
+    host: HostOptions,
     on_progress: Callable[[Progress], None] | None = None,
-    write_outputs: bool = True,
-    bootstrap_iters: int = 100000,
 ) -> EvaluationOutput | None:
     """Evaluate like ``lm_eval run --model hf`` with the model spread over Ray actors.
 
     Args:
-        cfg: lm-eval's configuration (from its CLI parser or built directly).
-        engine: Layout and Ray options.
+        config: The evaluation.
+        host: Where it runs and writes: results and samples go under ``host.output_path`` when
+            it is set (a local path, or an fsspec URL such as ``s3://bucket/evals`` with its
+            package installed).
         on_progress: Called after every finished step.
-        write_outputs: Write results/samples under ``cfg.output_path`` when it is set (a local
-            path, or an fsspec URL such as ``s3://bucket/evals`` with its package installed).
-        bootstrap_iters: Bootstrap iterations for stderrs (lm-eval's default; 0 skips them).
 
     Returns:
         The results, or None where lm-eval returns None.
@@ -109,27 +84,24 @@ def run_evaluation(
         ConfigError: bad model, model args or tasks.
         RayEvalError: any other failure, with a message naming the fix.
     """
-    model_args = _hf_model_args(cfg)
+    cfg = config.evaluator_config(host)
     task_manager = resolve_tasks(cfg)
     # A URL (s3://...) is checked now, staged locally for lm-eval's tracker, copied at the end.
-    target = OutputTarget(cfg.output_path) if write_outputs and cfg.output_path else None
+    target = OutputTarget(cfg.output_path) if cfg.output_path else None
     try:
-        return _evaluate(
-            cfg, engine, model_args, task_manager, target, on_progress, bootstrap_iters
-        )
+        return _evaluate(config, host, cfg, task_manager, target, on_progress)
     finally:
         if target is not None:
             target.close()
 
 
 def _evaluate(
+    config: EvaluationConfig,
+    host: HostOptions,
     cfg: EvaluatorConfig,
-    engine: EngineOptions,
-    model_args: dict[str, Any],
     task_manager: TaskManager,
     target: OutputTarget | None,
     on_progress: Callable[[Progress], None] | None,
-    bootstrap_iters: int,
 ) -> EvaluationOutput | None:
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
@@ -139,22 +111,13 @@ def _evaluate(
     if os.environ.get("HF_TOKEN"):
         cfg.hf_hub_log_args["token"] = os.environ["HF_TOKEN"]
     tracker = EvaluationTracker(**cfg.hf_hub_log_args)
+    # lm-eval may have changed model args (--trust_remote_code): the engine uses its copy.
     seed = cfg.seed or [None, None, None, None]
 
-    with RayEvalLM(
-        num_replicas=engine.num_replicas,
-        shard_size=engine.shard_size,
-        batch_size=cfg.batch_size,
-        max_batch_size=cfg.max_batch_size,
-        max_batch_tokens=engine.max_batch_tokens,
-        cpus_per_rank=engine.cpus_per_rank,
-        device=cfg.device or "auto",
-        address=engine.address,
-        timeouts=engine.timeouts,
-        name=engine.name,
-        seed=seed[2] if seed[2] is not None else 1234,
+    with RayEvalLM.from_config(
+        config.model_copy(update={"model_args": dict(cfg.model_args)}),
+        host,
         on_progress=on_progress,
-        **model_args,
     ) as lm:
         results = simple_evaluate(
             model=lm,
@@ -179,7 +142,7 @@ def _evaluate(
             gen_kwargs=cfg.gen_kwargs,
             task_manager=task_manager,
             predict_only=cfg.predict_only,
-            bootstrap_iters=bootstrap_iters,
+            bootstrap_iters=config.bootstrap_iters,
             random_seed=seed[0],
             numpy_random_seed=seed[1],
             torch_random_seed=seed[2],
@@ -201,26 +164,3 @@ def _evaluate(
                 tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
         target.publish()
     return EvaluationOutput(results=results, samples=samples, stats=stats)
-
-
-def _task_names(tasks: Any) -> list[str]:
-    if tasks is None:
-        raise ConfigError("no tasks given: pass --tasks task1,task2 (task or group names)")
-    items = (
-        tasks.split(",")
-        if isinstance(tasks, str)
-        else [t for task in tasks for t in str(task).split(",")]
-    )
-    return [item.strip() for item in items if item.strip()]
-
-
-def _hf_model_args(cfg: EvaluatorConfig) -> dict[str, Any]:
-    if cfg.model not in HF_MODEL_NAMES:
-        raise ConfigError(
-            f"--model {cfg.model!r} is not supported: rayeval runs lm-eval's Hugging Face backend, "
-            "use --model hf"
-        )
-    model_args = dict(cfg.model_args or {})
-    if not model_args.get("pretrained"):
-        raise ConfigError("model_args needs pretrained=<hub id or local path>")
-    return model_args

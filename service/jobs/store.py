@@ -1,12 +1,14 @@
 """Durable state of the service: evaluations, their event streams, results and samples.
 
-One SQLAlchemy database (SQLite under the data directory by default, any SQLAlchemy URL
-otherwise). Every state change is one short transaction that also appends the matching events, so
-a reader never sees an event whose state is not stored, nor a terminal state without its results.
-State transitions are conditional updates (``... WHERE status IN (expected)``): whoever changes an
+One SQLAlchemy database (SQLite under the data directory by default, any SQLAlchemy URL otherwise).
+Every state change is one short transaction that also appends the matching events, so a reader
+never sees an event whose state is not stored, nor a terminal state without its results. State
+transitions are conditional updates (``... WHERE status IN (expected)``): whoever changes an
 evaluation first wins and the loser learns it from the return value, which is what makes a
-concurrent cancel and completion safe. Event numbers (``seq``) start at 1 and increase by one per
-evaluation. No torch here.
+concurrent cancel and completion safe; the allowed moves are
+:data:`service.jobs.states.TRANSITIONS`. lm-eval's results are stored once, in their own table: the
+``result`` event on the stream holds no copy (the API fills it in from the results table when it
+sends it). Event numbers (``seq``) start at 1 and increase by one per evaluation. No torch here.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from actors.errors import EvaluationNotFoundError
-from service.spec import ACTIVE_STATUSES, EvaluationStatus
+from service.jobs.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,8 @@ class _EvaluationRow(_Base):
     number: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(32), unique=True, index=True)
     status: Mapped[str] = mapped_column(String(16), index=True)
-    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The column keeps its first name ("spec") so that databases written before stay readable.
+    config: Mapped[dict[str, Any]] = mapped_column("spec", JSON)
     resources: Mapped[dict[str, float]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(_UTCDateTime)
     started_at: Mapped[datetime | None] = mapped_column(_UTCDateTime, nullable=True)
@@ -112,14 +115,15 @@ class _SamplesRow(_Base):
 class EvaluationRecord:
     """One stored evaluation, detached from the database.
 
-    ``progress`` is ``{"phases": {request type: {done, total, tokens_per_s, ...}}}``;
-    ``runner_cursor`` is the last runner event already turned into stored events.
+    ``config`` is ``EvaluationConfig.to_json()``; ``progress`` is
+    ``{"phases": {request type: {done, total, tokens_per_s, ...}}}``; ``runner_cursor``
+    is the last runner event already turned into stored events.
     """
 
     id: str
     number: int
     status: EvaluationStatus
-    spec: dict[str, Any]
+    config: dict[str, Any]
     resources: dict[str, float]
     created_at: datetime
     started_at: datetime | None
@@ -135,18 +139,18 @@ class EventRecord:
     """One event of an evaluation's stream."""
 
     seq: int
-    type: str
+    type: EventKind
     data: dict[str, Any]
     created_at: datetime
 
 
-#: An event about to be stored: its type and its JSON-able payload.
-NewEvent = tuple[str, dict[str, Any]]
+#: An event about to be stored: its kind and its JSON-able payload.
+NewEvent = tuple[EventKind, dict[str, Any]]
 
 
 def state_event(status: EvaluationStatus, error: str | None = None) -> NewEvent:
     """The event that records a state change."""
-    return ("state", {"status": status.value, "error": error})
+    return (EventKind.STATE, {"status": status.value, "error": error})
 
 
 class EvaluationStore:
@@ -170,12 +174,12 @@ class EvaluationStore:
         self._engine.dispose()
 
     # ------------------------------------------------------------------------ writes
-    def create(self, spec: dict[str, Any], resources: dict[str, float]) -> EvaluationRecord:
+    def create(self, config: dict[str, Any], resources: dict[str, float]) -> EvaluationRecord:
         """Store a new queued evaluation (and its first event) and return it."""
         row = _EvaluationRow(
             id=uuid.uuid4().hex[:16],
             status=EvaluationStatus.QUEUED.value,
-            spec=spec,
+            config=config,
             resources=resources,
             created_at=_now(),
             progress={"phases": {}},
@@ -193,15 +197,21 @@ class EvaluationStore:
         self,
         evaluation_id: str,
         to: EvaluationStatus,
-        expect: Iterable[EvaluationStatus],
+        only_from: Iterable[EvaluationStatus] | None = None,
         error: str | None = None,
         events: Sequence[NewEvent] = (),
     ) -> bool:
-        """Move an evaluation to ``to`` if it is in one of ``expect``; append ``events`` + state.
+        """Move an evaluation to ``to`` if the state machine allows it; append ``events`` + state.
+
+        Args:
+            only_from: Narrow the allowed source states further (default: every state that may
+                move to ``to``).
 
         Returns:
             True if this call made the change; False if the evaluation was in another state.
         """
+        allowed = EvaluationStatus.sources_of(to)
+        expect = allowed if only_from is None else allowed & frozenset(only_from)
         values: dict[str, Any] = {"status": to.value}
         if to is EvaluationStatus.STARTING:
             values["started_at"] = _now()
@@ -252,7 +262,7 @@ class EvaluationStore:
             results_json: The results file exactly as lm-eval wrote it.
             samples: Per task, the samples file exactly as lm-eval wrote it (JSONL).
             stats: rayeval's throughput figures per request type.
-            events: Appended before the final state event.
+            events: Appended before the ``result`` event and the final state event.
 
         Returns:
             False (and nothing stored) if the evaluation was no longer active.
@@ -261,7 +271,7 @@ class EvaluationStore:
             if not _update_if(
                 session,
                 evaluation_id,
-                ACTIVE_STATUSES,
+                EvaluationStatus.sources_of(EvaluationStatus.SUCCEEDED),
                 status=EvaluationStatus.SUCCEEDED.value,
                 finished_at=_now(),
                 error=None,
@@ -273,7 +283,9 @@ class EvaluationStore:
             for task, jsonl in samples.items():
                 session.add(_SamplesRow(evaluation_id=evaluation_id, task=task, jsonl=jsonl))
             _append_events(
-                session, evaluation_id, [*events, state_event(EvaluationStatus.SUCCEEDED)]
+                session,
+                evaluation_id,
+                [*events, (EventKind.RESULT, {}), state_event(EvaluationStatus.SUCCEEDED)],
             )
             return True
 
@@ -343,7 +355,7 @@ class EvaluationStore:
                 .order_by(_EventRow.seq)
                 .limit(limit)
             ).all()
-            return [EventRecord(r.seq, r.type, r.data, r.created_at) for r in rows]
+            return [EventRecord(r.seq, EventKind(r.type), r.data, r.created_at) for r in rows]
 
     def results_json(self, evaluation_id: str) -> tuple[str, dict[str, Any]] | None:
         """The stored lm-eval results file and rayeval's stats, or None if there are none."""
@@ -427,7 +439,7 @@ def _record(row: _EvaluationRow) -> EvaluationRecord:
         id=row.id,
         number=row.number,
         status=EvaluationStatus(row.status),
-        spec=row.spec,
+        config=row.config,
         resources=row.resources,
         created_at=row.created_at,
         started_at=row.started_at,

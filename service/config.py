@@ -1,0 +1,554 @@
+"""One evaluation's configuration, declared once for every entry point.
+
+:class:`EvaluationConfig` is what an evaluation *is*: the model, the tasks, lm-eval's options
+(same names and meanings as ``lm_eval run``), the layout and the timeouts, each with its default
+and its validation. It is built from a REST body (it *is* the body of ``POST /evaluations``), from
+``rayeval run``'s flags (:func:`api.cli` derives rayeval's own flags from its fields) or from
+Python, stored as JSON by the job service, and handed unchanged to the runner and the engine.
+
+Where an evaluation runs and writes — output path, task directories, the Ray address, lm-eval's
+trackers and caches — is not part of it: :class:`HostOptions` carries that, set by whoever runs
+the evaluation (the CLI's user, or the server operator), never by a REST client.
+
+Errors name the field; :func:`field_path` turns pydantic's error location into the dotted REST
+name and :func:`cli_flag` into the ``rayeval run`` flag, so each door reports in its own words.
+No torch here: the API process imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from actors.errors import ConfigError
+from actors.group import Timeouts
+from actors.layout import DeviceKind, ParallelLayout
+
+#: lm-eval's default seeds for random, numpy, torch and few-shot sampling (its ``DEFAULT_SEED``).
+DEFAULT_SEED: tuple[int, int, int, int] = (0, 1234, 1234, 1234)
+#: lm-eval's default number of bootstrap iterations for metric standard errors.
+DEFAULT_BOOTSTRAP_ITERS = 100000
+#: Padded tokens per micro-batch with ``batch_size=auto`` when ``max_batch_tokens`` is unset.
+DEFAULT_MAX_BATCH_TOKENS = 8192
+#: Rows per micro-batch with ``batch_size=auto`` when ``max_batch_size`` is unset.
+DEFAULT_MAX_BATCH_ROWS = 64
+
+#: Names lm-eval gives its Hugging Face backend; rayeval runs exactly that backend.
+HF_MODEL_NAMES = frozenset({"hf", "hf-auto", "huggingface"})
+
+#: lm-eval HF model args that rayeval replaces or does not support, and what to do instead.
+UNSUPPORTED_MODEL_ARGS = {
+    "parallelize": "rayeval shards the model itself: use --shard_size instead",
+    "device_map": "rayeval places the model itself: use --shard_size instead",
+    "max_memory_per_gpu": "rayeval places the model itself: use --shard_size instead",
+    "max_cpu_memory": "rayeval places the model itself: use --shard_size instead",
+    "offload_folder": "CPU offload is not supported: use a larger --shard_size",
+    "tp_plan": "tensor parallelism is not supported: use --shard_size (FSDP2) instead",
+    "peft": "PEFT adapters are not supported yet: merge the adapter into the model first",
+    "delta": "delta weights are not supported yet: merge them into the model first",
+    "autogptq": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
+    "gptqmodel": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
+    "gguf_file": "GGUF checkpoints are not supported: use a safetensors checkpoint",
+}
+
+#: lm-eval ``run`` options that are the host's, not the evaluation's, and why a body can't set
+#: them. (The layout keys are here because a flat ``num_replicas`` is a common mistake.)
+HOST_ONLY_OPTIONS = {
+    "include_path": "task directories come only from the server's --include-path; ask the "
+    "server operator to add yours",
+    "output_path": "the server keeps results: read them from GET /evaluations/{id}/results",
+    "use_cache": "model-output caches are server files: not settable by a request",
+    "cache_requests": "request caches are server files: not settable by a request",
+    "trust_remote_code": "running code from model or dataset repositories is the server "
+    "operator's decision: not settable by a request",
+    "confirm_run_unsafe_code": "executing model-generated code is the server operator's "
+    "decision: not settable by a request",
+    "wandb_args": "logging integrations run on the server: not settable by a request",
+    "wandb_config_args": "logging integrations run on the server: not settable by a request",
+    "hf_hub_log_args": "logging integrations run on the server: not settable by a request",
+    "trackio_args": "logging integrations run on the server: not settable by a request",
+    "check_integrity": "task integrity tests run on the server: not settable by a request",
+    "write_out": "prompt printing goes to the server's log: not settable by a request",
+    "show_config": "task configs are in the results: read them from GET /evaluations/{id}/results",
+    "verbosity": "the server's log level is the operator's: not settable by a request",
+    "config": "send the options themselves in the body",
+    "num_replicas": 'put it under "parallelism": {"num_replicas": R, "shard_size": G}',
+    "shard_size": 'put it under "parallelism": {"num_replicas": R, "shard_size": G}',
+    "cpus_per_rank": 'put it under "parallelism": {"cpus_per_rank": N}',
+    "address": "the server's Ray cluster is fixed by its --ray-address",
+    "placement_timeout": 'put it under "timeouts": {"placement_s": ...}',
+    "load_timeout": 'put it under "timeouts": {"load_s": ...}',
+    "step_timeout": 'put it under "timeouts": {"step_s": ...}',
+    "collective_timeout": 'put it under "timeouts": {"collective_s": ...}',
+}
+
+_EXAMPLE: dict[str, Any] = {
+    "model": "hf",
+    "model_args": {"pretrained": "/models/llama-3-8b", "dtype": "bfloat16"},
+    "tasks": ["hellaswag", "arc_easy"],
+    "num_fewshot": 0,
+    "batch_size": "auto",
+    "log_samples": True,
+    "parallelism": {"num_replicas": 2, "shard_size": 2},
+}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Parallelism(_Frozen):
+    """The layout: R data-parallel replicas x G ranks per replica (one GPU or CPU slot each)."""
+
+    num_replicas: int = Field(
+        default=1, ge=1, le=4096, description="R: data-parallel replicas of the model."
+    )
+    shard_size: int = Field(
+        default=1, ge=1, le=4096, description="G: ranks per replica; FSDP2 over them if > 1."
+    )
+    cpus_per_rank: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="CPU slots per rank (on CPU ranks also torch's threads).",
+    )
+
+
+class TimeoutSettings(_Frozen):
+    """Every wait of the run, in seconds; the defaults are the rank side's own."""
+
+    placement_s: float = Field(
+        default=Timeouts.placement_s,
+        gt=0,
+        description="Seconds to wait for the cluster to provide the layout's resources.",
+    )
+    load_s: float = Field(
+        default=Timeouts.load_s, gt=0, description="Seconds for every rank to load the model."
+    )
+    step_s: float = Field(
+        default=Timeouts.step_s,
+        gt=0,
+        description="Seconds one batch may take on one replica before the run fails.",
+    )
+    collective_s: float = Field(
+        default=Timeouts.collective_s,
+        gt=0,
+        description="Seconds one collective may take inside a replica.",
+    )
+
+    def for_ranks(self) -> Timeouts:
+        """The same values as the rank side's value object."""
+        return Timeouts(**self.model_dump())
+
+
+class EngineConfig(_Frozen):
+    """What the engine needs of an evaluation: the model, its layout, batching and timeouts.
+
+    :class:`EvaluationConfig` adds the tasks and lm-eval's options; the Python API
+    (``RayEvalLM(pretrained=..., num_replicas=...)``) builds this part alone with
+    :meth:`from_kwargs`.
+    """
+
+    model_args: dict[str, Any] = Field(
+        ...,
+        description='lm-eval model args, as an object or as "pretrained=...,dtype=..."; '
+        "pretrained (hub id or a path on the server) is required.",
+    )
+    batch_size: int | str = Field(
+        default="auto", description='An integer, "auto" or "auto:N" (rows per micro-batch).'
+    )
+    max_batch_size: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_batch_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**40,
+        description=f"Padded tokens per micro-batch with batch_size auto "
+        f"(default {DEFAULT_MAX_BATCH_TOKENS}).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="What a rank holds; auto: GPUs when the cluster has any."
+    )
+    seed: int | tuple[int | None, ...] = Field(
+        default=DEFAULT_SEED, description="One seed, or seeds for random, numpy, torch, few-shot."
+    )
+    parallelism: Parallelism = Parallelism()
+    timeouts: TimeoutSettings = TimeoutSettings()
+
+    @classmethod
+    def from_kwargs(cls, pretrained: str, **options: Any) -> EngineConfig:
+        """The Python API's keywords: this class's fields, the layout's and the timeouts' fields
+        given flat (``num_replicas=2``, ``step_s=60``), and lm-eval HF model args for the rest.
+
+        Raises:
+            ConfigError: naming every bad keyword.
+        """
+        from pydantic import ValidationError
+
+        data: dict[str, Any] = {"model_args": {"pretrained": pretrained}}
+        flat: dict[str, dict[str, Any]] = {group: {} for group in _GROUPS}
+        for key, value in options.items():
+            group = next((g for g, model in _GROUPS.items() if key in model.model_fields), None)
+            if key in cls.model_fields and key != "model_args":
+                data[key] = value
+            elif group is not None:
+                flat[group][key] = value
+            else:
+                data["model_args"][key] = value
+        for group, values in flat.items():  # flat keys refine a group given whole
+            if values:
+                whole = data.get(group) or {}
+                if isinstance(whole, Timeouts):
+                    whole = asdict(whole)
+                elif isinstance(whole, BaseModel):
+                    whole = whole.model_dump()
+                data[group] = {**whole, **values}
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(describe_errors(exc, lambda path: path[-1])) from None
+
+    @property
+    def pretrained(self) -> str:
+        """The model's hub id or path."""
+        return str(self.model_args["pretrained"])
+
+    @property
+    def seeds(self) -> tuple[int | None, ...]:
+        """One seed per generator (random, numpy, torch, few-shot), as lm-eval expands them."""
+        if isinstance(self.seed, int):
+            return (self.seed,) * len(DEFAULT_SEED)
+        return self.seed
+
+    def layout(self, device: DeviceKind | None = None) -> ParallelLayout:
+        """The layout this evaluation reserves.
+
+        Args:
+            device: What the ranks hold; default this config's device, which must then be
+                resolved (not ``auto``).
+        """
+        return ParallelLayout(
+            self.parallelism.num_replicas,
+            self.parallelism.shard_size,
+            device=device or DeviceKind(self.device),
+            cpus_per_rank=self.parallelism.cpus_per_rank,
+        )
+
+    @field_validator("model_args", mode="before")
+    @classmethod
+    def _parse_model_args(cls, value: Any) -> Any:
+        return _parse_args_string(value)
+
+    @field_validator("model_args")
+    @classmethod
+    def _model_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not value.get("pretrained"):
+            raise ValueError('needs pretrained: e.g. {"pretrained": "org/model-name"}')
+        problems = [
+            f"{key}: {why}" for key, why in UNSUPPORTED_MODEL_ARGS.items() if value.get(key)
+        ]
+        if value.get("backend", "default") not in ("default", "causal"):
+            problems.append("backend: only causal (decoder-only) models are supported")
+        if problems:
+            raise ValueError("unsupported — " + "; ".join(problems))
+        return value
+
+    @field_validator("batch_size")
+    @classmethod
+    def _batch_size(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+            return int(value)
+        if isinstance(value, str) and value.startswith("auto"):
+            rest = value.removeprefix("auto")
+            if not rest or (rest.startswith(":") and rest[1:].isdigit() and int(rest[1:]) >= 1):
+                return value
+        raise ValueError(f'{value!r} is not a batch size: use an integer >= 1, "auto" or "auto:N"')
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_kind(cls, value: Any) -> Any:
+        # lm-eval's --device takes "cuda:0"; a rank's device index is Ray's business.
+        return value.split(":")[0] if isinstance(value, str) else value
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed_tuple(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("timeouts", mode="before")
+    @classmethod
+    def _rank_timeouts(cls, value: Any) -> Any:
+        return asdict(value) if isinstance(value, Timeouts) else value
+
+
+_GROUPS: dict[str, type[BaseModel]] = {"parallelism": Parallelism, "timeouts": TimeoutSettings}
+
+
+class EvaluationConfig(EngineConfig):
+    """An evaluation: lm-eval's options (same names and meanings) plus the layout and timeouts."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        protected_namespaces=(),
+        json_schema_extra={"examples": [_EXAMPLE]},
+    )
+
+    model: str = Field(default="hf", description='lm-eval model name; only "hf" is supported.')
+    tasks: tuple[str, ...] = Field(
+        ..., description="Task, group or tag names (glob patterns allowed), or 'a,b'."
+    )
+    num_fewshot: int | None = Field(default=None, ge=0, le=10_000)
+    limit: float | None = Field(default=None, gt=0, description="Docs per task (< 1: a fraction).")
+    samples: dict[str, tuple[int, ...]] | None = Field(
+        default=None, description="Per task, the doc indices to evaluate (instead of limit)."
+    )
+    log_samples: bool = False
+    predict_only: bool = False
+    gen_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description='Generation overrides, object or "k=v,k2=v2".'
+    )
+    apply_chat_template: bool | str = False
+    system_instruction: str | None = None
+    fewshot_as_multiturn: bool | None = None
+    bootstrap_iters: int = Field(
+        default=DEFAULT_BOOTSTRAP_ITERS,
+        ge=0,
+        le=10_000_000,
+        description="Bootstrap iterations for metric stderrs (0 skips them).",
+    )
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    # ------------------------------------------------------------------ validation
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_host_options(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refused = [f"{key}: {why}" for key, why in HOST_ONLY_OPTIONS.items() if key in data]
+            if refused:
+                raise ValueError("; ".join(refused))
+        return data
+
+    @field_validator("model")
+    @classmethod
+    def _hf_only(cls, value: str) -> str:
+        if value not in HF_MODEL_NAMES:
+            raise ValueError(
+                f"{value!r} is not supported: rayeval runs lm-eval's Hugging Face backend, "
+                'use "hf"'
+            )
+        return value
+
+    @field_validator("gen_kwargs", mode="before")
+    @classmethod
+    def _parse_gen_kwargs(cls, value: Any) -> Any:
+        return _parse_args_string(value)
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _split_tasks(cls, value: Any) -> Any:
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, list | tuple):
+            items = [t for item in items for t in str(item).split(",")]
+            return tuple(dict.fromkeys(t.strip() for t in items if t.strip()))
+        return value
+
+    @field_validator("tasks")
+    @classmethod
+    def _some_task(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError('name at least one task, e.g. ["hellaswag"]')
+        return value
+
+    # ------------------------------------------------------------------ conversions
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (what the store keeps); :meth:`from_json` reads it back."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> EvaluationConfig:
+        """Rebuild a config from :meth:`to_json` output (or a row stored by rayeval 0.1's flat
+        layout fields, which are moved under ``parallelism``)."""
+        values = dict(data)
+        flat = {k: values.pop(k) for k in Parallelism.model_fields if k in values}
+        if flat:
+            values["parallelism"] = {**values.get("parallelism", {}), **flat}
+        return cls.model_validate(values)
+
+    def with_device(self, device: DeviceKind) -> EvaluationConfig:
+        """This config with ``device`` pinned (done once, at submission, against the cluster)."""
+        return self.model_copy(update={"device": device.value})
+
+    def evaluator_config(self, host: HostOptions) -> Any:
+        """lm-eval's ``EvaluatorConfig`` for this evaluation on ``host``, validated by lm-eval.
+
+        Returns:
+            A configured ``lm_eval.config.evaluate_config.EvaluatorConfig``.
+
+        Raises:
+            ConfigError: lm-eval rejected a combination of options (message says which).
+        """
+        from lm_eval.config.evaluate_config import EvaluatorConfig
+
+        cfg = EvaluatorConfig(
+            **dict(host.lm_eval),
+            model=self.model,
+            model_args=dict(self.model_args),
+            tasks=list(self.tasks),
+            num_fewshot=self.num_fewshot,
+            batch_size=self.batch_size,  # type: ignore[arg-type]  # lm-eval takes "auto" too
+            max_batch_size=self.max_batch_size,
+            device=self.device,
+            limit=self.limit,
+            samples={k: list(v) for k, v in self.samples.items()} if self.samples else None,
+            log_samples=self.log_samples,
+            predict_only=self.predict_only,
+            output_path=host.output_path,
+            system_instruction=self.system_instruction,
+            apply_chat_template=self.apply_chat_template,
+            fewshot_as_multiturn=self.fewshot_as_multiturn,
+            include_path=list(host.include_paths) or None,  # type: ignore[arg-type]  # lists work
+            gen_kwargs=dict(self.gen_kwargs),
+            seed=list(self.seed) if isinstance(self.seed, tuple) else self.seed,
+            metadata=dict(self.metadata),
+        )
+        try:
+            return cfg._configure()
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{exc} (fix this option of the evaluation)") from None
+
+
+#: Fields of lm-eval's ``EvaluatorConfig`` that :class:`HostOptions` carries, not the config.
+LM_EVAL_HOST_FIELDS = frozenset(
+    {
+        "use_cache",
+        "cache_requests",
+        "check_integrity",
+        "write_out",
+        "show_config",
+        "verbosity",
+        "wandb_args",
+        "wandb_config_args",
+        "hf_hub_log_args",
+        "trackio_args",
+        "trust_remote_code",
+        "confirm_run_unsafe_code",
+    }
+)
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    """Where and how one evaluation runs, outside what it is.
+
+    Args:
+        output_path: Where lm-eval writes result and sample files (None: nowhere).
+        include_paths: Directories of task YAMLs.
+        address: Ray cluster address; None: ``RAY_ADDRESS`` or an embedded local Ray.
+        name: Placement-group name / actor-name prefix (default: a random id).
+        lm_eval: lm-eval's own host options (keys of :data:`LM_EVAL_HOST_FIELDS`), verbatim.
+    """
+
+    output_path: str | None = None
+    include_paths: tuple[str, ...] = ()
+    address: str | None = None
+    name: str | None = None
+    lm_eval: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.lm_eval) - LM_EVAL_HOST_FIELDS)
+        if unknown:
+            raise ConfigError(f"not lm-eval host options: {unknown}")
+
+
+#: ``rayeval run`` flags of the config fields that lm-eval's own parser does not have; every other
+#: field has lm-eval's flag of the same name.
+RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
+    ("parallelism", "num_replicas"): "--num_replicas",
+    ("parallelism", "shard_size"): "--shard_size",
+    ("parallelism", "cpus_per_rank"): "--cpus_per_rank",
+    ("max_batch_tokens",): "--max_batch_tokens",
+    ("timeouts", "placement_s"): "--placement_timeout",
+    ("timeouts", "load_s"): "--load_timeout",
+    ("timeouts", "step_s"): "--step_timeout",
+    ("timeouts", "collective_s"): "--collective_timeout",
+    ("bootstrap_iters",): "--bootstrap_iters",
+}
+
+
+def field_path(loc: Sequence[Any]) -> tuple[str, ...]:
+    """A pydantic error location as a config field path (list indices and dict keys dropped)."""
+    path: list[str] = []
+    model: type[BaseModel] | None = EvaluationConfig
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            break
+        path.append(part)
+        annotation = model.model_fields[part].annotation
+        model = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
+    return tuple(path)
+
+
+def cli_flag(path: Sequence[str]) -> str:
+    """The ``rayeval run`` flag that sets the config field at ``path``."""
+    return RAYEVAL_FLAGS.get(tuple(path)) or f"--{path[0]}"
+
+
+def config_field_paths() -> list[tuple[str, ...]]:
+    """Every leaf field of :class:`EvaluationConfig`, nested groups expanded."""
+    paths: list[tuple[str, ...]] = []
+    for name, info in EvaluationConfig.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            paths += [(name, sub) for sub in annotation.model_fields]
+        else:
+            paths.append((name,))
+    return paths
+
+
+def field_info(path: Sequence[str]) -> Any:
+    """Pydantic's ``FieldInfo`` of the field at ``path`` (default, description, bounds)."""
+    model: type[BaseModel] = EvaluationConfig
+    for part in path[:-1]:
+        annotation = model.model_fields[part].annotation
+        assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        model = annotation
+    return model.model_fields[path[-1]]
+
+
+def describe_errors(exc: Any, name: Any) -> str:
+    """A pydantic ``ValidationError`` as one message, each field named by ``name(path)``."""
+    problems = []
+    for error in exc.errors():
+        path = field_path(error.get("loc", ()))
+        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        where = name(path) if path else "options"
+        if error.get("type") == "extra_forbidden":
+            problems.append(f"unknown option {'.'.join(map(str, error['loc']))!r}")
+        elif error.get("type", "").startswith(("greater", "less")):
+            problems.append(f"{where}: {message}, got {error.get('input')!r}")
+        else:
+            problems.append(f"{where}: {message}")
+    return "; ".join(dict.fromkeys(problems))
+
+
+def _parse_args_string(value: Any) -> Any:
+    """lm-eval's ``key=value,key2=value2`` form as a dict (other values unchanged)."""
+    if isinstance(value, str):
+        from lm_eval.utils import simple_parse_args_string
+
+        try:
+            return simple_parse_args_string(value)
+        except (ValueError, IndexError):
+            raise ValueError(
+                f"cannot parse {value!r}: use key=value pairs separated by commas"
+            ) from None
+    return value

@@ -1,0 +1,117 @@
+"""The one configuration object: every door derives from it, and each door names its own fields.
+
+No Ray here: these check the declarations themselves (fast tier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from service.config import (
+    LM_EVAL_HOST_FIELDS,
+    RAYEVAL_FLAGS,
+    EngineConfig,
+    EvaluationConfig,
+    HostOptions,
+    cli_flag,
+    config_field_paths,
+    describe_errors,
+)
+
+BASE: dict[str, Any] = {"model_args": {"pretrained": "org/model"}, "tasks": ["demo_mc"]}
+
+
+def _run_flags() -> dict[str, Any]:
+    """``rayeval run``'s flags: option string -> argparse action."""
+    import argparse
+
+    from api.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    run = sub.choices["run"]
+    return {flag: action for action in run._actions for flag in action.option_strings}
+
+
+def test_every_config_field_has_a_cli_flag_with_the_config_default() -> None:
+    flags = _run_flags()
+    for path in config_field_paths():
+        flag = cli_flag(path)
+        assert flag in flags, f"config field {'.'.join(path)} has no `rayeval run` flag {flag}"
+    for path, flag in RAYEVAL_FLAGS.items():
+        default = EvaluationConfig.model_validate(BASE)
+        for part in path:
+            default = getattr(default, part)
+        assert flags[flag].default == default, (flag, flags[flag].default, default)
+
+
+def test_every_lm_eval_option_is_the_config_s_or_the_host_s() -> None:
+    """A new lm-eval option fails here until it is given a home (config or host)."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    ours = {path[0] for path in config_field_paths()} | LM_EVAL_HOST_FIELDS
+    ours |= {"output_path", "include_path", "config"}  # HostOptions' own fields; YAML input
+    missing = {f.name for f in fields(EvaluatorConfig)} - ours
+    assert not missing, f"lm-eval options with no place in rayeval: {sorted(missing)}"
+
+
+def test_rest_body_is_the_config() -> None:
+    from api.app import create_app
+    from api.schemas import EvaluationCreate
+    from api.settings import Settings
+
+    assert EvaluationCreate is EvaluationConfig
+    schema = create_app(Settings()).openapi()["components"]["schemas"]
+    assert set(schema["EvaluationConfig"]["properties"]) == set(EvaluationConfig.model_fields)
+    assert schema["Parallelism"]["properties"]["num_replicas"]["minimum"] == 1
+
+
+def test_round_trip_and_frozen() -> None:
+    config = EvaluationConfig.model_validate(
+        {**BASE, "model_args": "pretrained=org/model,dtype=float32", "tasks": "a, b,a"}
+    )
+    assert config.tasks == ("a", "b") and config.model_args["dtype"] == "float32"
+    assert EvaluationConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValidationError):
+        config.limit = 3  # type: ignore[misc]
+    # A row stored by rayeval 0.1 (layout fields flat) still reads.
+    legacy = {**config.to_json(), "num_replicas": 2}
+    del legacy["parallelism"]
+    assert EvaluationConfig.from_json(legacy).parallelism.num_replicas == 2
+
+
+def test_errors_name_rest_fields_and_cli_flags() -> None:
+    bad = {**BASE, "model": "vllm", "parallelism": {"num_replicas": 0}, "timeouts": {"step_s": 0}}
+    with pytest.raises(ValidationError) as caught:
+        EvaluationConfig.model_validate(bad)
+    cli = describe_errors(caught.value, cli_flag)
+    assert "--num_replicas: Input should be greater than or equal to 1, got 0" in cli
+    assert "--step_timeout:" in cli and "--model: 'vllm' is not supported" in cli
+    rest = describe_errors(caught.value, ".".join)
+    assert "parallelism.num_replicas:" in rest and "timeouts.step_s:" in rest
+
+
+def test_python_keywords_split_into_layout_timeouts_and_model_args() -> None:
+    from actors.errors import ConfigError
+    from actors.group import Timeouts
+
+    config = EngineConfig.from_kwargs(
+        "org/model", num_replicas=2, step_s=5, timeouts=Timeouts(load_s=9), dtype="float32"
+    )
+    assert config.parallelism.num_replicas == 2 and config.model_args["dtype"] == "float32"
+    assert config.timeouts.load_s == 9 and config.timeouts.step_s == 5
+    with pytest.raises(ConfigError, match="shard_size: Input should be greater than or equal"):
+        EngineConfig.from_kwargs("org/model", shard_size=-2)
+    with pytest.raises(ConfigError, match="parallelize: rayeval shards"):
+        EngineConfig.from_kwargs("org/model", parallelize=True)
+
+
+def test_host_options_take_only_lm_eval_host_fields() -> None:
+    from actors.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not lm-eval host options"):
+        HostOptions(lm_eval={"limit": 3})
