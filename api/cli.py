@@ -291,7 +291,8 @@ def _run(args: argparse.Namespace) -> int:
         print(make_table(results, "groups"))
     for phase, stats in output.stats.items():
         print(
-            f"{phase}: {stats['requests']} requests in {stats['micro_batches']} micro-batches, "
+            f"{phase}: {stats['requests']} requests computed in {stats['micro_batches']} "
+            f"micro-batches ({stats['cached']} answered from the cache), "
             f"{stats['tokens_per_s']:,.0f} tokens/s, "
             f"real-token fraction {stats['real_token_fraction']:.3f}, replica utilisation "
             + ", ".join(f"r{r}={u:.0%}" for r, u in stats["replica_utilisation"].items())

@@ -75,3 +75,45 @@ def test_bad_input_is_a_clear_error(
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+def test_use_cache_never_serves_one_model_s_answers_to_another(
+    demo: Any, ray_session: None, tmp_path: Path, capsys: Any
+) -> None:
+    """Two models on one --use_cache path each get their own results; a rerun computes nothing."""
+    from service.demo import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", arch="gpt2", seed=1, train_steps=20)
+    cache = str(tmp_path / "cache" / "run")
+
+    def args_for(model_dir: Any) -> list[str]:
+        args = demo_cli_args(demo)
+        args[args.index("--model_args") + 1] = f"pretrained={model_dir},dtype=float32"
+        return args
+
+    def run(model_dir: Any, out: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+        argv = ["run", *args_for(model_dir), "--use_cache", cache]
+        status = main([*argv, "--output_path", str(tmp_path / out)])
+        assert status == 0
+        _, results, samples = read_outputs(tmp_path / out)
+        return results, samples, capsys.readouterr().out
+
+    first, first_samples, _ = run(demo.model_dir, "a1")
+    second, second_samples, printed = run(other, "b1")
+    assert "(0 answered from the cache)" in printed, "the other model got cached answers"
+    run_lm_eval_cli(["run", *args_for(other), "--device", "cpu", "--batch_size", "4",
+                     "--output_path", str(tmp_path / "ref")])  # fmt: skip
+    _, reference, reference_samples = read_outputs(tmp_path / "ref")
+    assert_same_results(
+        {"results": reference["results"], "samples": reference_samples},
+        {"results": second["results"], "samples": second_samples},
+    )
+    assert first["results"] != second["results"]
+
+    again, again_samples, printed = run(demo.model_dir, "a2")
+    assert "0 requests computed in 0 micro-batches" in printed, printed
+    assert_same_results(
+        {"results": first["results"], "samples": first_samples},
+        {"results": again["results"], "samples": again_samples},
+        exact=True,
+    )

@@ -155,8 +155,10 @@ async def stream_events(
     """Every event of the evaluation from the first one (or after Last-Event-ID), then live ones.
 
     Events: ``state`` (status changes, with the error on failure), ``progress`` (per request
-    type, plus overall totals), ``task_result`` (one per task and group, when the evaluation
-    ends: lm-eval computes metrics for all tasks together), ``result`` (lm-eval's results JSON).
+    type, plus overall totals), ``warning`` (a task has loglikelihood requests whose tokens do
+    not measure it: ``{task, counts, example}``), ``task_result`` (one per task and group,
+    when the evaluation ends: lm-eval computes metrics for all tasks together), ``result``
+    (lm-eval's results JSON).
     The stream ends after the terminal ``state`` event. Each event's id is its number.
     """
     seq = _resume_point(last_event_id, after)

@@ -33,6 +33,7 @@ class StepDone:
     replica: int
     micro_batches: tuple[int, ...]
     stats: tuple[StepStats, ...]
+    results: tuple[Any, ...]  # one per entry of ``micro_batches``
 
 
 def run_steps(
@@ -133,7 +134,13 @@ def run_steps(
                 results[i], filled[i] = result, True
             if on_step is not None:
                 on_step(
-                    StepDone(step, index, tuple(steps[step]), tuple(stats for _, stats in outputs))
+                    StepDone(
+                        step,
+                        index,
+                        tuple(steps[step]),
+                        tuple(stats for _, stats in outputs),
+                        tuple(results[i] for i in steps[step]),
+                    )
                 )
         refill()
     return results

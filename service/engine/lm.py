@@ -50,9 +50,16 @@ from service.config import (
     EngineConfig,
     HostOptions,
 )
+from service.engine.checks import (
+    Flagged,
+    RequestReport,
+    check_empty_context_pairs,
+    inspect_requests,
+)
 from service.engine.cluster import connect, pick_device
 from service.engine.dispatch import StepDone, run_steps
 from service.engine.planner import GenerateRequest, TokenBudget, plan_generate, plan_score
+from service.engine.response_cache import generate_key, open_cache, score_key
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +95,7 @@ class PhaseStats:
     """Throughput figures of one request type (for reports and benchmarks)."""
 
     requests: int = 0
+    cached: int = 0
     micro_batches: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
@@ -113,6 +121,7 @@ class PhaseStats:
         """The figures as plain data (for logs, JSON and the CLI)."""
         return {
             "requests": self.requests,
+            "cached": self.cached,
             "micro_batches": self.micro_batches,
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
@@ -136,10 +145,13 @@ class RayEvalLM(TemplateLM):
         config: The engine's configuration (instead of ``pretrained`` and ``options``).
         host: Where it runs: the Ray address and the actors' name prefix.
         on_progress: Called after every finished step.
+        on_warning: Called with ``{task, counts, example}`` when a task has loglikelihood
+            requests whose tokens do not measure it (see :mod:`service.engine.checks`).
         **options: :meth:`EngineConfig.from_kwargs`'s keywords: ``num_replicas``, ``shard_size``,
             ``cpus_per_rank``, ``batch_size``, ``max_batch_size``, ``max_batch_tokens``,
-            ``device``, ``seed``, ``timeouts`` (or ``placement_s``, ``load_s``, ...), ``address``
-            and ``name``; the rest are lm-eval's HF model args (``dtype``, ``revision``, ...).
+            ``device``, ``seed``, ``timeouts`` (or ``placement_s``, ``load_s``, ...), ``address``,
+            ``name`` and ``use_cache`` (a path prefix: :mod:`service.engine.response_cache`);
+            the rest are lm-eval's HF model args (``dtype``, ``revision``, ...).
 
     Raises:
         ConfigError: a bad option or an unsupported model arg.
@@ -153,11 +165,17 @@ class RayEvalLM(TemplateLM):
         config: EngineConfig | None = None,
         host: HostOptions | None = None,
         on_progress: Callable[[Progress], None] | None = None,
+        on_warning: Callable[[dict[str, Any]], None] | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         if host is None:
-            host = HostOptions(address=options.pop("address", None), name=options.pop("name", None))
+            use_cache = options.pop("use_cache", None)
+            host = HostOptions(
+                address=options.pop("address", None),
+                name=options.pop("name", None),
+                lm_eval={"use_cache": use_cache} if use_cache else {},
+            )
         if config is None:
             if pretrained is None:
                 raise ConfigError("pass pretrained=<hub id or local path> (or a config)")
@@ -169,11 +187,16 @@ class RayEvalLM(TemplateLM):
         self.batch_sizes: dict[int, int] = {}
         self._timeouts = config.timeouts.for_ranks()
         self._on_progress = on_progress
+        self._on_warning = on_warning
+        self._origins: list[tuple[str, Any]] | None = None
         self.stats: dict[str, PhaseStats] = {}
+        #: Degenerate loglikelihood requests seen so far, per task and kind (see engine.checks).
+        self.request_report = RequestReport()
         self.pretrained = config.pretrained
         model_args = {k: v for k, v in config.model_args.items() if k != "pretrained"}
         self._encoder, self._dtype = _build_encoder(self.pretrained, model_args)
         self.tokenizer = self._encoder.tokenizer
+        self._cache = open_cache(host.lm_eval.get("use_cache"), config.model_args)
 
         self.connection = connect(host.address, config.layout(DeviceKind.CPU))
         self.layout = config.layout(pick_device(config.device))
@@ -195,9 +218,10 @@ class RayEvalLM(TemplateLM):
         config: EngineConfig,
         host: HostOptions | None = None,
         on_progress: Callable[[Progress], None] | None = None,
+        on_warning: Callable[[dict[str, Any]], None] | None = None,
     ) -> RayEvalLM:
         """The engine for ``config`` (an :class:`EvaluationConfig` is one), started on ``host``."""
-        return cls(config=config, host=host, on_progress=on_progress)
+        return cls(config=config, host=host, on_progress=on_progress, on_warning=on_warning)
 
     # --------------------------------------------------------------------- lifecycle
     @property
@@ -212,6 +236,9 @@ class RayEvalLM(TemplateLM):
         if self._group is not None:
             self._group.shutdown()
             self._group = None
+        if self._cache is not None:
+            self._cache.close()
+            self._cache = None
 
     def __enter__(self) -> RayEvalLM:
         return self
@@ -271,18 +298,66 @@ class RayEvalLM(TemplateLM):
                 "enable_thinking=True is not compatible with loglikelihood tasks: "
                 "drop enable_thinking from model_args or run generative tasks only"
             )
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        origins = [(r.task_name, r.doc_id) for r in requests]
+        check_empty_context_pairs([r.args for r in requests], origins, self.tok_encode)
+        self._origins = origins
+        try:
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._origins = None
 
     def _loglikelihood_tokens(
         self, requests: list[Any], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
-        answers = self._score(
-            [(ctx, cont) for _, ctx, cont in requests], "loglikelihood", disable_tqdm
+        """Score tokenised pairs; answers lm-eval gives without a model call are given so too.
+
+        ``requests`` are lm-eval's ``((context, continuation), ctx_enc, cont_enc)`` in the
+        order of the Instances given to :meth:`loglikelihood` (their origins name the task
+        in reports and errors).
+        """
+        inspection = inspect_requests(
+            requests,
+            self._origins
+            if self._origins is not None and len(self._origins) == len(requests)
+            else None,
+            self.tok_encode,
+            logits_cache=bool(self.config.model_args.get("logits_cache", True)),
         )
-        for (request_str, _, _), answer in zip(requests, answers, strict=True):
+        for flagged in inspection.flagged:
+            self.request_report.add(flagged)
+        self._warn_about(inspection.flagged)
+        todo = [i for i in range(len(requests)) if i not in inspection.answers]
+        scored = self._score(
+            [(requests[i][1], requests[i][2]) for i in todo], "loglikelihood", disable_tqdm
+        )
+        answers = dict(inspection.answers) | dict(zip(todo, scored, strict=True))
+        ordered = [answers[i] for i in range(len(requests))]
+        for (request_str, _, _), answer in zip(requests, ordered, strict=True):
             if request_str is not None:
                 self.cache_hook.add_partial("loglikelihood", request_str, answer)
-        return answers
+        return ordered
+
+    def _warn_about(self, flagged: list[Flagged]) -> None:
+        """Log, and report through ``on_warning``, the degenerate requests of one call per task."""
+        by_task: dict[str, list[Flagged]] = {}
+        for item in flagged:
+            by_task.setdefault(item.task, []).append(item)
+        for task, items in by_task.items():
+            kinds = Counter(item.kind.value for item in items)
+            example = items[0]
+            logger.warning(
+                "task %s: %s loglikelihood requests whose tokens do not measure the task "
+                "(%s; e.g. doc %s, continuation %r): scored as lm-eval's hf backend scores them",
+                task,
+                sum(kinds.values()),
+                ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
+                example.doc_id,
+                example.continuation,
+            )
+            if self._on_warning is not None:
+                self._on_warning(
+                    {"task": task, "counts": dict(kinds), "example": example.example()}
+                )
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         windows: list[tuple[list[int], list[int]]] = []
@@ -315,19 +390,38 @@ class RayEvalLM(TemplateLM):
             self._generate_request(context, gen_kwargs, eos)
             for context, gen_kwargs in (r.args for r in requests)
         ]
-        plan = plan_generate(prepared, self._budget)
+        keys = [
+            generate_key(
+                request.context,
+                {
+                    "max_gen_toks": request.max_gen_toks,
+                    "until": list(request.until),
+                    "max_length": request.max_length,
+                    "kwargs": request.kwargs,
+                },
+            )
+            for request in prepared
+        ]
+        cached, todo = self._cached(keys, "generate_until")
+        plan = plan_generate([prepared[i] for i in todo], self._budget)
+        located = [
+            (keys[i], mb, (position,))
+            for i, (mb, position) in zip(todo, plan.locations, strict=True)
+        ]
         outputs = self._run(
             plan.micro_batches,
             "generate_until",
             Counter(mb for mb, _ in plan.locations),
             disable_tqdm,
+            on_result=self._store_answers(located),
         )
+        generated = dict(cached) | {
+            i: outputs[mb][position] for i, (mb, position) in zip(todo, plan.locations, strict=True)
+        }
         think_end = self._encoder.think_end_token
         texts = []
-        for request, prepared_request, (mb, position) in zip(
-            requests, prepared, plan.locations, strict=True
-        ):
-            tokens = outputs[mb][position]
+        for index, (request, prepared_request) in enumerate(zip(requests, prepared, strict=True)):
+            tokens = list(generated[index])
             if isinstance(think_end, int) and think_end in tokens:
                 tokens = tokens[len(tokens) - tokens[::-1].index(think_end) :]
             text = self._encoder.tok_decode(tokens)
@@ -374,14 +468,64 @@ class RayEvalLM(TemplateLM):
     def _score(
         self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], phase: str, disable_tqdm: bool
     ) -> list[tuple[float, bool]]:
-        plan = plan_score(pairs, self.max_length, self._budget)
+        keys = [
+            score_key(context, continuation, self.max_length) for context, continuation in pairs
+        ]
+        cached, todo = self._cached(keys, phase)
+        plan = plan_score([pairs[i] for i in todo], self.max_length, self._budget)
+        located = [
+            (keys[i], loc.micro_batch, (loc.row, loc.target))
+            for i, loc in zip(todo, plan.locations, strict=True)
+        ]
         results = self._run(
             plan.micro_batches,
             phase,
             Counter(loc.micro_batch for loc in plan.locations),
             disable_tqdm,
+            on_result=self._store_answers(located),
         )
-        return [results[loc.micro_batch][loc.row][loc.target] for loc in plan.locations]
+        answers = dict(cached) | {
+            i: results[loc.micro_batch][loc.row][loc.target]
+            for i, loc in zip(todo, plan.locations, strict=True)
+        }
+        return [answers[i] for i in range(len(pairs))]
+
+    def _cached(self, keys: Sequence[Any], phase: str) -> tuple[dict[int, Any], list[int]]:
+        """Answers the response cache has (position -> answer), and the positions to compute."""
+        cached = self._cache.get_many(keys) if self._cache is not None else {}
+        if cached:
+            self.stats.setdefault(phase, PhaseStats()).cached += len(cached)
+            logger.info(
+                "%s: %d of %d requests answered from the cache", phase, len(cached), len(keys)
+            )
+        return cached, [i for i in range(len(keys)) if i not in cached]
+
+    def _store_answers(
+        self, located: Sequence[tuple[Any, int, tuple[int, ...]]]
+    ) -> Callable[[int, Any], None] | None:
+        """A callback that stores a finished micro-batch's answers in the response cache.
+
+        Args:
+            located: Per computed request: its cache key, its micro-batch, and where its answer
+                is inside that micro-batch's result.
+        """
+        if self._cache is None:
+            return None
+        cache = self._cache
+        by_micro_batch: dict[int, list[tuple[Any, tuple[int, ...]]]] = {}
+        for key, micro_batch, path in located:
+            by_micro_batch.setdefault(micro_batch, []).append((key, path))
+
+        def store(micro_batch: int, result: Any) -> None:
+            answers = []
+            for key, path in by_micro_batch.get(micro_batch, []):
+                answer = result
+                for part in path:
+                    answer = answer[part]
+                answers.append((key, answer))
+            cache.put_many(answers)
+
+        return store
 
     def _run(
         self,
@@ -389,6 +533,7 @@ class RayEvalLM(TemplateLM):
         phase: str,
         requests_per_micro_batch: Counter[int],
         disable_tqdm: bool,
+        on_result: Callable[[int, Any], None] | None = None,
     ) -> list[Any]:
         if self._group is None:
             raise ConfigError("this RayEvalLM was closed: create a new one to evaluate again")
@@ -413,6 +558,9 @@ class RayEvalLM(TemplateLM):
             busy = max(s.seconds for s in step.stats)
             stats.replica_busy_s[step.replica] = stats.replica_busy_s.get(step.replica, 0.0) + busy
             stats.seconds = base_seconds + time.monotonic() - started
+            if on_result is not None:
+                for micro_batch, result in zip(step.micro_batches, step.results, strict=True):
+                    on_result(micro_batch, result)
             bar.update(count)
             bar.set_postfix(
                 tok_s=f"{stats.tokens_per_s:,.0f}", real=f"{stats.real_token_fraction:.2f}"

@@ -67,8 +67,13 @@ def run_evaluation(
     config: EvaluationConfig,
     host: HostOptions,
     on_progress: Callable[[Progress], None] | None = None,
+    on_warning: Callable[[dict[str, Any]], None] | None = None,
 ) -> EvaluationOutput | None:
     """Evaluate like ``lm_eval run --model hf`` with the model spread over Ray actors.
+
+    Beyond lm-eval's output, ``results["request_warnings"]`` lists, per task and kind, the
+    loglikelihood requests whose tokens do not measure the task (:mod:`service.engine.checks`);
+    the key is absent when there are none, so a clean run's files have lm-eval's keys only.
 
     Args:
         config: The evaluation.
@@ -76,6 +81,7 @@ def run_evaluation(
             it is set (a local path, or an fsspec URL such as ``s3://bucket/evals`` with its
             package installed).
         on_progress: Called after every finished step.
+        on_warning: Called when a task has such requests (``{task, counts, example}``).
 
     Returns:
         The results, or None where lm-eval returns None.
@@ -89,7 +95,7 @@ def run_evaluation(
     # A URL (s3://...) is checked now, staged locally for lm-eval's tracker, copied at the end.
     target = OutputTarget(cfg.output_path) if cfg.output_path else None
     try:
-        return _evaluate(config, host, cfg, task_manager, target, on_progress)
+        return _evaluate(config, host, cfg, task_manager, target, (on_progress, on_warning))
     finally:
         if target is not None:
             target.close()
@@ -101,7 +107,7 @@ def _evaluate(
     cfg: EvaluatorConfig,
     task_manager: TaskManager,
     target: OutputTarget | None,
-    on_progress: Callable[[Progress], None] | None,
+    callbacks: tuple[Callable[[Progress], None] | None, Callable[[dict[str, Any]], None] | None],
 ) -> EvaluationOutput | None:
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
@@ -117,7 +123,8 @@ def _evaluate(
     with RayEvalLM.from_config(
         config.model_copy(update={"model_args": dict(cfg.model_args)}),
         host,
-        on_progress=on_progress,
+        on_progress=callbacks[0],
+        on_warning=callbacks[1],
     ) as lm:
         results = simple_evaluate(
             model=lm,
@@ -126,7 +133,9 @@ def _evaluate(
             num_fewshot=cfg.num_fewshot,
             batch_size=cfg.batch_size,
             max_batch_size=cfg.max_batch_size,
-            use_cache=cfg.use_cache,
+            # --use_cache is rayeval's own cache, keyed by the model (engine.response_cache):
+            # lm-eval's would hand one model's answers to another.
+            use_cache=None,
             cache_requests=cfg.cache_requests.get("cache_requests", False),
             rewrite_requests_cache=cfg.cache_requests.get("rewrite_requests_cache", False),
             delete_requests_cache=cfg.cache_requests.get("delete_requests_cache", False),
@@ -151,8 +160,11 @@ def _evaluate(
             metadata=cfg.metadata,
         )
         stats = {phase: phase_stats.report() for phase, phase_stats in lm.stats.items()}
+        request_warnings = lm.request_report.as_dict()
     if results is None:
         return None
+    if request_warnings:
+        results["request_warnings"] = request_warnings
     # Record the run as lm-eval's HF backend would, so downstream tools see the same header.
     results["config"]["model"] = cfg.model
     tracker.general_config_tracker.model_source = cfg.model

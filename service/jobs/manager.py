@@ -262,10 +262,13 @@ class EvaluationManager:
     def _apply(self, record: EvaluationRecord, events: list[dict[str, Any]]) -> None:
         phases = dict(record.progress.get("phases", {}))
         latest: dict[str, dict[str, Any]] = {}
+        warnings: list[NewEvent] = []
         for event in events:
             if event["type"] == RunnerEventKind.PROGRESS:
                 data = dict(event["data"], updated_at=event["time"])
                 phases[data["phase"]] = latest[data["phase"]] = data
+            elif event["type"] == RunnerEventKind.WARNING:
+                warnings.append((EventKind.WARNING, event["data"]))
         cursor = events[-1]["seq"]
         ended = next(
             (e for e in events if e["type"] in (RunnerEventKind.SUCCEEDED, RunnerEventKind.FAILED)),
@@ -273,7 +276,7 @@ class EvaluationManager:
         )
         if latest and record.status is EvaluationStatus.STARTING:
             self._store.transition(record.id, EvaluationStatus.RUNNING)
-        progress_events: list[NewEvent] = [
+        progress_events: list[NewEvent] = warnings + [
             (EventKind.PROGRESS, _progress_event(data, phases)) for data in latest.values()
         ]
         self._store.record_progress(record.id, {"phases": phases}, cursor, progress_events)

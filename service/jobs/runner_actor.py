@@ -119,7 +119,12 @@ class EvaluationRunner:
             include_paths=self._include_paths,
             name=group_name(self.evaluation_id),
         )
-        output = run_evaluation(self._config, host, on_progress=self._on_progress)
+        output = run_evaluation(
+            self._config,
+            host,
+            on_progress=self._on_progress,
+            on_warning=lambda data: self._emit(RunnerEventKind.WARNING, data),
+        )
         if output is None:
             raise RayEvalError("lm-eval returned no results for this evaluation")
         return {**_read_lm_eval_files(output_dir), "stats": output.stats}

@@ -65,13 +65,16 @@ class EventKind(StrEnum):
 
     STATE = "state"  # a state change, with the error on failure
     PROGRESS = "progress"  # one request type moved, plus overall totals
+    WARNING = "warning"  # a task has requests that do not measure it (engine.checks)
     TASK_RESULT = "task_result"  # one task's (or group's) metrics, when the evaluation ends
     RESULT = "result"  # lm-eval's results JSON (read from the stored results, kept once)
 
 
 class RunnerEventKind(StrEnum):
-    """What a runner actor reports to the service: progress, and the two ways a run ends."""
+    """What a runner actor reports to the service: progress, warnings, and the two ways a run
+    ends."""
 
     PROGRESS = "progress"
+    WARNING = "warning"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

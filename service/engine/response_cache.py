@@ -1,0 +1,180 @@
+"""A durable cache of model answers, keyed by the model and the exact request (``--use_cache``).
+
+lm-eval's own response cache (``--use_cache``) keys an answer by the request strings alone, so a
+second model pointed at the same cache gets the first model's answers (lm-eval #2715, #4063); it
+gives every repeat of a sampled request one key, ignores generation settings (#3881), and stores
+pickles (CVE-2024-35515). This cache keys each answer by
+
+- a fingerprint of the model: ``pretrained`` (a local path made absolute), every model arg
+  (revision, dtype, tokenizer, max_length, ...), and for a local model the content hash of its
+  config and tokenizer files and the size, modification time and leading bytes of each weights
+  file; and
+- the exact request as the model sees it: token ids (and the window length) for a score, context
+  tokens plus every generation setting for a generation. Sampled generations are never cached.
+
+It stores plain JSON in SQLite (one file, ``<use_cache>_rayeval.sqlite``, lm-eval's
+``<use_cache>_rank<N>.db`` naming), one transaction per finished step, so an interrupted run keeps
+everything computed before the interruption. Answers do not depend on the layout, so any
+layout reads what any other wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Files that define a local model's config and tokenizer (hashed whole).
+_DEFINING_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_HEAD_BYTES = 1 << 20
+
+
+def cache_file(use_cache: str) -> Path:
+    """The SQLite file behind ``--use_cache PREFIX`` (lm-eval's flag takes a path prefix)."""
+    return Path(f"{use_cache}_rayeval.sqlite")
+
+
+def model_fingerprint(model_args: Mapping[str, Any]) -> str:
+    """A hash of everything that determines the model's answers (see the module docstring)."""
+    args = {key: value for key, value in model_args.items()}
+    pretrained = str(args.get("pretrained", ""))
+    files: dict[str, Any] = {}
+    for key in ("pretrained", "tokenizer"):
+        value = args.get(key)
+        if isinstance(value, str) and Path(value).expanduser().exists():
+            local = Path(value).expanduser().resolve()
+            args[key] = str(local)
+            files[key] = _describe_files(local)
+    payload = {"pretrained": pretrained, "model_args": args, "files": files}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def score_key(context: Sequence[int], continuation: Sequence[int], max_length: int) -> Any:
+    """The request part of a score's key (the model sees these tokens, cut to ``max_length``)."""
+    return ["score", max_length, list(context), list(continuation)]
+
+
+def generate_key(context: Sequence[int], settings: Mapping[str, Any]) -> Any | None:
+    """The request part of a generation's key, or None for a sampled generation (not cached)."""
+    if settings.get("kwargs", {}).get("do_sample"):
+        return None
+    return ["generate", list(context), dict(settings)]
+
+
+class ResponseCache:
+    """Answers of one model, keyed by request, in a SQLite file.
+
+    Args:
+        path: The SQLite file (created with its folder if missing).
+        fingerprint: :func:`model_fingerprint` of the model whose answers these are.
+    """
+
+    def __init__(self, path: Path, fingerprint: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fingerprint = fingerprint
+        self._db = sqlite3.connect(str(path), timeout=60, check_same_thread=False)
+        with self._db:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS answers (key TEXT PRIMARY KEY, answer TEXT NOT NULL)"
+            )
+        self.hits = 0
+        self.stored = 0
+
+    def get_many(self, requests: Iterable[Any]) -> dict[int, Any]:
+        """Cached answers: request position -> answer, for the requests found."""
+        keys = {self._key(request): i for i, request in enumerate(requests) if request is not None}
+        found: dict[int, Any] = {}
+        items = list(keys.items())
+        for start in range(0, len(items), 500):  # SQLite bounds the number of parameters
+            chunk = dict(items[start : start + 500])
+            marks = ",".join("?" * len(chunk))
+            rows = self._db.execute(
+                f"SELECT key, answer FROM answers WHERE key IN ({marks})",
+                list(chunk),
+            )
+            for key, answer in rows:
+                found[chunk[key]] = _from_json(json.loads(answer))
+        self.hits += len(found)
+        return found
+
+    def put_many(self, answers: Iterable[tuple[Any, Any]]) -> None:
+        """Store ``(request, answer)`` pairs in one transaction (None requests are skipped)."""
+        rows = [
+            (self._key(request), json.dumps(answer))
+            for request, answer in answers
+            if request is not None
+        ]
+        if not rows:
+            return
+        with self._db:
+            self._db.executemany("INSERT OR REPLACE INTO answers VALUES (?, ?)", rows)
+        self.stored += len(rows)
+
+    def close(self) -> None:
+        """Close the database (answers are committed as they are stored)."""
+        self._db.close()
+
+    def _key(self, request: Any) -> str:
+        text = json.dumps([self._fingerprint, request], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _from_json(answer: Any) -> Any:
+    """A stored answer as the engine returns it: a score is a (float, bool) tuple."""
+    if isinstance(answer, list) and len(answer) == 2 and isinstance(answer[1], bool):
+        return (float(answer[0]), answer[1])
+    return answer
+
+
+def _describe_files(root: Path) -> dict[str, Any]:
+    """Content hashes of a local model's defining files; size, mtime and head of its weights."""
+    if root.is_file():
+        return {root.name: _file_hash(root)}
+    described: dict[str, Any] = {}
+    for path in sorted(root.iterdir()):
+        if path.name in _DEFINING_FILES or path.name.endswith(".index.json"):
+            described[path.name] = _file_hash(path)
+        elif path.name.endswith(_WEIGHT_SUFFIXES):
+            stat = path.stat()
+            described[path.name] = [stat.st_size, stat.st_mtime_ns, _file_hash(path, _HEAD_BYTES)]
+    return described
+
+
+def _file_hash(path: Path, limit: int | None = None) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        if limit is not None:
+            digest.update(f.read(limit))
+        else:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def open_cache(use_cache: str | None, model_args: Mapping[str, Any]) -> ResponseCache | None:
+    """The cache for ``--use_cache PREFIX`` and this model, or None without ``use_cache``."""
+    if not use_cache:
+        return None
+    cache = ResponseCache(cache_file(os.path.expanduser(use_cache)), model_fingerprint(model_args))
+    logger.info("response cache: %s (keyed by model fingerprint and request)", cache.path)
+    return cache
