@@ -17,8 +17,10 @@ from typing import Any
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from sqlalchemy.exc import SQLAlchemyError
 
 from actors.errors import (
     ConfigError,
@@ -31,10 +33,12 @@ from actors.errors import (
 from api.deps import Services
 from api.routes import dashboard, evaluations, health
 from api.settings import Settings
+from api.views import EvaluationViews
 from service.jobs.manager import EvaluationManager, ManagerOptions
 from service.jobs.ray_resources import connect_ray
 from service.jobs.store import EvaluationStore
 from service.jobs.tasks import TaskCatalog
+from service.jobs.validation import ServerPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +61,62 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=_lifespan,
     )
     app.state.settings = settings
+    if settings.api_token is None:
+        app.add_middleware(TrustedHosts, allowed=settings.trusted_hosts)  # DNS rebinding
     app.include_router(health.router)
     app.include_router(evaluations.router)
     app.include_router(dashboard.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     app.add_exception_handler(RayEvalError, _domain_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(SQLAlchemyError, _database_error)  # type: ignore[arg-type]
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, true to this server: no bearer requirement when it has no token."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            summary=app.summary,
+            routes=app.routes,
+        )
+        if app.state.settings.api_token is None:
+            schema.get("components", {}).pop("securitySchemes", None)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.pop("security", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+class TrustedHosts:
+    """Answer only requests whose Host header names this server (a tokenless server must not be
+    reachable through another name: DNS rebinding). Pure ASGI, so streams pass untouched."""
+
+    def __init__(self, app: Any, allowed: list[str]) -> None:
+        self.app = app
+        self.allowed = {host.lower().strip("[]") for host in allowed}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            headers = dict(scope.get("headers") or [])
+            host = headers.get(b"host", b"").decode("latin-1").lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name.strip("[]") not in self.allowed:
+                response = JSONResponse(
+                    {
+                        "detail": f"Host header {host!r} is not served by this server without an "
+                        "API token: use its address, or the operator adds the name with "
+                        "--allowed-host (or sets --api-token)"
+                    },
+                    status_code=400,
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 @asynccontextmanager
@@ -86,10 +139,20 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             runner_unreachable_s=settings.runner_unreachable_s,
             cancel_timeout_s=settings.cancel_timeout_s,
             task_index_wait_s=settings.task_index_wait_s,
+            policy=ServerPolicy(
+                model_roots=tuple(settings.model_roots),
+                allow_hub_models=settings.allow_hub_models,
+                allow_remote_code=settings.allow_remote_code,
+            ),
+            response_cache=settings.response_cache_prefix,
+            stall_timeout_s=settings.stall_timeout_s,
         ),
     )
     await asyncio.to_thread(manager.start)
-    app.state.services = Services(settings=settings, store=store, catalog=catalog, manager=manager)
+    views = EvaluationViews(store, ttl_s=settings.poll_interval_s)
+    app.state.services = Services(
+        settings=settings, store=store, catalog=catalog, manager=manager, views=views
+    )
     logger.info("rayeval service ready (database %s)", store.url)
     try:
         yield
@@ -106,6 +169,15 @@ async def _domain_error(request: Request, exc: RayEvalError) -> JSONResponse:
     if status == 500:
         logger.error("unexpected service error on %s: %s", request.url.path, exc)
     return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
+
+
+async def _database_error(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+    logger.error("database error on %s: %s", request.url.path, exc)
+    return JSONResponse(
+        {"detail": "the service's database is unavailable or busy: retry shortly"},
+        status_code=503,
+        headers={"Retry-After": "5"},
+    )
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -102,6 +102,36 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="directory of lm-eval task YAMLs that evaluations may use (repeatable)",
     )
     serve.add_argument(
+        "--model-root",
+        dest="model_roots",
+        action="append",
+        metavar="DIR",
+        help="directory under which requests may name local models and tokenizers (repeatable; "
+        "none: hub ids only)",
+    )
+    serve.add_argument(
+        "--allow-remote-code",
+        dest="allow_remote_code",
+        action="store_true",
+        default=None,
+        help="let requests set trust_remote_code (runs model repositories' Python on the "
+        "cluster as this server's user)",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        metavar="HOST",
+        help="Host header accepted without an API token besides loopback names (repeatable)",
+    )
+    serve.add_argument(
+        "--stall-timeout",
+        dest="stall_timeout_s",
+        type=float,
+        metavar="S",
+        help="fail an evaluation that makes no progress for this long (default 1800)",
+    )
+    serve.add_argument(
         "--api-token",
         dest="api_token",
         metavar="TOKEN",
@@ -160,6 +190,10 @@ def _serve(args: argparse.Namespace) -> int:
         "data_dir",
         "database_url",
         "include_paths",
+        "model_roots",
+        "allow_remote_code",
+        "allowed_hosts",
+        "stall_timeout_s",
         "api_token",
         "ray_address",
         "num_cpus",
@@ -174,6 +208,7 @@ def _serve(args: argparse.Namespace) -> int:
         assets = ensure_demo_assets(Path(args.demo_dir) if args.demo_dir else None)
         demo_model = str(assets.model_dir)
         overrides["include_paths"] = [*(args.include_paths or []), str(assets.tasks_dir)]
+        overrides["model_roots"] = [*(args.model_roots or []), str(assets.model_dir)]
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:
@@ -264,6 +299,9 @@ def _run(args: argparse.Namespace) -> int:
     import os
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # lm-eval's bootstrap would fork a pool from this Ray driver's threads; single-process gives
+    # the same numbers (see service.jobs.manager).
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
     from lm_eval.utils import make_table
 
     from actors.errors import RayEvalError

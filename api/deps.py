@@ -14,6 +14,7 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.settings import Settings
+from api.views import EvaluationViews
 from service.jobs.manager import EvaluationManager
 from service.jobs.store import EvaluationStore
 from service.jobs.tasks import TaskCatalog
@@ -27,6 +28,7 @@ class Services:
     store: EvaluationStore
     catalog: TaskCatalog
     manager: EvaluationManager
+    views: EvaluationViews
 
 
 def get_services(request: Request) -> Services:
@@ -51,7 +53,13 @@ def get_manager(services: Annotated[Services, Depends(get_services)]) -> Evaluat
     return services.manager
 
 
+def get_views(services: Annotated[Services, Depends(get_services)]) -> EvaluationViews:
+    """The in-memory answers of status reads."""
+    return services.views
+
+
 ServicesDep = Annotated[Services, Depends(get_services)]
+ViewsDep = Annotated[EvaluationViews, Depends(get_views)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[EvaluationStore, Depends(get_store)]
 ManagerDep = Annotated[EvaluationManager, Depends(get_manager)]

@@ -91,7 +91,18 @@ class Health(BaseModel):
     task_index: str = Field(description="lm-eval's task index: building, ready or failed.")
 
 
+class ValidationItem(BaseModel):
+    """One problem of a malformed request, machine-readable."""
+
+    loc: list[str] = Field(description="Where: the body field or query parameter path.")
+    msg: str
+    type: str
+
+
 class ErrorBody(BaseModel):
     """Every error response: what went wrong and how to fix it."""
 
-    detail: str
+    detail: str = Field(description="What went wrong and what to do, in one sentence or more.")
+    errors: list[ValidationItem] | None = Field(
+        None, description="For a malformed request (422): each problem, machine-readable."
+    )

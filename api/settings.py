@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -28,6 +28,35 @@ class Settings(BaseSettings):
     )
     include_paths: list[str] = Field(
         default_factory=list, description="Directories of lm-eval task YAMLs evaluations may use."
+    )
+    model_roots: list[str] = Field(
+        default_factory=list,
+        description="Directories under which local models and tokenizers may be named by a "
+        "request (none: hub ids only).",
+    )
+    allow_hub_models: bool = Field(
+        True, description="Whether requests may name Hugging Face hub ids (org/name)."
+    )
+    allow_remote_code: bool = Field(
+        False,
+        description="Whether requests may set trust_remote_code (runs the model repository's "
+        "Python on the cluster as the server's user).",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host headers accepted without an API token, besides the loopback names and "
+        "the listening host (guards against DNS rebinding).",
+    )
+    stall_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="An evaluation with no progress for this long (beyond its own load or step "
+        "timeout) fails, naming where it stopped, and its actors are released.",
+    )
+    response_cache: bool = Field(
+        True,
+        description="Keep every answered request in a cache under data_dir (keyed by model and "
+        "request), so a retried or overlapping evaluation computes only what is missing.",
     )
     api_token: SecretStr | None = Field(
         None, description="Bearer token every endpoint but /healthz requires (None: no auth)."
@@ -53,15 +82,13 @@ class Settings(BaseSettings):
     def _empty_token_is_none(cls, token: SecretStr | None) -> SecretStr | None:
         return token if token is not None and token.get_secret_value() else None
 
-    @field_validator("include_paths")
+    @field_validator("include_paths", "model_roots")
     @classmethod
-    def _directories_exist(cls, paths: list[str]) -> list[str]:
+    def _directories_exist(cls, paths: list[str], info: ValidationInfo) -> list[str]:
         missing = [p for p in paths if not Path(p).expanduser().is_dir()]
         if missing:
-            raise ValueError(
-                f"include path(s) {missing} are not directories: pass directories of lm-eval "
-                "task YAMLs with --include-path"
-            )
+            flag = "--include-path" if info.field_name == "include_paths" else "--model-root"
+            raise ValueError(f"{missing} are not directories: pass existing directories to {flag}")
         return [str(Path(p).expanduser().resolve()) for p in paths]
 
     @model_validator(mode="after")
@@ -73,6 +100,24 @@ class Settings(BaseSettings):
                 "or listen on 127.0.0.1"
             )
         return self
+
+    @property
+    def trusted_hosts(self) -> list[str]:
+        """Host headers a tokenless server answers: loopback names, its host, allowed_hosts."""
+        return list(
+            dict.fromkeys(
+                ["127.0.0.1", "localhost", "::1", "[::1]", self.host, *self.allowed_hosts]
+            )
+        )
+
+    @property
+    def response_cache_prefix(self) -> str | None:
+        """The response cache's path prefix (``rayeval run --use_cache``'s), or None."""
+        return (
+            str((self.data_dir / "response-cache" / "answers").resolve())
+            if self.response_cache
+            else None
+        )
 
     @property
     def effective_database_url(self) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -53,6 +53,18 @@ UNSUPPORTED_MODEL_ARGS = {
     "gptqmodel": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
     "gguf_file": "GGUF checkpoints are not supported: use a safetensors checkpoint",
 }
+
+#: lm-eval HF model args that are booleans: read strictly (a string "no" is not true).
+BOOLEAN_MODEL_ARGS = frozenset(
+    {
+        "trust_remote_code",
+        "use_fast_tokenizer",
+        "add_bos_token",
+        "truncation",
+        "logits_cache",
+        "enable_thinking",
+    }
+)
 
 #: lm-eval ``run`` options that are the host's, not the evaluation's, and why a body can't set
 #: them. (The layout keys are here because a flat ``num_replicas`` is a common mistake.)
@@ -94,6 +106,11 @@ _EXAMPLE: dict[str, Any] = {
     "log_samples": True,
     "parallelism": {"num_replicas": 2, "shard_size": 2},
 }
+
+
+#: A seed numpy accepts; a document index.
+_Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+_DocIndex = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class _Frozen(BaseModel):
@@ -171,7 +188,7 @@ class EngineConfig(_Frozen):
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="What a rank holds; auto: GPUs when the cluster has any."
     )
-    seed: int | tuple[int | None, ...] = Field(
+    seed: _Seed | tuple[_Seed | None, ...] = Field(
         default=DEFAULT_SEED, description="One seed, or seeds for random, numpy, torch, few-shot."
     )
     parallelism: Parallelism = Parallelism()
@@ -244,8 +261,9 @@ class EngineConfig(_Frozen):
     @field_validator("model_args")
     @classmethod
     def _model_args(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if not value.get("pretrained"):
+        if not value.get("pretrained") or not isinstance(value["pretrained"], str):
             raise ValueError('needs pretrained: e.g. {"pretrained": "org/model-name"}')
+        value = {**value, **_strict_booleans(value)}
         problems = [
             f"{key}: {why}" for key, why in UNSUPPORTED_MODEL_ARGS.items() if value.get(key)
         ]
@@ -303,8 +321,14 @@ class EvaluationConfig(EngineConfig):
         ..., description="Task, group or tag names (glob patterns allowed), or 'a,b'."
     )
     num_fewshot: int | None = Field(default=None, ge=0, le=10_000)
-    limit: float | None = Field(default=None, gt=0, description="Docs per task (< 1: a fraction).")
-    samples: dict[str, tuple[int, ...]] | None = Field(
+    limit: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e9,
+        allow_inf_nan=False,
+        description="Docs per task (< 1: a fraction).",
+    )
+    samples: dict[str, tuple[_DocIndex, ...]] | None = Field(
         default=None, description="Per task, the doc indices to evaluate (instead of limit)."
     )
     log_samples: bool = False
@@ -538,6 +562,20 @@ def describe_errors(exc: Any, name: Any) -> str:
         else:
             problems.append(f"{where}: {message}")
     return "; ".join(dict.fromkeys(problems))
+
+
+def _strict_booleans(model_args: Mapping[str, Any]) -> dict[str, bool]:
+    """The boolean model args as booleans; ``"true"``/``"false"`` strings are read, anything else
+    is an error (lm-eval would take any non-empty string, ``"no"`` included, as true)."""
+    parsed: dict[str, bool] = {}
+    for key in BOOLEAN_MODEL_ARGS & model_args.keys():
+        value = model_args[key]
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            value = value.strip().lower() == "true"
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: {value!r} is not a boolean: use true or false")
+        parsed[key] = value
+    return parsed
 
 
 def _parse_args_string(value: Any) -> Any:

@@ -111,6 +111,7 @@ def make_settings(data_dir: Path, include_path: Path, **overrides: Any) -> Any:
         host="127.0.0.1",
         data_dir=data_dir,
         include_paths=[str(include_path)],
+        model_roots=[str(include_path.parent)],
         poll_interval_s=0.2,
         sse_heartbeat_s=1.0,
         cancel_timeout_s=20.0,
@@ -457,6 +458,7 @@ def test_admission_fifo_cancel_and_reattach(
         "model_args": f"pretrained={demo.model_dir},dtype=float32",  # lm-eval's string form
         "tasks": "demo_cloze",
         "limit": 4,
+        "num_fewshot": 1,  # requests no earlier test computed: A is not answered by the cache
         "parallelism": {"num_replicas": 1, "shard_size": 3},
     }
     long_run = {
@@ -535,12 +537,29 @@ BAD_BODIES = [
     ({"output_path": "/tmp"}, "GET /evaluations/{id}/results"),
     ({"num_replicas": 2}, '"parallelism"'),
     ({"model": "vllm"}, "model: 'vllm' is not supported: rayeval runs lm-eval's Hugging Face"),
-    ({"model_args": {"pretrained": "/nonexistent/model"}}, "does not exist on the server"),
-    ({"model_args": "pretrained=./no/such/model,dtype=float32"}, "does not exist on the server"),
+    ({"model_args": {"pretrained": "/nonexistent/model"}}, "is not a model under this server"),
+    ({"model_args": "pretrained=./no/such/model,dtype=float32"}, "is not a model under this"),
+    ({"model_args": {"pretrained": "/etc"}}, "is not a model under this server's model roots"),
+    ({"model_args": "pretrained=org/model,tokenizer=/etc/passwd"}, "tokenizer: '/etc/passwd'"),
+    ({"model_args": "pretrained=org/model,trust_remote_code=True"}, "--allow-remote-code"),
+    (
+        {"model_args": {"pretrained": "org/model", "trust_remote_code": "no"}},
+        "trust_remote_code: 'no' is not a boolean",
+    ),
+    ({"model_args": "pretrained=org/model,cache_dir=/tmp"}, "cache_dir: not settable"),
+    ({"model_args": "pretrained=org/model,subfolder=../../etc"}, "subfolder: a relative"),
+    ({"gen_kwargs": {"custom_generate": "/tmp/x", "trust_remote_code": True}}, "custom_generate"),
+    ({"gen_kwargs": "a"}, "gen_kwargs.a: not a generation setting"),
+    ({"gen_kwargs": {"temperature": -1}}, "gen_kwargs.temperature: -1 is not a valid value"),
+    ({"limit": 1e308}, "limit: Input should be less than or equal to"),
+    ('{"model_args": "pretrained=org/m", "tasks": "demo_mc", "limit": Infinity}', "limit"),
+    ({"num_fewshot": 1e30}, "num_fewshot"),
+    ({"seed": 2**40}, "seed"),
+    ({"samples": {"demo_nope": [0]}, "limit": None}, "samples: unknown tasks: 'demo_nope'"),
     ({"model_args": "pretrained=org/model,parallelize=True"}, "parallelize: rayeval shards"),
     ({"tasks": ["../../etc/task.yaml"]}, "look like paths"),
     ({"tasks": []}, "at least one task"),
-    ({"tasks": ["demo_nope"]}, "unknown tasks: 'demo_nope'"),
+    ({"tasks": ["demo_nope"]}, "tasks: unknown tasks: 'demo_nope'"),
     ({"parallelism": {"num_replicas": 3, "shard_size": 2}}, "6 CPU requested, 4 in the cluster"),
     ({"parallelism": {"num_replicas": 0}}, "parallelism.num_replicas"),
     ({"parallelism": {"replicas": 2}}, "unknown field 'parallelism.replicas'"),
@@ -571,6 +590,7 @@ def test_bad_input_is_a_422_naming_the_fix(
         response = client.post(
             "/evaluations", content=overrides, headers={"content-type": "application/json"}
         )
+        assert "Infinity" in overrides or overrides == "not JSON"
     else:
         payload = {k: v for k, v in body(demo, **overrides).items() if v is not OMIT}
         response = client.post("/evaluations", json=payload)
@@ -604,6 +624,146 @@ def test_unknown_ids_and_bad_queries(client: httpx.Client, main_run: dict[str, A
     assert created == sorted(created, reverse=True), "newest first"
     succeeded = client.get("/evaluations", params={"status": "succeeded"}).json()["items"]
     assert succeeded and all(e["status"] == "succeeded" for e in succeeded)
+
+
+@pytest.mark.slow
+def test_missing_and_forbidden_paths_get_one_answer(client: httpx.Client, demo: Any) -> None:
+    """No file oracle: a path that exists outside the model roots reads like a missing one."""
+
+    def detail(path: str) -> str:
+        response = client.post(
+            "/evaluations", json=body(demo, model_args={"pretrained": path, "dtype": "float32"})
+        )
+        assert response.status_code == 422, response.text
+        return str(response.json()["detail"]).replace(repr(path), "PATH")
+
+    assert detail("/etc") == detail("/no/such/dir") == detail(str(demo.model_dir / "missing"))
+    assert detail(str(demo.model_dir.parent / "tasks")) == detail("/etc"), "not a model dir"
+
+
+@pytest.mark.slow
+def test_big_numbers_and_foreign_hosts_are_4xx(client: httpx.Client, server: ServerThread) -> None:
+    for params in ({"offset": 2**63}, {"offset": -1}, {"limit": 10**30}):
+        assert client.get("/evaluations", params=params).status_code == 422, params
+    response = client.get("/evaluations/x/events", params={"after": 2**63})
+    assert response.status_code in (404, 422)
+    response = client.get("/evaluations/x/events", headers={"Last-Event-ID": str(2**63)})
+    assert response.status_code in (404, 422)
+    # DNS rebinding: a tokenless server answers only to its own names.
+    foreign = client.get("/evaluations", headers={"Host": "attacker.example"})
+    assert foreign.status_code == 400 and "--allowed-host" in foreign.json()["detail"]
+    port = server.url.rsplit(":", 1)[1]
+    assert client.get("/healthz", headers={"Host": f"localhost:{port}"}).status_code == 200
+
+
+def test_openapi_is_true_to_the_server(tmp_path: Path) -> None:
+    from api.app import create_app
+    from api.settings import Settings
+
+    open_schema = create_app(Settings(data_dir=tmp_path)).openapi()
+    assert "securitySchemes" not in open_schema.get("components", {})
+    post = open_schema["paths"]["/evaluations"]["post"]
+    assert "security" not in post
+    error = post["responses"]["422"]["content"]["application/json"]["schema"]
+    assert error["$ref"].endswith("/ErrorBody")
+    assert "400" in open_schema["paths"]["/evaluations"]["get"]["responses"]
+    guarded = create_app(Settings(data_dir=tmp_path, api_token="t")).openapi()
+    assert guarded["components"]["securitySchemes"]
+    assert guarded["paths"]["/evaluations"]["post"]["security"]
+
+
+@pytest.mark.slow
+def test_killed_runner_then_retry_computes_only_the_rest(
+    server: ServerThread, client: httpx.Client, demo: Any, task_manager: Any, tmp_path: Path
+) -> None:
+    """Every answer is kept as it completes: a retry of a crashed evaluation reuses them all and
+    its results equal a clean run's (lm-eval's hf backend here)."""
+    import ray
+
+    tasks = ["demo_cloze", "demo_mc"]
+    # 40 docs each; perplexity's stderr is bootstrapped: the runner's single-process bootstrap
+    # (no pool forked from its thread) must give lm-eval's pooled numbers.
+    run = {"limit": None, "num_fewshot": 2, "bootstrap_iters": 1000}
+    payload = body(demo, tasks=tasks, batch_size=1, parallelism={"num_replicas": 1}, **run)
+    crashed = submit(client, payload)
+    wait_for(client, crashed["id"], lambda e: e["progress"]["done"] >= 8 or finished(e), 240)
+    ray.kill(ray.get_actor(f"rayeval-runner-{crashed['id']}", namespace="rayeval"))
+    crashed = wait_for(client, crashed["id"], finished, 60)
+    assert crashed["status"] == "failed" and "runner actor" in crashed["error"]
+    done_before = crashed["progress"]["done"]
+
+    response = client.post(f"/evaluations/{crashed['id']}/retry")
+    assert response.status_code == 202, response.text
+    retried = wait_for(client, response.json()["id"], finished, 300)
+    assert retried["status"] == "succeeded", retried["error"]
+    cached = sum(phase["cached"] for phase in retried["stats"].values())
+    computed = sum(phase["requests"] for phase in retried["stats"].values())
+    assert cached >= done_before > 0, (cached, done_before)
+    assert computed == retried["progress"]["total"]
+    assert cached + computed == 40 + 40 * 4, "every request once: computed or from the cache"
+    assert client.post(f"/evaluations/{retried['id']}/retry").status_code == 409
+
+    reference = hf_reference(demo.model_dir, task_manager, tasks, **run)
+    _, reference_files = lm_eval_files(reference, tmp_path)
+    ours = client.get(f"/evaluations/{retried['id']}/results").json()
+    samples, reference_samples = {}, {}
+    for task, url in retried["links"]["samples"].items():
+        output_type = ours["configs"][task]["output_type"]
+        samples[task] = parse_samples(client.get(url).text, output_type)
+        reference_samples[task] = parse_samples(reference_files[task], output_type)
+    assert_same_results(
+        {"results": reference["results"], "samples": reference_samples},
+        {"results": ours["results"], "samples": samples},
+    )
+
+
+@pytest.mark.slow
+def test_a_stalled_evaluation_fails_naming_where_and_is_released(
+    demo: Any, ray_session: None, tmp_path: Path
+) -> None:
+    """lm-eval stuck after the last batch (here: a metric aggregation that never returns) is
+    noticed by the progress watchdog, not left holding its ranks."""
+    import yaml
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "utils.py").write_text(
+        "import time\n\n\ndef stall(items):\n    time.sleep(3600)\n    return 0.0\n"
+    )
+    from service.demo import DATA_DIR
+
+    config = {
+        "task": "stall_mc",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(DATA_DIR / "mc_test.jsonl")}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{question}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}",
+        "metric_list": [{"metric": "acc", "aggregation": "STALL", "higher_is_better": True}],
+    }
+    text = yaml.safe_dump(config).replace("STALL", "!function utils.stall")
+    (tasks / "stall_mc.yaml").write_text(text)
+    settings = make_settings(tmp_path / "data", tasks, stall_timeout_s=3.0)
+    settings = settings.model_copy(update={"model_roots": [str(demo.model_dir.parent)]})
+    stalled_server = ServerThread(settings)
+    stalled_server.start()
+    try:
+        with stalled_server.client() as c:
+            payload = body(demo, tasks=["stall_mc"], limit=2, timeouts={"step_s": 5.0})
+            payload["parallelism"] = {"num_replicas": 1}
+            evaluation = submit(c, payload)
+            final = wait_for(c, evaluation["id"], finished, 180)
+        assert final["status"] == "failed", final
+        assert "no progress for" in final["error"], final["error"]
+        assert "lm-eval was computing metrics" in final["error"], final["error"]
+        deadline = time.monotonic() + 60
+        while ray_leftovers(evaluation["id"]) != ([], []):
+            assert time.monotonic() < deadline, ray_leftovers(evaluation["id"])
+            time.sleep(0.5)
+    finally:
+        stalled_server.stop()
 
 
 # --------------------------------------------------------------------- auth and binding

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, R
 from fastapi.responses import StreamingResponse
 
 from actors.errors import EvaluationNotFoundError, EvaluationStateError
-from api.deps import ManagerDep, SettingsDep, StoreDep, require_token
+from api.deps import ManagerDep, SettingsDep, StoreDep, ViewsDep, require_token
 from api.schemas import (
     ErrorBody,
     EvaluationCreate,
@@ -37,9 +37,19 @@ router = APIRouter(
     prefix="/evaluations",
     tags=["evaluations"],
     dependencies=[Depends(require_token)],
-    responses={401: {"model": ErrorBody}, 404: {"model": ErrorBody}},  # every route
+    # Every route: a bad token, an unknown id, a malformed request, a foreign Host header.
+    responses={
+        400: {"model": ErrorBody},
+        401: {"model": ErrorBody},
+        404: {"model": ErrorBody},
+        422: {"model": ErrorBody},
+    },
 )
-_ERRORS: dict[int | str, dict[str, Any]] = {409: {"model": ErrorBody}, 422: {"model": ErrorBody}}
+_ERRORS: dict[int | str, dict[str, Any]] = {409: {"model": ErrorBody}}
+#: Longest an event stream goes without reading the database (writes by another process).
+_RECHECK_S = 5.0
+#: Largest event number or offset a request may name (SQLite integers stop at 2**63 - 1).
+MAX_SEQ = 2**53
 
 
 @router.post(
@@ -70,7 +80,7 @@ def list_evaluations(
         Query(alias="status", description="Only these states (repeat for several)."),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
 ) -> EvaluationList:
     """A page of evaluations, newest first, optionally only those in the given states."""
     records, total = store.page(statuses=status_, limit=limit, offset=offset)
@@ -80,9 +90,16 @@ def list_evaluations(
 
 
 @router.get("/{evaluation_id}", response_model=EvaluationPublic, summary="One evaluation")
-def get_evaluation(evaluation_id: str, store: StoreDep) -> EvaluationPublic:
+async def get_evaluation(evaluation_id: str, store: StoreDep, views: ViewsDep) -> Response:
     """State, progress per request type, throughput, timestamps and error of an evaluation."""
-    return _public(store.get(evaluation_id), store)
+    answer = views.cached(evaluation_id)
+    if answer is None:
+
+        def build(record: EvaluationRecord) -> bytes:
+            return _public(record, store).model_dump_json(by_alias=True).encode()
+
+        answer = await asyncio.to_thread(views.render, evaluation_id, build)
+    return Response(content=answer, media_type="application/json")
 
 
 @router.get(
@@ -149,7 +166,8 @@ async def stream_events(
         Header(description="Resume after this event id (browsers send it when reconnecting)."),
     ] = None,
     after: Annotated[
-        int | None, Query(ge=0, description="Same as Last-Event-ID, for clients without headers.")
+        int | None,
+        Query(ge=0, le=MAX_SEQ, description="Same as Last-Event-ID, for clients without headers."),
     ] = None,
 ) -> StreamingResponse:
     """Every event of the evaluation from the first one (or after Last-Event-ID), then live ones.
@@ -176,6 +194,26 @@ async def stream_events(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+@router.post(
+    "/{evaluation_id}/retry",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=EvaluationPublic,
+    responses={**_ERRORS, 503: {"model": ErrorBody}},
+    summary="Retry a failed or cancelled evaluation",
+)
+def retry_evaluation(
+    evaluation_id: str, manager: ManagerDep, store: StoreDep, response: Response
+) -> EvaluationPublic:
+    """Queue the evaluation's request again, as a new evaluation (its id is in ``Location``).
+
+    Answers the failed run already computed come from the server's response cache: only the
+    rest is computed. 409 unless the evaluation failed or was cancelled.
+    """
+    record = manager.retry(evaluation_id)
+    response.headers["Location"] = _url(record.id)
+    return _public(record, store)
 
 
 @router.delete(
@@ -222,8 +260,7 @@ def _public(
     done = sum(p.done for p in phases.values())
     stats = None
     if with_stats and record.status is EvaluationStatus.SUCCEEDED:
-        stored = store.results_json(record.id)
-        stats = stored[1] if stored is not None else None
+        stats = store.stats(record.id)
     base = _url(record.id)
     return EvaluationPublic(
         id=record.id,
@@ -271,10 +308,11 @@ def _resume_point(last_event_id: str | None, after: int | None) -> int:
         seq = int(last_event_id)
     except ValueError:
         seq = -1
-    if seq < 0:
+    if not 0 <= seq <= MAX_SEQ:
         raise HTTPException(
             status_code=422,
-            detail=f"Last-Event-ID must be an event id (an integer >= 0), got {last_event_id!r}",
+            detail=f"Last-Event-ID must be an event id (an integer from 0 to {MAX_SEQ}), got "
+            f"{last_event_id!r}",
         )
     return seq
 
@@ -288,12 +326,26 @@ async def _sse(
     max_stream_s: float,
     request: Request,
 ) -> AsyncIterator[str]:
-    """Stored events after ``seq``, then new ones as they are stored, until the terminal one."""
+    """Stored events after ``seq``, then new ones as they are stored, until the terminal one.
+
+    The database is read when this process's store has written the evaluation since the last
+    read (an in-memory counter), and at least every ``_RECHECK_S`` (another writer), so idle
+    streams cost no queries.
+    """
     yield f"retry: {int(max(poll_s, 1.0) * 1000)}\n\n"
     started = last_sent = time.monotonic()
+    seen, read_at = -1, 0.0
     while time.monotonic() - started < max_stream_s:
         if await request.is_disconnected():
             return
+        version = store.version(evaluation_id)
+        if version == seen and time.monotonic() - read_at < _RECHECK_S:
+            if time.monotonic() - last_sent >= heartbeat_s:
+                yield ": keep-alive\n\n"
+                last_sent = time.monotonic()
+            await asyncio.sleep(poll_s)
+            continue
+        seen, read_at = version, time.monotonic()
         events = await asyncio.to_thread(store.events_since, evaluation_id, seq)
         for event in events:
             yield await _format(store, evaluation_id, event)
@@ -302,6 +354,7 @@ async def _sse(
                 return
         if events:
             last_sent = time.monotonic()
+            seen = -1  # read again at once: a page of events may not be all of them
             continue
         record = await asyncio.to_thread(store.get, evaluation_id)
         if record.status.is_terminal and seq >= record.last_event_seq:

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -40,7 +40,7 @@ from service.jobs.runner_actor import EvaluationRunner
 from service.jobs.states import EvaluationStatus, EventKind, RunnerEventKind
 from service.jobs.store import EvaluationRecord, EvaluationStore, NewEvent
 from service.jobs.tasks import TaskCatalog
-from service.jobs.validation import check_submission
+from service.jobs.validation import ServerPolicy, check_submission
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,11 @@ class ManagerOptions:
             (it includes the runner actor's start).
         cancel_timeout_s: Bound on waiting for Ray to release an ended or cancelled evaluation.
         task_index_wait_s: Bound on waiting for lm-eval's task index when validating tasks.
+        policy: What a request may do (models, remote code, generation settings).
+        response_cache: Path prefix of the response cache runners read and fill (None: none).
+        stall_timeout_s: An evaluation whose runner reports nothing new for this long, beyond
+            its own load (before the first batch) or step timeout, fails naming where it
+            stopped, and is released.
     """
 
     namespace: str = "rayeval"
@@ -66,6 +71,9 @@ class ManagerOptions:
     runner_unreachable_s: float = 120.0
     cancel_timeout_s: float = 30.0
     task_index_wait_s: float = 20.0
+    policy: ServerPolicy = field(default_factory=ServerPolicy)
+    response_cache: str | None = None
+    stall_timeout_s: float = 1800.0
 
 
 class EvaluationManager:
@@ -86,8 +94,10 @@ class EvaluationManager:
         self._lock = threading.Lock()  # guards admission, terminal transitions and _cancelling
         self._cancelling: set[str] = set()
         self._runners: dict[str, Any] = {}
-        # Owned by the polling thread: evaluation id -> (pending events_since call, sent at).
+        # Owned by the polling thread: evaluation id -> (pending events_since call, sent at),
+        # and when its runner last reported something new.
         self._inflight: dict[str, tuple[Any, float]] = {}
+        self._heard: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._releaser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rayeval-release")
@@ -121,7 +131,11 @@ class EvaluationManager:
         """
         config = config.with_device(pick_device(config.device))
         check_submission(
-            config, self._catalog, ray.cluster_resources(), self._options.task_index_wait_s
+            config,
+            self._catalog,
+            ray.cluster_resources(),
+            self._options.task_index_wait_s,
+            self._options.policy,
         )
         layout = config.layout()
         record = self._store.create(config.to_json(), layout.total_resources())
@@ -129,6 +143,26 @@ class EvaluationManager:
             "queued evaluation %s (%s, tasks %s)", record.id, layout.describe(), config.tasks
         )
         return record
+
+    def retry(self, evaluation_id: str) -> EvaluationRecord:
+        """Queue a failed or cancelled evaluation again, as a new evaluation with its config.
+
+        With the server's response cache, the new run takes every answer the old one computed
+        from it and computes only the rest.
+
+        Raises:
+            EvaluationNotFoundError: unknown id.
+            EvaluationStateError: the evaluation has not failed or been cancelled.
+        """
+        record = self._store.get(evaluation_id)
+        if record.status not in (EvaluationStatus.FAILED, EvaluationStatus.CANCELLED):
+            raise EvaluationStateError(
+                f"evaluation {evaluation_id} is {record.status.value}: only a failed or "
+                "cancelled evaluation can be retried"
+            )
+        retried = self.submit(EvaluationConfig.from_json(record.config))
+        logger.info("evaluation %s retries %s", retried.id, evaluation_id)
+        return retried
 
     def cancel(self, evaluation_id: str) -> EvaluationRecord:
         """Cancel an evaluation; return it once Ray has released it (bounded wait).
@@ -188,6 +222,10 @@ class EvaluationManager:
     def _start_runner(self, record: EvaluationRecord) -> None:
         env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
         env["TOKENIZERS_PARALLELISM"] = "false"
+        # lm-eval's bootstrap forks a multiprocessing pool from the runner's thread; a forked
+        # child inherits Ray's signal handlers and can outlive terminate(). Single-process gives
+        # the same numbers (the same seeded chunks, in order).
+        env["DISABLE_MULTIPROC"] = "1"
         try:
             handle = (
                 ray.remote(EvaluationRunner)
@@ -200,13 +238,19 @@ class EvaluationManager:
                     max_restarts=0,
                     runtime_env={"env_vars": env},
                 )
-                .remote(record.id, record.config, list(self._catalog.include_paths))
+                .remote(
+                    record.id,
+                    record.config,
+                    list(self._catalog.include_paths),
+                    self._options.response_cache,
+                )
             )
         except Exception as exc:  # e.g. a bad runtime_env: the evaluation cannot start
             error = f"could not start the runner actor: {brief(exc)}"
             self._store.transition(record.id, EvaluationStatus.FAILED, error=error)
             return
         self._runners[record.id] = handle
+        self._heard[record.id] = time.monotonic()
         logger.info("started evaluation %s", record.id)
 
     def _follow_active(self) -> None:
@@ -244,7 +288,9 @@ class EvaluationManager:
                 self._fail(evaluation_id, f"the runner actor died: {brief(exc)}")
                 continue
             if events:
+                self._heard[evaluation_id] = time.monotonic()
                 self._apply(record, events)
+        self._fail_stalled()
         now = time.monotonic()
         for evaluation_id, (_, sent) in list(self._inflight.items()):
             if now - sent > self._options.runner_unreachable_s:
@@ -253,6 +299,31 @@ class EvaluationManager:
                     evaluation_id,
                     f"the runner actor did not answer for {self._options.runner_unreachable_s:g}s:"
                     " check the Ray cluster (dashboard, `ray status`) and resubmit",
+                )
+
+    def _fail_stalled(self) -> None:
+        """Fail active evaluations whose runner answers but reports no progress (a stuck metric,
+        a hung child process): the runner-unreachable check cannot see those."""
+        now = time.monotonic()
+        for record in self._store.active():
+            if self._is_cancelling(record.id):
+                continue
+            silent = now - self._heard.setdefault(record.id, now)
+            timeouts = record.config.get("timeouts", {})
+            phases = record.progress.get("phases", {})
+            own = (
+                timeouts.get("step_s", 0.0)
+                if phases
+                else timeouts.get("placement_s", 0.0) + timeouts.get("load_s", 0.0)
+            )
+            limit = self._options.stall_timeout_s + own
+            if silent > limit:
+                self._fail(
+                    record.id,
+                    f"no progress for {silent:.0f}s (limit {limit:.0f}s: the server's stall "
+                    f"timeout plus the evaluation's own timeout); it stopped {_where(record)}. "
+                    "Its actors were released; retry it, or raise the stall timeout "
+                    "(--stall-timeout) if this step is legitimately slow",
                 )
 
     def _is_cancelling(self, evaluation_id: str) -> bool:
@@ -354,7 +425,26 @@ class EvaluationManager:
         """The evaluation's runner handle (if Ray still has it), no longer tracked here."""
         handle = self._runner(evaluation_id)
         self._runners.pop(evaluation_id, None)
+        self._heard.pop(evaluation_id, None)
         return handle
+
+
+def _where(record: EvaluationRecord) -> str:
+    """Where an evaluation stopped, from its stored progress."""
+    phases = record.progress.get("phases", {})
+    if not phases:
+        return (
+            "before its first batch (reserving resources, loading the model or building requests)"
+        )
+    phase, last = max(phases.items(), key=lambda item: item[1].get("updated_at", 0.0))
+    where = f"after {last['done']}/{last['total']} {phase} requests"
+    if all(p["done"] >= p["total"] for p in phases.values()):
+        iters = record.config.get("bootstrap_iters", 0)
+        where += (
+            ": every request was answered, so lm-eval was computing metrics "
+            f"(bootstrap_iters={iters}) or building the next request type"
+        )
+    return where
 
 
 def _progress_event(latest: dict[str, Any], phases: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -46,14 +46,20 @@ class EvaluationRunner:
         evaluation_id: The service's id; names the placement group ``rayeval-<id>``.
         config: ``EvaluationConfig.to_json()`` of the evaluation (device already resolved).
         include_paths: The server's task directories (must exist on this node too).
+        response_cache: Path prefix of the response cache (``--use_cache``'s; None: none).
     """
 
     def __init__(
-        self, evaluation_id: str, config: dict[str, Any], include_paths: list[str]
+        self,
+        evaluation_id: str,
+        config: dict[str, Any],
+        include_paths: list[str],
+        response_cache: str | None = None,
     ) -> None:
         self.evaluation_id = evaluation_id
         self._config = EvaluationConfig.from_json(config)
         self._include_paths = tuple(include_paths)
+        self._response_cache = response_cache
         self._lock = threading.Lock()
         self._events: list[dict[str, Any]] = []
         self._thread = threading.Thread(
@@ -118,6 +124,7 @@ class EvaluationRunner:
             output_path=str(output_dir),
             include_paths=self._include_paths,
             name=group_name(self.evaluation_id),
+            lm_eval={"use_cache": self._response_cache} if self._response_cache else {},
         )
         output = run_evaluation(
             self._config,

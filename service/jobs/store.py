@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -164,6 +164,22 @@ class EvaluationStore:
         self.url = url
         self._engine = _make_engine(url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        self._versions: dict[str, int] = {}
+        self._listeners: list[Callable[[str], None]] = []
+
+    # -------------------------------------------------------------------- changes
+    def version(self, evaluation_id: str) -> int:
+        """A number that grows whenever this store writes the evaluation (in this process)."""
+        return self._versions.get(evaluation_id, 0)
+
+    def on_change(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(evaluation_id)`` after every write this store commits for it."""
+        self._listeners.append(listener)
+
+    def _changed(self, evaluation_id: str) -> None:
+        self._versions[evaluation_id] = self._versions.get(evaluation_id, 0) + 1
+        for listener in self._listeners:
+            listener(evaluation_id)
 
     def create_schema(self) -> None:
         """Create missing tables (existing data is kept)."""
@@ -186,7 +202,7 @@ class EvaluationStore:
             last_event_seq=0,
             runner_cursor=0,
         )
-        with self._transaction() as session:
+        with self._transaction(row.id) as session:
             session.add(row)
             session.flush()
             _append_events(session, row.id, [state_event(EvaluationStatus.QUEUED)])
@@ -218,7 +234,7 @@ class EvaluationStore:
         if to.is_terminal:
             values["finished_at"] = _now()
             values["error"] = error
-        with self._transaction() as session:
+        with self._transaction(evaluation_id) as session:
             if not _update_if(session, evaluation_id, expect, **values):
                 return False
             _append_events(session, evaluation_id, [*events, state_event(to, error)])
@@ -236,7 +252,7 @@ class EvaluationStore:
         Returns:
             False if the evaluation is no longer active (nothing is written then).
         """
-        with self._transaction() as session:
+        with self._transaction(evaluation_id) as session:
             if not _update_if(
                 session,
                 evaluation_id,
@@ -267,7 +283,7 @@ class EvaluationStore:
         Returns:
             False (and nothing stored) if the evaluation was no longer active.
         """
-        with self._transaction() as session:
+        with self._transaction(evaluation_id) as session:
             if not _update_if(
                 session,
                 evaluation_id,
@@ -357,6 +373,13 @@ class EvaluationStore:
             ).all()
             return [EventRecord(r.seq, EventKind(r.type), r.data, r.created_at) for r in rows]
 
+    def stats(self, evaluation_id: str) -> dict[str, Any] | None:
+        """rayeval's figures of a succeeded evaluation (without loading its results file)."""
+        with self._sessions() as session:
+            return session.scalar(
+                select(_ResultRow.stats).where(_ResultRow.evaluation_id == evaluation_id)
+            )
+
     def results_json(self, evaluation_id: str) -> tuple[str, dict[str, Any]] | None:
         """The stored lm-eval results file and rayeval's stats, or None if there are none."""
         with self._sessions() as session:
@@ -395,9 +418,11 @@ class EvaluationStore:
             return [_record(row) for row in rows]
 
     @contextmanager
-    def _transaction(self) -> Iterator[Session]:
+    def _transaction(self, evaluation_id: str) -> Iterator[Session]:
+        """One transaction about one evaluation; listeners hear of it once it is committed."""
         with self._sessions() as session, session.begin():
             yield session
+        self._changed(evaluation_id)
 
 
 def _append_events(session: Session, evaluation_id: str, events: Sequence[NewEvent]) -> None:

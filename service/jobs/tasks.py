@@ -128,12 +128,13 @@ class TaskCatalog:
         """Begin scanning lm-eval's built-in index in the background (once per process)."""
         _BUILTIN.start()
 
-    def check(self, names: Sequence[str], wait_s: float) -> None:
+    def check(self, names: Sequence[str], wait_s: float, field: str = "tasks") -> None:
         """Refuse names that match no task, group or tag.
 
         Args:
             names: Task names or glob patterns.
             wait_s: How long to wait for lm-eval's built-in index if a name is not local.
+            field: The request field the names come from (named in the error).
 
         Raises:
             ConfigError: naming every unknown task, with close matches.
@@ -159,8 +160,9 @@ class TaskCatalog:
             else ""
         )
         raise ConfigError(
-            f"unknown tasks: {'; '.join(hints)}. Use task, group or tag names that lm-eval knows "
-            f"(`lm_eval ls tasks`){where}; the server operator adds task directories with "
+            f"{field}: unknown tasks: {'; '.join(hints)}. Use task, group or tag names that "
+            f"lm-eval knows (`lm_eval ls tasks`){where}; the server operator adds task "
+            "directories with "
             "--include-path"
         )
 

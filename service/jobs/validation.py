@@ -1,19 +1,91 @@
 """The server's checks of a submitted evaluation, before it is queued.
 
 An :class:`service.config.EvaluationConfig` is already well-formed; what is checked here is what
-only the server can judge: task names (never paths) that its catalog knows, model paths that exist
-on it, options lm-eval accepts together, and a layout the cluster can ever hold. Every problem is
-collected into one message. No torch here.
+only the server can judge, so that what is accepted with 202 can run:
+
+- its policy (:class:`ServerPolicy`): no code from a request's model repository unless the
+  operator allows it; model args and generation settings from an allowlist; local models and
+  tokenizers only under the operator's model roots, with one answer for a path that is missing and
+  one that is forbidden (no file oracle);
+- task names (never paths) that its catalog knows, in ``tasks`` and in ``samples``;
+- options lm-eval accepts together, and a layout the cluster can ever hold.
+
+Every problem is collected into one message. No torch here.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from actors.errors import ConfigError, LayoutError, ServiceNotReadyError
 from service.config import EvaluationConfig, HostOptions
 from service.jobs.tasks import TaskCatalog
+
+#: lm-eval HF model args a request may set (others reach ``from_pretrained`` and could load
+#: files or code: the operator's business).
+REQUEST_MODEL_ARGS = frozenset(
+    {
+        "pretrained",
+        "revision",
+        "subfolder",
+        "dtype",
+        "tokenizer",
+        "use_fast_tokenizer",
+        "add_bos_token",
+        "prefix_token_id",
+        "max_length",
+        "truncation",
+        "logits_cache",
+        "think_end_token",
+        "enable_thinking",
+        "chat_template_args",
+        "softmax_dtype",
+        "mixed_precision_dtype",
+        "backend",
+        "trust_remote_code",
+    }
+)
+
+#: Generation settings a request may set, each with a check of its value.
+_NUMBER = (int, float)
+REQUEST_GEN_KWARGS: dict[str, Any] = {
+    "until": lambda v: (
+        isinstance(v, str)
+        or (isinstance(v, list) and len(v) <= 64 and all(isinstance(x, str) for x in v))
+    ),
+    "max_gen_toks": lambda v: _is_int(v) and 1 <= v <= 1_000_000,
+    "max_length": lambda v: _is_int(v) and 1 <= v <= 10_000_000,
+    "do_sample": lambda v: isinstance(v, bool),
+    "temperature": lambda v: _is_number(v) and 0 <= v <= 100,
+    "top_p": lambda v: _is_number(v) and 0 <= v <= 1,
+    "top_k": lambda v: _is_int(v) and 0 <= v <= 1_000_000,
+    "min_p": lambda v: _is_number(v) and 0 <= v <= 1,
+    "typical_p": lambda v: _is_number(v) and 0 <= v <= 1,
+    "repetition_penalty": lambda v: _is_number(v) and 0 < v <= 100,
+    "no_repeat_ngram_size": lambda v: _is_int(v) and 0 <= v <= 1_000,
+    "num_beams": lambda v: _is_int(v) and 1 <= v <= 64,
+    "length_penalty": lambda v: _is_number(v) and -100 <= v <= 100,
+}
+
+
+@dataclass(frozen=True)
+class ServerPolicy:
+    """What the operator lets a request do.
+
+    Args:
+        model_roots: Directories under which local models and tokenizers may be named.
+        allow_hub_models: Whether hub ids (``org/name``) may be named.
+        allow_remote_code: Whether ``trust_remote_code`` may be set.
+    """
+
+    model_roots: tuple[str, ...] = ()
+    allow_hub_models: bool = True
+    allow_remote_code: bool = False
 
 
 def check_submission(
@@ -21,6 +93,7 @@ def check_submission(
     catalog: TaskCatalog,
     cluster_total: Mapping[str, float],
     task_index_wait_s: float,
+    policy: ServerPolicy = ServerPolicy(),
 ) -> None:
     """Refuse an evaluation that could not run here, naming every problem at once.
 
@@ -29,6 +102,7 @@ def check_submission(
         catalog: The task names evaluations may use.
         cluster_total: Ray's ``cluster_resources()``.
         task_index_wait_s: How long to wait for lm-eval's task index if a name is not local.
+        policy: What the operator allows.
 
     Raises:
         ConfigError: bad model, tasks or options.
@@ -36,7 +110,7 @@ def check_submission(
             is the only problem.
         ServiceNotReadyError: the task index is not ready yet and nothing else is wrong.
     """
-    problems = model_problems(config) + task_problems(config)
+    problems = policy_problems(config, policy) + task_problems(config)
     try:
         config.evaluator_config(
             HostOptions(output_path="unused", include_paths=catalog.include_paths)
@@ -46,6 +120,8 @@ def check_submission(
     if not task_problems(config):
         try:
             catalog.check(config.tasks, wait_s=task_index_wait_s)
+            if config.samples:
+                catalog.check(tuple(config.samples), wait_s=task_index_wait_s, field="samples")
         except ConfigError as exc:
             problems.append(str(exc))
         except ServiceNotReadyError:
@@ -72,17 +148,72 @@ def task_problems(config: EvaluationConfig) -> list[str]:
     ]
 
 
-def model_problems(config: EvaluationConfig) -> list[str]:
-    """Local model and tokenizer paths that do not exist on the server."""
+def policy_problems(config: EvaluationConfig, policy: ServerPolicy) -> list[str]:
+    """What the server's policy refuses in the model args and generation settings."""
     problems = []
+    args = config.model_args
+    for key in sorted(set(args) - REQUEST_MODEL_ARGS):
+        problems.append(
+            f"model_args.{key}: not settable by a request on this server (allowed: "
+            f"{', '.join(sorted(REQUEST_MODEL_ARGS))})"
+        )
+    if args.get("trust_remote_code") and not policy.allow_remote_code:
+        problems.append(
+            "model_args.trust_remote_code: this server does not run code from model "
+            "repositories; its operator can allow it with --allow-remote-code"
+        )
     for key in ("pretrained", "tokenizer"):
-        value = config.model_args.get(key)
-        if isinstance(value, str) and _looks_local(value) and not Path(value).expanduser().exists():
+        value = args.get(key)
+        if isinstance(value, str):
+            problems += _model_source_problems(f"model_args.{key}", value, args, policy)
+    subfolder = args.get("subfolder", "")
+    if not isinstance(subfolder, str) or os.path.isabs(subfolder) or ".." in Path(subfolder).parts:
+        problems.append("model_args.subfolder: a relative folder inside the model, without '..'")
+    for key, value in config.gen_kwargs.items():
+        check = REQUEST_GEN_KWARGS.get(key)
+        if check is None:
             problems.append(
-                f"model_args.{key}: {value!r} does not exist on the server: pass a path that "
-                "exists on the server and every Ray node, or a Hugging Face hub id (org/name)"
+                f"gen_kwargs.{key}: not a generation setting this server accepts (accepted: "
+                f"{', '.join(sorted(REQUEST_GEN_KWARGS))})"
             )
+        elif not check(value):
+            problems.append(f"gen_kwargs.{key}: {value!r} is not a valid value")
     return problems
+
+
+def _model_source_problems(
+    where: str, value: str, args: Mapping[str, Any], policy: ServerPolicy
+) -> list[str]:
+    """A model or tokenizer named by a request: a hub id, or a model under a model root.
+
+    A missing path and a path outside the roots get the same answer, so a request cannot probe
+    the server's files.
+    """
+    if not _looks_local(value) and not Path(value).exists():
+        if policy.allow_hub_models:
+            return []
+        return [f"{where}: this server takes no hub ids: name a model under its model roots"]
+    roots = [Path(root) for root in policy.model_roots]
+    if roots:
+        found = Path(value).expanduser().resolve()
+        subfolder = args.get("subfolder") if where.endswith("pretrained") else None
+        inside = any(found == root or root in found.parents for root in roots)
+        model_dir = found / subfolder if isinstance(subfolder, str) and subfolder else found
+        if inside and ((model_dir / "config.json").is_file() or "tokenizer" in where):
+            return []
+    return [
+        f"{where}: {value!r} is not a model under this server's model roots "
+        f"({', '.join(policy.model_roots) or 'none configured'}): name a model there or a hub "
+        "id; the server operator adds roots with --model-root"
+    ]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, _NUMBER) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _looks_local(value: str) -> bool:

@@ -1,0 +1,206 @@
+"""Status reads under load: 100 pollers of ``GET /evaluations/{id}`` and 20 SSE clients.
+
+Starts ``rayeval serve`` (embedded Ray, SQLite, the bundled tiny model; the response cache off,
+so every evaluation computes), then:
+
+1. runs the demo evaluation alone: its duration is the reference;
+2. runs it again while 100 closed-loop pollers (each sends its next request as soon as the last
+   one is answered) and 20 event-stream clients hit the server, and reports the pollers' latency
+   percentiles, their request rate, and the evaluation's duration against (1);
+3. the same with pollers that poll every second (what a dashboard does).
+
+Usage: ``python benchmarks/bench_status.py [--pollers 100] [--streams 20] [--json out.json]``.
+The load generator runs on the same machine as the server and the ranks (this is what a user on
+one box sees), so its own CPU use is part of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pollers", type=int, default=100)
+    parser.add_argument("--streams", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    from service.demo import ensure_demo_assets
+
+    assets = ensure_demo_assets()
+    with tempfile.TemporaryDirectory(prefix="rayeval-bench-status-") as data_dir:
+        port = _free_port()
+        server = _start_server(assets, Path(data_dir), port)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait_ready(base)
+            body = _demo_body(str(assets.model_dir))
+            alone = _run(base, body)
+            print(f"evaluation alone: {alone['duration_s']:.1f}s")
+            rows = {"alone": alone}
+            for name, interval in (("closed_loop", 0.0), ("every_1s", 1.0)):
+                loaded = asyncio.run(
+                    _run_under_load(base, body, args.pollers, args.streams, interval)
+                )
+                loaded["slowdown"] = loaded["duration_s"] / alone["duration_s"]
+                rows[name] = loaded
+                print(
+                    f"{name:>12}: {loaded['requests']} polls, {loaded['requests_per_s']:.0f}/s, "
+                    f"p50 {loaded['p50_ms']:.1f} ms, p99 {loaded['p99_ms']:.1f} ms, "
+                    f"max {loaded['max_ms']:.1f} ms, errors {loaded['errors']}; evaluation "
+                    f"{loaded['duration_s']:.1f}s ({loaded['slowdown']:.2f}x alone)"
+                )
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def _start_server(assets: Any, data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "RAYEVAL_RESPONSE_CACHE": "false",
+    }
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "api.cli", "serve", "--port", str(port),
+            "--data-dir", str(data_dir), "--include-path", str(assets.tasks_dir),
+            "--model-root", str(assets.model_dir), "--log-level", "warning",
+        ],  # fmt: skip
+        cwd=REPO,
+        env=env,
+    )
+
+
+def _demo_body(model_dir: str) -> dict[str, Any]:
+    return {
+        "model_args": {"pretrained": model_dir, "dtype": "float32"},
+        "tasks": ["demo"],
+        "bootstrap_iters": 0,
+        "parallelism": {"num_replicas": 2, "shard_size": 1},
+    }
+
+
+def _wait_ready(base: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the server at {base} did not answer within {timeout_s:g}s")
+
+
+def _run(base: str, body: dict[str, Any]) -> dict[str, Any]:
+    evaluation = httpx.post(f"{base}/evaluations", json=body, timeout=120).json()
+    return _wait_finished(base, evaluation["id"])
+
+
+def _wait_finished(base: str, evaluation_id: str, timeout_s: float = 1800.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = httpx.get(f"{base}/evaluations/{evaluation_id}", timeout=60).json()
+        if state["status"] in ("succeeded", "failed", "cancelled"):
+            if state["status"] != "succeeded":
+                raise SystemExit(f"evaluation {evaluation_id} {state['status']}: {state['error']}")
+            return {"duration_s": _duration(state)}
+        time.sleep(0.5)
+    raise SystemExit(f"evaluation {evaluation_id} did not finish within {timeout_s:g}s")
+
+
+def _duration(state: dict[str, Any]) -> float:
+    from datetime import datetime
+
+    started = datetime.fromisoformat(state["started_at"])
+    finished = datetime.fromisoformat(state["finished_at"])
+    return (finished - started).total_seconds()
+
+
+async def _run_under_load(
+    base: str, body: dict[str, Any], pollers: int, streams: int, interval_s: float
+) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=pollers + streams + 10)
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+        evaluation = (await client.post("/evaluations", json=body)).json()
+        path = f"/evaluations/{evaluation['id']}"
+        done = asyncio.Event()
+        latencies: list[float] = []
+        errors = 0
+
+        async def poll() -> None:
+            nonlocal errors
+            while not done.is_set():
+                sent = time.perf_counter()
+                try:
+                    response = await client.get(path)
+                    latencies.append(time.perf_counter() - sent)
+                    if response.status_code != 200:
+                        errors += 1
+                    elif response.json()["status"] in ("succeeded", "failed", "cancelled"):
+                        done.set()
+                except httpx.HTTPError:
+                    errors += 1
+                if interval_s:
+                    await asyncio.sleep(interval_s)
+
+        async def stream() -> None:
+            async with client.stream("GET", f"{path}/events") as response:
+                async for _ in response.aiter_lines():
+                    if done.is_set():
+                        return
+
+        started = time.perf_counter()
+        tasks = [asyncio.create_task(poll()) for _ in range(pollers)]
+        tasks += [asyncio.create_task(stream()) for _ in range(streams)]
+        await asyncio.wait_for(done.wait(), timeout=1800)
+        elapsed = time.perf_counter() - started
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        final = (await client.get(path)).json()
+    ordered = sorted(latencies)
+    return {
+        "duration_s": _duration(final),
+        "requests": len(latencies),
+        "requests_per_s": len(latencies) / elapsed,
+        "p50_ms": 1000 * statistics.median(ordered),
+        "p99_ms": 1000 * ordered[int(0.99 * (len(ordered) - 1))],
+        "max_ms": 1000 * ordered[-1],
+        "errors": errors,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
