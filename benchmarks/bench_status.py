@@ -85,15 +85,12 @@ def _start_server(assets: Any, data_dir: Path, port: int) -> subprocess.Popen[by
         "HF_DATASETS_OFFLINE": "1",
         "RAYEVAL_RESPONSE_CACHE": "false",
     }
-    return subprocess.Popen(
-        [
-            sys.executable, "-m", "api.cli", "serve", "--port", str(port),
-            "--data-dir", str(data_dir), "--include-path", str(assets.tasks_dir),
-            "--model-root", str(assets.model_dir), "--log-level", "warning",
-        ],  # fmt: skip
-        cwd=REPO,
-        env=env,
-    )
+    argv = [
+        sys.executable, "-m", "api.cli", "serve", "--port", str(port),
+        "--data-dir", str(data_dir), "--include-path", str(assets.tasks_dir),
+        "--model-root", str(assets.model_dir), "--log-level", "warning",
+    ]  # fmt: skip
+    return subprocess.Popen(argv, cwd=REPO, env=env)
 
 
 def _demo_body(model_dir: str) -> dict[str, Any]:
