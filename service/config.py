@@ -54,6 +54,21 @@ UNSUPPORTED_MODEL_ARGS = {
     "gguf_file": "GGUF checkpoints are not supported: use a safetensors checkpoint",
 }
 
+#: lm-eval HF model args that only shape tokenisation (the driver's HFLM reads them).
+ENCODER_MODEL_ARGS = frozenset(
+    {
+        "tokenizer",
+        "use_fast_tokenizer",
+        "add_bos_token",
+        "prefix_token_id",
+        "max_length",
+        "truncation",
+        "think_end_token",
+        "enable_thinking",
+        "chat_template_args",
+    }
+)
+
 #: lm-eval HF model args that are booleans: read strictly (a string "no" is not true).
 BOOLEAN_MODEL_ARGS = frozenset(
     {

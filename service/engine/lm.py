@@ -47,6 +47,7 @@ from service.config import (
     DEFAULT_MAX_BATCH_ROWS,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_SEED,
+    ENCODER_MODEL_ARGS,
     EngineConfig,
     HostOptions,
 )
@@ -62,21 +63,6 @@ from service.engine.planner import GenerateRequest, TokenBudget, plan_generate, 
 from service.engine.response_cache import generate_key, open_cache, score_key
 
 logger = logging.getLogger(__name__)
-
-#: lm-eval HF model args that only shape tokenisation; they configure the driver-side HFLM.
-_ENCODER_ARGS = frozenset(
-    {
-        "tokenizer",
-        "use_fast_tokenizer",
-        "add_bos_token",
-        "prefix_token_id",
-        "max_length",
-        "truncation",
-        "think_end_token",
-        "enable_thinking",
-        "chat_template_args",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -624,14 +610,14 @@ def _build_encoder(pretrained: str, model_args: dict[str, Any]) -> tuple[HFLM, t
         shell = transformers.AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=common["trust_remote_code"]
         )
-    encoder_kwargs = {k: v for k, v in model_args.items() if k in _ENCODER_ARGS}
+    encoder_kwargs = {k: v for k, v in model_args.items() if k in ENCODER_MODEL_ARGS}
     encoder_kwargs.setdefault("tokenizer", pretrained)
     encoder = HFLM(pretrained=shell, backend="causal", **common, **encoder_kwargs)
     return encoder, dtype
 
 
 def _model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -> ModelSpec:
-    handled = _ENCODER_ARGS | {
+    handled = ENCODER_MODEL_ARGS | {
         "revision",
         "subfolder",
         "trust_remote_code",

@@ -23,33 +23,22 @@ from pathlib import Path
 from typing import Any
 
 from actors.errors import ConfigError, LayoutError, ServiceNotReadyError
-from service.config import EvaluationConfig, HostOptions
+from service.config import ENCODER_MODEL_ARGS, EvaluationConfig, HostOptions
 from service.jobs.tasks import TaskCatalog
 
 #: lm-eval HF model args a request may set (others reach ``from_pretrained`` and could load
 #: files or code: the operator's business).
-REQUEST_MODEL_ARGS = frozenset(
-    {
-        "pretrained",
-        "revision",
-        "subfolder",
-        "dtype",
-        "tokenizer",
-        "use_fast_tokenizer",
-        "add_bos_token",
-        "prefix_token_id",
-        "max_length",
-        "truncation",
-        "logits_cache",
-        "think_end_token",
-        "enable_thinking",
-        "chat_template_args",
-        "softmax_dtype",
-        "mixed_precision_dtype",
-        "backend",
-        "trust_remote_code",
-    }
-)
+REQUEST_MODEL_ARGS = ENCODER_MODEL_ARGS | {
+    "pretrained",
+    "revision",
+    "subfolder",
+    "dtype",
+    "logits_cache",
+    "softmax_dtype",
+    "mixed_precision_dtype",
+    "backend",
+    "trust_remote_code",
+}
 
 #: Generation settings a request may set, each with a check of its value.
 _NUMBER = (int, float)
