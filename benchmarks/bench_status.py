@@ -142,9 +142,15 @@ def _duration(state: dict[str, Any]) -> float:
 async def _run_under_load(
     base: str, body: dict[str, Any], pollers: int, streams: int, interval_s: float
 ) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=pollers + streams + 10)
-    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
-        evaluation = (await client.post("/evaluations", json=body)).json()
+    # aiohttp (a Ray dependency) as the load generator: httpx's async pool costs more CPU per
+    # request than the server under test, on the same two cores.
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=pollers + streams + 10)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    async with aiohttp.ClientSession(base, connector=connector, timeout=timeout) as client:
+        async with client.post("/evaluations", json=body) as response:
+            evaluation = await response.json()
         path = f"/evaluations/{evaluation['id']}"
         done = asyncio.Event()
         latencies: list[float] = []
@@ -155,20 +161,21 @@ async def _run_under_load(
             while not done.is_set():
                 sent = time.perf_counter()
                 try:
-                    response = await client.get(path)
+                    async with client.get(path) as response:
+                        state = await response.json()
                     latencies.append(time.perf_counter() - sent)
-                    if response.status_code != 200:
+                    if response.status != 200:
                         errors += 1
-                    elif response.json()["status"] in ("succeeded", "failed", "cancelled"):
+                    elif state["status"] in ("succeeded", "failed", "cancelled"):
                         done.set()
-                except httpx.HTTPError:
+                except aiohttp.ClientError:
                     errors += 1
                 if interval_s:
                     await asyncio.sleep(interval_s)
 
         async def stream() -> None:
-            async with client.stream("GET", f"{path}/events") as response:
-                async for _ in response.aiter_lines():
+            async with client.get(f"{path}/events") as response:
+                async for _ in response.content:
                     if done.is_set():
                         return
 
@@ -180,7 +187,8 @@ async def _run_under_load(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        final = (await client.get(path)).json()
+        async with client.get(path) as response:
+            final = await response.json()
     ordered = sorted(latencies)
     return {
         "duration_s": _duration(final),
