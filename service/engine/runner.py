@@ -95,7 +95,7 @@ def run_evaluation(
     # A URL (s3://...) is checked now, staged locally for lm-eval's tracker, copied at the end.
     target = OutputTarget(cfg.output_path) if cfg.output_path else None
     try:
-        return _evaluate(config, host, cfg, task_manager, target, (on_progress, on_warning))
+        return _evaluate(config, host, cfg, task_manager, target, on_progress, on_warning)
     finally:
         if target is not None:
             target.close()
@@ -107,7 +107,8 @@ def _evaluate(
     cfg: EvaluatorConfig,
     task_manager: TaskManager,
     target: OutputTarget | None,
-    callbacks: tuple[Callable[[Progress], None] | None, Callable[[dict[str, Any]], None] | None],
+    on_progress: Callable[[Progress], None] | None,
+    on_warning: Callable[[dict[str, Any]], None] | None,
 ) -> EvaluationOutput | None:
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
@@ -123,8 +124,8 @@ def _evaluate(
     with RayEvalLM.from_config(
         config.model_copy(update={"model_args": dict(cfg.model_args)}),
         host,
-        on_progress=callbacks[0],
-        on_warning=callbacks[1],
+        on_progress=on_progress,
+        on_warning=on_warning,
     ) as lm:
         results = simple_evaluate(
             model=lm,
