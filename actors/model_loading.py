@@ -1,10 +1,15 @@
 """Loading a Hugging Face causal LM on one rank: plain (G=1) or sharded with FSDP2 (G>1).
 
-Sharded loading never materialises the whole model on a rank: the model is built on the meta
-device, ``fully_shard`` is applied to every decoder block and then the root, and each rank reads
-only its own dim-0 slice of every tensor from the safetensors checkpoint (memory-mapped). Peak host
-memory per rank is therefore about model/G. Checkpoints whose tensor names do not match the model
-(``.bin`` files, renamed keys) fall back to a full load followed by sharding, with a warning.
+Sharded loading never materialises the whole model on a rank. The model is built on the meta
+device; ``fully_shard`` makes every decoder block, the input embeddings and the output head their
+own FSDP units (torchtitan's layout; tied embeddings and head are one unit, since they are one
+tensor), then the root; every unit reshards after forward. Each rank then reads only its own
+dim-0 slice of every tensor from the checkpoint: safetensors (one file or several, through
+``model.safetensors.index.json``) are read slice by slice, and ``.bin`` files (one or several,
+through ``pytorch_model.bin.index.json``) are memory-mapped and sliced the same way. Peak host
+memory per rank is therefore about model/G plus one unit. Only checkpoints whose tensor names do
+not match the model, or legacy (pre-zip) ``.bin`` files that cannot be memory-mapped, fall back
+to a full load on every rank followed by sharding, with a warning.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ import contextlib
 import json
 import logging
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers
@@ -22,7 +29,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from actors.batches import ModelSpec
@@ -32,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SAFETENSORS_SINGLE = "model.safetensors"
+_BIN_INDEX = "pytorch_model.bin.index.json"
+_BIN_SINGLE = "pytorch_model.bin"
 
 
 def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -> nn.Module:
@@ -103,6 +112,7 @@ def _load_plain(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
         raise ModelLoadError(f"cannot load {spec.pretrained!r}: {exc}") from exc
 
 
+# ------------------------------------------------------------------------------ FSDP2 units
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks of any HF causal LM, innermost first.
 
@@ -119,6 +129,72 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks[::-1]
 
 
+def embedding_units(model: nn.Module) -> list[list[nn.Module]]:
+    """The input embeddings and the output head as FSDP units: one each, or one together if tied.
+
+    A tied head (GPT-2, Qwen2, Llama-3.2: ``lm_head.weight`` *is* the embedding weight) must be in
+    the same unit as the embeddings: FSDP2 refuses one parameter in two units, and a unit holding
+    only the embedding would leave the head pointing at the unsharded original.
+    """
+    try:
+        embed = model.get_input_embeddings()  # type: ignore[operator]
+        head = model.get_output_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError):
+        return []
+    if not isinstance(embed, nn.Module) or not any(True for _ in embed.parameters()):
+        return []
+    if not isinstance(head, nn.Module) or not any(True for _ in head.parameters()):
+        return [[embed]]
+    embed_params = {id(p) for p in embed.parameters()}
+    if any(id(p) in embed_params for p in head.parameters()):
+        return [[embed, head]]
+    return [[embed], [head]]
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Apply FSDP2: each decoder block, the embeddings and the head, then the root.
+
+    Every unit — the root included — is given ``reshard_after_forward=True`` explicitly: left to
+    its default the root keeps its parameters unsharded after forward, expecting a backward
+    (pytorch #131965, honoured since PR #154704), and an integer value OOMs in inference
+    (pytorch #147179). Embeddings and head are their own units (torchtitan PR #182) so that the
+    root, which is unsharded for the whole forward, holds only small tensors (final norm,
+    position embeddings).
+
+    Pre-forward all-gathers are synchronous and freed at once (``_set_unshard_async_op``): the
+    default keeps the previous unit's whole all-gather buffer alive until the next one, to overlap
+    copy-out with the next collective on a GPU stream — on a CPU that is one unit of memory more
+    for nothing.
+    """
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    for unit in embedding_units(model):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    root = cast(FSDPModule, model)
+    if mesh.device_type == "cpu" and hasattr(root, "_set_unshard_async_op"):
+        root._set_unshard_async_op(True)
+
+
+def release_unsharded(model: nn.Module) -> None:
+    """After a forward or ``generate``: every FSDP unit back to its shard, per-step state cleared.
+
+    Every unit already reshards after its own forward; this also covers a forward that stopped
+    early, and clears the per-forward bookkeeping FSDP2 keeps for a backward that inference never
+    runs (``post_forward_order`` grows by one entry per unit per forward otherwise; pytorch
+    #149029 reports memory growing across ``no_grad`` forwards until ``reshard()``).
+    """
+    if not isinstance(model, FSDPModule):
+        return
+    if hasattr(model, "reset_iter_state"):  # torch >= 2.11: reshards and clears, from the root
+        model.reset_iter_state()
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+# -------------------------------------------------------------------------- sharded loading
 def _load_sharded(
     spec: ModelSpec,
     config: transformers.PretrainedConfig,
@@ -126,103 +202,195 @@ def _load_sharded(
     mesh: DeviceMesh,
     device: torch.device,
 ) -> nn.Module:
-    index = _safetensors_index(spec)
-    if index is None:
-        logger.warning(
-            "no safetensors checkpoint for %s: every rank loads the whole model before sharding",
-            spec.pretrained,
+    try:
+        checkpoint = _find_checkpoint(spec)
+    except _CannotStream as exc:
+        return _full_load_then_shard(spec, dtype, mesh, device, str(exc))
+    if checkpoint is None:
+        return _full_load_then_shard(
+            spec, dtype, mesh, device, "no safetensors or .bin checkpoint file found"
         )
-        return _shard(_load_plain(spec, dtype), mesh, device)
-
-    # Parameters on meta, buffers real: non-persistent buffers (rotary inv_freq) are computed in
-    # __init__ and are not in the checkpoint, so they must survive to_empty().
-    with init_empty_weights(include_buffers=False):
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=spec.trust_remote_code
-        )
-    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    keys = {name: _checkpoint_key(name, index, model) for name, _ in model.named_parameters()}
+    model = _meta_model(spec, config, dtype)
+    keys = {name: checkpoint.key_for(aliases, model) for name, aliases in _aliases(model).items()}
     missing = sorted(name for name, key in keys.items() if key is None)
     if missing:
-        logger.warning(
-            "checkpoint tensor names do not match %d model parameters (e.g. %s): every rank loads "
-            "the whole model before sharding",
-            len(missing),
-            missing[0],
+        return _full_load_then_shard(
+            spec,
+            dtype,
+            mesh,
+            device,
+            f"checkpoint tensor names do not match {len(missing)} model parameters "
+            f"(e.g. {missing[0]})",
         )
-        return _shard(_load_plain(spec, dtype), mesh, device)
-
-    _shard(model, mesh, device)
+    # Parameters on meta, buffers real: non-persistent buffers (rotary inv_freq) are computed in
+    # __init__ and are not in the checkpoint, so they must survive to_empty().
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    shard_model(model, mesh)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-        _read_local_shards(model, keys, index, mesh)
+        try:
+            _read_local_shards(model, keys, checkpoint, mesh)
+        except _CannotStream as exc:
+            del model
+            return _full_load_then_shard(spec, dtype, mesh, device, str(exc))
     return model
 
 
-def _shard(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    for block in decoder_blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if not any(p.is_meta for p in model.parameters()):
-        model.to(device)
+def _full_load_then_shard(
+    spec: ModelSpec, dtype: torch.dtype, mesh: DeviceMesh, device: torch.device, why: str
+) -> nn.Module:
+    logger.warning(
+        "%s for %s: every rank loads the whole model before sharding (peak memory = the whole "
+        "model per rank). Save the checkpoint as safetensors to load only each rank's shard.",
+        why,
+        spec.pretrained,
+    )
+    model = _load_plain(spec, dtype)
+    shard_model(model, mesh)
+    model.to(device)
     return model
+
+
+def _meta_model(
+    spec: ModelSpec, config: transformers.PretrainedConfig, dtype: torch.dtype
+) -> nn.Module:
+    with init_empty_weights(include_buffers=False):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=spec.trust_remote_code
+        )
+    # init_empty_weights re-creates every registered parameter on meta, which unties a tied head
+    # from the embeddings (lm_head.weight is no longer wte.weight): tie them again.
+    model.tie_weights()
+    return model
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each distinct parameter's first name, with every name it has (a tied weight has two)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {aliases[0]: aliases for aliases in names.values()}
+
+
+class _CannotStream(Exception):
+    """The checkpoint cannot be read slice by slice (a legacy, non-zip ``.bin`` file)."""
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    """Where each tensor of a local checkpoint lives: safetensors or ``.bin`` files."""
+
+    files: dict[str, Path]  # tensor name -> file
+    safetensors: bool
+
+    def key_for(self, aliases: list[str], model: nn.Module) -> str | None:
+        """The checkpoint's name for a parameter known by ``aliases``, or None if it has none."""
+        prefix = getattr(model, "base_model_prefix", "")
+        for name in aliases:
+            candidates = [name]
+            if prefix and name.startswith(prefix + "."):
+                candidates.append(name[len(prefix) + 1 :])
+            if prefix:
+                candidates.append(f"{prefix}.{name}")
+            for candidate in candidates:
+                if candidate in self.files:
+                    return candidate
+        return None
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[_SliceReader]:
+        with contextlib.ExitStack() as stack:
+            yield _SliceReader(self, stack)
+
+
+class _SliceReader:
+    """Opens each checkpoint file once and hands out dim-0 slices of its tensors.
+
+    A safetensors slice is read from the file into a new tensor (the slice is the only copy); a
+    ``.bin`` slice is a view of the memory-mapped file (no copy at all).
+    """
+
+    def __init__(self, checkpoint: _Checkpoint, stack: contextlib.ExitStack) -> None:
+        self._checkpoint = checkpoint
+        self._stack = stack
+        self._open: dict[Path, Any] = {}
+
+    def rows(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``key`` (all of a 0-d tensor when both are None)."""
+        path = self._checkpoint.files[key]
+        if self._checkpoint.safetensors:
+            if path not in self._open:
+                self._open[path] = self._stack.enter_context(
+                    safe_open(str(path), framework="pt", device="cpu")
+                )
+            tensor_slice = self._open[path].get_slice(key)
+            return tensor_slice[:] if start is None else tensor_slice[start:stop]
+        if path not in self._open:
+            self._open[path] = _mmap_bin(path)
+        tensor = self._open[path][key]
+        return tensor if start is None else tensor[start:stop]  # a view of the mapped file
+
+
+def _mmap_bin(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as exc:  # e.g. "mmap can only be used with files saved with ..."
+        raise _CannotStream(f"{path.name} cannot be memory-mapped ({exc})") from exc
 
 
 def _read_local_shards(
-    model: nn.Module, keys: dict[str, str | None], index: dict[str, Path], mesh: DeviceMesh
+    model: nn.Module, keys: dict[str, str | None], checkpoint: _Checkpoint, mesh: DeviceMesh
 ) -> None:
     rank, world = mesh.get_local_rank(), mesh.size()
-    with contextlib.ExitStack() as stack:
-        handles: dict[Path, Any] = {}
+    with checkpoint.reader() as reader:
         for name, param in model.named_parameters():
             key = keys[name]
             assert key is not None
-            path = index[key]
-            if path not in handles:
-                handles[path] = stack.enter_context(
-                    safe_open(str(path), framework="pt", device="cpu")
-                )
-            tensor_slice = handles[path].get_slice(key)
             local = param.to_local() if isinstance(param, DTensor) else param
             if isinstance(param, DTensor):
                 if tuple(param.placements) != (Shard(0),):
                     raise ModelLoadError(f"unexpected FSDP placement {param.placements} for {name}")
+                # FSDP2's dim-0 chunks: ceil(rows / world) each, the last ones shorter or empty.
                 chunk = math.ceil(param.shape[0] / world) if param.dim() else 0
                 start = min(rank * chunk, param.shape[0])
-                value = tensor_slice[start : start + local.shape[0]]
+                value = reader.rows(key, start, start + local.shape[0])
             else:
-                value = tensor_slice[:]
+                value = reader.rows(key)
             if tuple(value.shape) != tuple(local.shape):
                 raise ModelLoadError(
                     f"checkpoint tensor {key} has shape {tuple(value.shape)} for this rank, the "
                     f"model expects {tuple(local.shape)}: the checkpoint does not match its config"
                 )
-            local.copy_(value.to(local.dtype))
+            local.copy_(value)  # converts the dtype too; the slice is the only temporary
+            del value
 
 
-def _checkpoint_key(name: str, index: dict[str, Path], model: nn.Module) -> str | None:
-    if name in index:
-        return name
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and name.startswith(prefix + ".") and name[len(prefix) + 1 :] in index:
-        return name[len(prefix) + 1 :]
-    if prefix and f"{prefix}.{name}" in index:
-        return f"{prefix}.{name}"
-    return None
+def _find_checkpoint(spec: ModelSpec) -> _Checkpoint | None:
+    """Map every tensor name to its file (safetensors preferred), or None if there is no file.
 
-
-def _safetensors_index(spec: ModelSpec) -> dict[str, Path] | None:
-    """Map every tensor name to its safetensors file, or None if there is no safetensors file."""
+    Raises:
+        _CannotStream: for a single ``.bin`` file in the legacy (pre-zip) format.
+    """
     root = _checkpoint_dir(spec)
     if (root / _SAFETENSORS_INDEX).is_file():
-        weight_map = json.loads((root / _SAFETENSORS_INDEX).read_text())["weight_map"]
-        return {name: root / file for name, file in weight_map.items()}
+        return _Checkpoint(_index_files(root, _SAFETENSORS_INDEX), safetensors=True)
     if (root / _SAFETENSORS_SINGLE).is_file():
         with safe_open(str(root / _SAFETENSORS_SINGLE), framework="pt", device="cpu") as handle:
-            return dict.fromkeys(handle.keys(), root / _SAFETENSORS_SINGLE)
+            names = list(handle.keys())
+        return _Checkpoint(dict.fromkeys(names, root / _SAFETENSORS_SINGLE), safetensors=True)
+    if (root / _BIN_INDEX).is_file():
+        return _Checkpoint(_index_files(root, _BIN_INDEX), safetensors=False)
+    if (root / _BIN_SINGLE).is_file():
+        names = list(_mmap_bin(root / _BIN_SINGLE))
+        return _Checkpoint(dict.fromkeys(names, root / _BIN_SINGLE), safetensors=False)
     return None
+
+
+def _index_files(root: Path, index_name: str) -> dict[str, Path]:
+    weight_map = json.loads((root / index_name).read_text())["weight_map"]
+    return {name: root / file for name, file in weight_map.items()}
 
 
 def _checkpoint_dir(spec: ModelSpec) -> Path:

@@ -8,11 +8,15 @@ all ranks of the replica in the same order, because the driver sends each step t
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import inspect
 import logging
 import os
 import socket
+import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -30,9 +34,15 @@ from actors.batches import (
     StepStats,
 )
 from actors.layout import DeviceKind, RankCoord
+from actors.model_loading import load_model, release_unsharded
 from actors.placement import cuda_device_index
 
 logger = logging.getLogger(__name__)
+
+#: Below this many rows a CPU matmul rounds differently (see ShardWorker._scored_logits).
+_SMALL_GEMM_ROWS = 4
+#: Host allocations at least this large are mmapped, so freeing them returns them to the OS.
+_MMAP_THRESHOLD_BYTES = 1 << 20
 
 
 class ShardWorker:
@@ -64,9 +74,12 @@ class ShardWorker:
         self._seed = seed
         self._model: Any = None
         self._tokenizer: Any = None
+        #: Keyword arguments of every scoring forward, those the model's forward accepts.
+        self._score_kwargs: dict[str, Any] = {}
         self._keeps_logits = False
         self._cuda_index: int | None = None
         self._torch_device = torch.device("cpu")  # chosen once, in setup()
+        _return_large_frees_to_os()
 
     # ----------------------------------------------------------------------------- lifecycle
     def node_info(self) -> dict[str, Any]:
@@ -106,8 +119,6 @@ class ShardWorker:
         Returns:
             Load figures: seconds, local parameter count, peak resident memory (MiB).
         """
-        from actors.model_loading import load_model
-
         started = time.monotonic()
         torch.manual_seed(self._seed)
         device = self._torch_device = self._select_device()
@@ -124,7 +135,11 @@ class ShardWorker:
 
             mesh = init_device_mesh(device.type, (self._shard_size,))
         self._model = load_model(self._spec, device, mesh)
-        self._keeps_logits = "logits_to_keep" in inspect.signature(self._model.forward).parameters
+        accepted = inspect.signature(self._model.forward).parameters
+        # No KV cache when scoring: nothing reads it, and it holds 2 x layers x hidden floats per
+        # token (for a 32-block model more than all other activations of the forward together).
+        self._score_kwargs = {"use_cache": False} if "use_cache" in accepted else {}
+        self._keeps_logits = "logits_to_keep" in accepted
         self._tokenizer = transformers.AutoTokenizer.from_pretrained(
             self._spec.tokenizer or self._spec.pretrained,
             revision=self._spec.revision,
@@ -160,25 +175,25 @@ class ShardWorker:
         inputs = torch.full((len(sequences), width), self._spec.pad_token_id, dtype=torch.long)
         for i, seq in enumerate(sequences):
             inputs[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        # Only the last `keep` positions carry continuation logits; skip the LM head elsewhere.
-        first_needed = min(
-            (len(row.tokens) - max(len(t) for t in row.targets) for row in rows), default=width - 1
-        )
-        keep = width - first_needed
-        logits = self._forward(inputs.to(self._torch_device), keep)
-        offset = width - logits.shape[1]
+        # Row i's continuations are scored at its last max-target-length positions: the only
+        # logits computed (a dummy micro-batch computes one, so that collectives line up).
+        spans = [
+            (len(row.tokens) - max(len(t) for t in row.targets), len(row.tokens)) for row in rows
+        ] or [(0, 1)]
+        logits = self._scored_logits(inputs.to(self._torch_device), spans)
         results: ScoreResult = []
-        for i, row in enumerate(rows):
+        start = 0
+        for row, (first, end) in zip(rows, spans, strict=False):
             row_results = []
             for target in row.targets:
-                end = len(row.tokens) - offset
-                selected = logits[i, end - len(target) : end]
+                selected = logits[start + end - first - len(target) : start + end - first]
                 logprobs = F.log_softmax(selected, dim=-1, dtype=_dtype(self._spec.softmax_dtype))
                 target_ids = torch.tensor(target, dtype=torch.long, device=logprobs.device)
                 is_greedy = bool((logprobs.argmax(dim=-1) == target_ids).all())
                 total = float(logprobs.gather(1, target_ids.unsqueeze(-1)).sum())
                 row_results.append((total, is_greedy))
             results.append(row_results)
+            start += end - first
         real = sum(len(row.tokens) for row in rows)
         return results, StepStats(real, len(rows) * width, time.monotonic() - started)
 
@@ -203,7 +218,7 @@ class ShardWorker:
         if kwargs.get("do_sample") is False and kwargs["temperature"] == 0.0:
             kwargs.pop("temperature")
         device = self._torch_device
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self._autocast(), _releasing(self._model):
             output = self._model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
@@ -250,11 +265,80 @@ class ShardWorker:
             device_type=self._torch_device.type, dtype=dtype, enabled=dtype is not None
         )
 
-    def _forward(self, inputs: torch.Tensor, keep: int) -> torch.Tensor:
-        with torch.no_grad(), self._autocast():
-            if self._keeps_logits:
-                return self._model(inputs, logits_to_keep=keep).logits
-            return self._model(inputs).logits
+    def _scored_logits(self, inputs: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Logits at positions ``first..end-1`` of each row, for every ``(first, end)`` in
+        ``spans``, concatenated in row order: shape (sum of span lengths, vocabulary).
+
+        The output head runs on those positions only (a forward pre-hook hands it just their
+        hidden states), never on every position of every row: logits are batch x positions x
+        vocabulary, the largest activation of a forward (DESIGN "Known pitfalls").
+        """
+        width = inputs.shape[1]
+        keep = width - min(first for first, _ in spans)
+        rows = torch.tensor([i for i, (first, end) in enumerate(spans) for _ in range(first, end)])
+        positions = torch.tensor([p for first, end in spans for p in range(first, end)])
+        wanted = len(positions)
+        # The head used to run on every row's last `keep` positions, and BLAS rounds a matmul
+        # with fewer rows differently (MKL on x86: 1, 2-3 and 4+ rows per matrix are three
+        # kernels). With fewer than _SMALL_GEMM_ROWS kept positions the head still runs on them
+        # all (at most 3 per row); from there on on the scored positions only, padded to at
+        # least _SMALL_GEMM_ROWS rows. Either way every log-prob is bit-identical to before.
+        select = keep >= _SMALL_GEMM_ROWS
+        padding = max(0, _SMALL_GEMM_ROWS - wanted) if select else 0
+        rows = torch.cat([rows, rows[:1].expand(padding)]).to(inputs.device)
+        positions = torch.cat([positions, positions[:1].expand(padding)]).to(inputs.device)
+        head = self._model.get_output_embeddings() if select else None
+        picked = False
+
+        def pick(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            nonlocal picked
+            if picked or not args or not isinstance(args[0], torch.Tensor):
+                return None  # called again or another way: leave it, pick afterwards
+            hidden = args[0]  # (batch, kept positions, hidden): the last `keep` or all of them
+            picked = True
+            return (hidden[rows, positions - (width - hidden.shape[1])].unsqueeze(0), *args[1:])
+
+        handle = head.register_forward_pre_hook(pick) if isinstance(head, torch.nn.Module) else None
+        try:
+            with torch.no_grad(), self._autocast(), _releasing(self._model):
+                kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+                logits = self._model(inputs, **self._score_kwargs, **kwargs).logits
+        finally:
+            if handle is not None:
+                handle.remove()
+        if picked:
+            return logits[0, :wanted]
+        # A model whose forward does not call its output embeddings module: pick afterwards.
+        return logits[rows[:wanted], positions[:wanted] - (width - logits.shape[1])]
+
+
+@contextlib.contextmanager
+def _releasing(model: Any) -> Iterator[None]:
+    """Every FSDP unit back to its shard when the block ends, even if it raised."""
+    try:
+        yield
+    finally:
+        release_unsharded(model)
+
+
+def _return_large_frees_to_os() -> None:
+    """Make glibc serve every allocation of 1 MiB or more with its own ``mmap``.
+
+    glibc raises its mmap threshold to the size of the largest block freed so far (up to 32 MiB);
+    from then on FSDP's all-gather buffers and unsharded parameters come from the heap, are freed
+    in another order than they were allocated, and the fragments stay resident: a CPU rank's
+    memory grew by about half the model across forwards, and its peak by a third (measured in
+    docs/performance.md). A fixed threshold turns that adjustment off, so a freed buffer goes back
+    to the OS at once. Not glibc (musl, macOS): nothing to do.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold = -3  # from glibc's malloc.h
+    libc.mallopt(m_mmap_threshold, _MMAP_THRESHOLD_BYTES)
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

@@ -1,0 +1,457 @@
+"""Peak private memory of every rank through load and evaluation, for shard sizes G = 1, 2, 4.
+
+One process builds a Llama of a few hundred MB with random weights (fp32, saved with
+``save_pretrained``; nothing is trained), then for each shard size ``G`` runs a short real
+evaluation with :class:`service.engine.lm.RayEvalLM` (``num_replicas=1, shard_size=G,
+cpus_per_rank=1``) through ``lm_eval.simple_evaluate`` on the bundled demo tasks: multiple-choice
+``loglikelihood`` requests, then a few ``generate_until`` requests.
+
+The default model has the proportions of Llama-2-7B at about 1/28 of its size: 32 decoder blocks,
+each about 3% of the weights, and embeddings and head about 3% each (``--vocab 32000 --hidden
+1024 --layers 12`` gives a model whose embeddings are 15% of it, as in small real models).
+
+While it runs, a driver thread reads ``/proc/<pid>/status`` of every rank process (the pids come
+from Ray's actor table as soon as the actors exist) every few milliseconds and keeps, per rank and
+per phase (load, loglikelihood, generate_until):
+
+* **RssAnon peak** — private anonymous memory (the heap: parameters, all-gather buffers,
+  activations, KV cache, logits), sampled, so a spike shorter than the interval can be missed;
+* **VmHWM** — the kernel's own high-water mark of the resident set. It misses nothing but also
+  counts file-backed pages (shared libraries, and the memory-mapped checkpoint: a G=1 rank's
+  weights are file-backed pages of the safetensors file, not anonymous memory).
+
+Both are reported above an **empty rank**: an idle actor that has imported torch, transformers,
+the rank code and the model's modeling code (it builds the model on the meta device: no weights).
+The ideal for a sharded rank is ``model / G``; FSDP adds one unit all-gathered at a time (twice
+its size while its all-gather buffer is copied out) and every rank adds its micro-batch's
+activations, which do not shard (for generation, mostly the KV cache). Results of every ``G`` are
+also compared with the first ``G`` (they must be bit-identical: micro-batches never depend on the
+layout); the exit status is 1 if they are not.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_memory.py                       # ~240M-parameter Llama
+    .venv/bin/python benchmarks/bench_memory.py --shard_sizes 2 --json out/memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+MIB = 1024 * 1024
+STATUS_FIELDS = ("RssAnon", "VmHWM", "VmRSS")
+PHASES = ("load", "loglikelihood", "generate_until")
+
+
+# ------------------------------------------------------------------------------ /proc reading
+def read_status(pid: int) -> dict[str, int] | None:
+    """``RssAnon``, ``VmHWM`` and ``VmRSS`` of ``pid`` in bytes, or None once it has exited."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    figures = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in STATUS_FIELDS:
+            figures[key] = int(value.split()[0]) * 1024  # the kernel reports kB
+    return figures if len(figures) == len(STATUS_FIELDS) else None
+
+
+@dataclass
+class RankMemory:
+    """What the sampler saw of one rank process, in bytes."""
+
+    name: str
+    pid: int
+    peak_anon: dict[str, int] = field(default_factory=dict)  # per phase
+    last_anon: int = 0
+    vm_hwm: int = 0
+    samples: int = 0
+
+
+class RankSampler:
+    """A driver thread that samples ``/proc/<pid>/status`` of the actors named ``prefix-*``.
+
+    Args:
+        prefix: The worker group's name; its rank actors are ``<prefix>-r<replica>-s<shard>``.
+        interval_s: Seconds between samples.
+    """
+
+    def __init__(self, prefix: str, interval_s: float) -> None:
+        self._prefix = prefix + "-"
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rank-sampler", daemon=True)
+        #: Where the evaluation is; set by the driver thread, read by the sampler.
+        self.phase = "load"
+        self.ranks: dict[str, RankMemory] = {}
+
+    def __enter__(self) -> RankSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        next_lookup = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_lookup:  # the actor table is a GCS round-trip: not every sample
+                self._find_ranks()
+                next_lookup = now + 0.5
+            self.sample()
+            self._stop.wait(self._interval_s)
+
+    def sample(self) -> None:
+        """Read every known rank once."""
+        for rank in list(self.ranks.values()):
+            figures = read_status(rank.pid)
+            if figures is None:
+                continue
+            phase = self.phase
+            rank.peak_anon[phase] = max(rank.peak_anon.get(phase, 0), figures["RssAnon"])
+            rank.last_anon = figures["RssAnon"]
+            rank.vm_hwm = max(rank.vm_hwm, figures["VmHWM"])
+            rank.samples += 1
+
+    def _find_ranks(self) -> None:
+        from ray._private import state
+
+        for info in state.actors().values():
+            name, pid = info.get("Name") or "", info.get("Pid") or 0
+            fresh = name.startswith(self._prefix) and name not in self.ranks
+            if fresh and pid and info.get("State") == "ALIVE":
+                self.ranks[name] = RankMemory(name=name, pid=pid)
+
+    def track(self, lm: Any) -> None:
+        """Set :attr:`phase` while lm-eval is inside ``lm.loglikelihood`` / ``generate_until``."""
+        for phase in PHASES[1:]:
+            setattr(lm, phase, self._in_phase(phase, getattr(lm, phase)))
+
+    def _in_phase(self, phase: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            self.phase = phase
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.sample()
+                self.phase = "between"  # lm-eval's own work on the driver
+
+        return tracked
+
+
+class EmptyRank:
+    """An idle actor with what a rank imports and no weights: the baseline of every figure.
+
+    It imports torch, transformers and the rank code, and builds the model on the meta device
+    (which imports its modeling code and holds no tensor data): memory that every rank pays
+    whatever the model's size.
+    """
+
+    def measure(self, model_dir: str) -> dict[str, int]:
+        import gc
+
+        import torch
+        import transformers
+
+        import actors.worker  # noqa: F401
+
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(config)
+        gc.collect()
+        figures = read_status(os.getpid())
+        assert figures is not None
+        return figures
+
+
+# ------------------------------------------------------------------------------------ the model
+def build_model(out_dir: Path, args: argparse.Namespace, tokenizer_dir: Path) -> None:
+    """Save a random-weight fp32 Llama and the demo tokenizer in ``out_dir``."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def model_figures(model_dir: Path) -> dict[str, int]:
+    """Bytes of the whole model and of its largest FSDP unit (as ``actors`` shards it)."""
+    import torch
+    import transformers
+
+    from actors.model_loading import decoder_blocks, embedding_units
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    def size(modules: list[Any]) -> int:
+        params = {id(p): p for m in modules for p in m.parameters()}
+        return sum(p.numel() * p.element_size() for p in params.values())
+
+    units = [[block] for block in decoder_blocks(model)] + embedding_units(model)
+    return {"model": size([model]), "largest_unit": max(size(unit) for unit in units)}
+
+
+# ------------------------------------------------------------------------------------ running
+def run_layout(
+    shard_size: int, model_dir: Path, task_manager: Any, args: argparse.Namespace
+) -> tuple[list[RankMemory], dict[str, Any], float]:
+    """One evaluation at ``1 x shard_size``; the ranks' memory, the lm-eval results, seconds."""
+    import lm_eval
+
+    from service.engine.lm import RayEvalLM
+
+    name = f"bench-mem-g{shard_size}-{os.getpid()}"
+    started = time.perf_counter()
+    with (
+        RankSampler(name, args.interval_ms / 1000) as sampler,
+        RayEvalLM(
+            pretrained=str(model_dir),
+            num_replicas=1,
+            shard_size=shard_size,
+            cpus_per_rank=1,
+            dtype="float32",
+            batch_size="auto",
+            name=name,
+        ) as lm,
+    ):
+        lm.load_reports  # noqa: B018 - waits until every rank has loaded
+        sampler.sample()
+        sampler.phase = "between"
+        sampler.track(lm)
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=args.tasks,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            bootstrap_iters=0,
+            log_samples=True,
+            task_manager=task_manager,
+        )
+        sampler.sample()  # the last figures, before the ranks go
+    assert results is not None
+    ranks = sorted(sampler.ranks.values(), key=lambda r: r.name)
+    return ranks, results, time.perf_counter() - started
+
+
+def responses(results: dict[str, Any]) -> dict[tuple[str, int], Any]:
+    """Every logged sample's raw responses, keyed by task and document."""
+    return {
+        (task, sample["doc_id"]): sample["resps"]
+        for task, samples in results["samples"].items()
+        for sample in samples
+    }
+
+
+def table_rows(
+    shard_size: int, ranks: list[RankMemory], sizes: dict[str, int], empty: dict[str, int]
+) -> list[dict[str, Any]]:
+    """One row per rank: MiB above the empty rank per phase, the peak against model and ideal."""
+    model = sizes["model"]
+    rows = []
+    for rank in ranks:
+        above = {
+            phase: (rank.peak_anon[phase] - empty["RssAnon"]) / MIB
+            for phase in PHASES
+            if phase in rank.peak_anon
+        }
+        peak = max(above.values(), default=0.0)
+        rows.append(
+            {
+                "G": shard_size,
+                "rank": rank.name.rsplit("-", 1)[-1],
+                "ideal_mib": model / shard_size / MIB,
+                **{f"{phase}_mib": above.get(phase) for phase in PHASES},
+                "peak_mib": peak,
+                "end_mib": (rank.last_anon - empty["RssAnon"]) / MIB,
+                "peak_vs_model": peak * MIB / model,
+                "peak_vs_ideal": peak * MIB / (model / shard_size),
+                "hwm_mib": (rank.vm_hwm - empty["VmHWM"]) / MIB,
+                "samples": rank.samples,
+            }
+        )
+    return rows
+
+
+COLUMNS = [
+    ("G", "G", "{}"),
+    ("rank", "rank", "{}"),
+    ("ideal_mib", "model/G", "{:,.0f}"),
+    ("load_mib", "load", "{:,.0f}"),
+    ("loglikelihood_mib", "loglik", "{:,.0f}"),
+    ("generate_until_mib", "generate", "{:,.0f}"),
+    ("end_mib", "at end", "{:,.0f}"),
+    ("peak_vs_model", "peak/model", "{:.2f}x"),
+    ("peak_vs_ideal", "peak/(model/G)", "{:.2f}x"),
+    ("hwm_mib", "VmHWM", "{:,.0f}"),
+]
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cells = [
+        [fmt.format(row[key]) if row[key] is not None else "n/a" for key, _, fmt in COLUMNS]
+        for row in rows
+    ]
+    widths = [
+        max(len(title), *(len(c[i]) for c in cells)) for i, (_, title, _) in enumerate(COLUMNS)
+    ]
+    print("  ".join(title.rjust(w) for (_, title, _), w in zip(COLUMNS, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for line in cells:
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Peak private memory per rank, G = 1, 2, 4.")
+    parser.add_argument("--shard_sizes", default="1,2,4", help="G values (default 1,2,4)")
+    parser.add_argument("--hidden", type=int, default=768, help="Llama hidden size (768)")
+    parser.add_argument("--intermediate", type=int, default=2048, help="MLP size (2048)")
+    parser.add_argument("--layers", type=int, default=32, help="decoder blocks (32)")
+    parser.add_argument("--heads", type=int, default=12, help="attention heads (12)")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary (8192)")
+    parser.add_argument("--tasks", default="demo_mc,demo_gen_short", help="lm-eval tasks")
+    parser.add_argument("--limit", type=int, default=8, help="documents per task (8)")
+    parser.add_argument("--num_fewshot", type=int, default=2, help="few-shot examples (2)")
+    parser.add_argument("--interval_ms", type=float, default=10.0, help="sampling interval (10)")
+    parser.add_argument("--num_cpus", type=int, default=4, help="logical CPUs of the local Ray")
+    parser.add_argument(
+        "--model_dir",
+        default=None,
+        help="build the model here and keep it; reused if it already has a config.json "
+        "(default: a temporary directory, removed at the end)",
+    )
+    parser.add_argument("--json", default=None, help="also write every figure as JSON here")
+    args = parser.parse_args(argv)
+    args.shard_sizes = [int(g) for g in args.shard_sizes.split(",") if g.strip()]
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(key, "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the local, single-user Ray below
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    import ray
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    from service.demo import ensure_demo_assets
+
+    assets = ensure_demo_assets()
+    task_manager = TaskManager(include_defaults=False, include_path=str(assets.tasks_dir))
+    model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="bench-memory-"))
+    started = time.perf_counter()
+    built = not (model_dir / "config.json").is_file()
+    if built:
+        build_model(model_dir, args, assets.model_dir)
+    build_s = time.perf_counter() - started
+    sizes = model_figures(model_dir)
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        empty_actor = ray.remote(num_cpus=1)(EmptyRank).remote()
+        empty = ray.get(empty_actor.measure.remote(str(model_dir)), timeout=300)
+        ray.kill(empty_actor)
+        header = {
+            "model": f"Llama, {sizes['model'] / 4e6:.0f}M parameters, fp32, "
+            f"{sizes['model'] / MIB:,.0f} MiB, random weights "
+            + (f"(built in {build_s:.1f} s)" if built else f"(reused {model_dir})"),
+            "largest unit": f"{sizes['largest_unit'] / MIB:,.0f} MiB "
+            f"({sizes['largest_unit'] / sizes['model']:.1%} of the model)",
+            "tasks": f"{','.join(args.tasks)} (limit {args.limit}, num_fewshot {args.num_fewshot})",
+            "machine": f"{os.cpu_count()} CPU cores, CPU only, torch {torch.__version__}, "
+            f"ray {ray.__version__}",
+            "empty rank": f"RssAnon {empty['RssAnon'] / MIB:,.0f} MiB, "
+            f"VmHWM {empty['VmHWM'] / MIB:,.0f} MiB (subtracted from every figure)",
+            "sampling": f"every {args.interval_ms:g} ms from the driver",
+        }
+        for key, value in header.items():
+            print(f"{key:<13} {value}")
+        print()
+        rows: list[dict[str, Any]] = []
+        seconds: dict[int, float] = {}
+        baseline: dict[tuple[str, int], Any] | None = None
+        identical: dict[int, bool] = {}
+        for shard_size in args.shard_sizes:
+            ranks, results, seconds[shard_size] = run_layout(
+                shard_size, model_dir, task_manager, args
+            )
+            rows += table_rows(shard_size, ranks, sizes, empty)
+            ours = responses(results)
+            baseline = baseline or ours
+            identical[shard_size] = ours == baseline
+        print("RssAnon peak per phase, MiB above the empty rank (sampled); VmHWM: kernel peak")
+        print_table(rows)
+        print()
+        for shard_size in args.shard_sizes:
+            same = "identical to" if identical[shard_size] else "DIFFERENT from"
+            print(
+                f"G={shard_size}: {seconds[shard_size]:.1f} s (load + evaluation), results {same} "
+                f"G={args.shard_sizes[0]}"
+            )
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "header": header,
+                        "sizes": sizes,
+                        "empty_rank": empty,
+                        "rows": rows,
+                        "seconds": seconds,
+                        "identical_results": identical,
+                        "args": vars(args),
+                    },
+                    indent=2,
+                )
+            )
+        return 0 if all(identical.values()) else 1
+    finally:
+        ray.shutdown()
+        if args.model_dir is None:
+            shutil.rmtree(model_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
