@@ -234,8 +234,10 @@ def test_llama_rank_holds_its_shard_and_memory_stays_flat(
         # Every unit, the root's embeddings and head included, went back to its shard...
         assert local_30 <= model_bytes / G * 1.05, (local_30, model_bytes)
         # ...and nothing piles up from step to step (unsharded units, logits, KV caches, FSDP's
-        # per-forward bookkeeping, heap fragments).
-        assert rss_30 - rss_10 <= 2 * 2**20, (rss_10, rss_30)
+        # per-forward bookkeeping, heap fragments). One full unsharded copy of the model is
+        # ~29 MiB and kept fragments used to grow by half of it; 8 MiB leaves room for the
+        # allocator's own arenas, which moved by up to 3 MiB between runs on a loaded machine.
+        assert rss_30 - rss_10 <= 8 * 2**20, (rss_10, rss_30)
 
 
 @pytest.mark.slow
