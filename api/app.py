@@ -33,7 +33,7 @@ from actors.errors import (
 from api.deps import Services
 from api.routes import dashboard, evaluations, health
 from api.settings import Settings
-from api.views import EvaluationViews
+from api.views import EvaluationViews, EventFeed
 from service.jobs.manager import EvaluationManager, ManagerOptions
 from service.jobs.ray_resources import connect_ray
 from service.jobs.store import EvaluationStore
@@ -149,15 +149,21 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         ),
     )
     await asyncio.to_thread(manager.start)
-    views = EvaluationViews(store, ttl_s=settings.poll_interval_s)
+    views = EvaluationViews(store, evaluations.public_json(store), ttl_s=settings.poll_interval_s)
     app.state.services = Services(
-        settings=settings, store=store, catalog=catalog, manager=manager, views=views
+        settings=settings,
+        store=store,
+        catalog=catalog,
+        manager=manager,
+        views=views,
+        feed=EventFeed(store),
     )
     logger.info("rayeval service ready (database %s)", store.url)
     try:
         yield
     finally:
         await asyncio.to_thread(manager.stop)
+        views.close()
         store.close()
         if owns_ray:
             ray.shutdown()

@@ -14,7 +14,7 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.settings import Settings
-from api.views import EvaluationViews
+from api.views import EvaluationViews, EventFeed
 from service.jobs.manager import EvaluationManager
 from service.jobs.store import EvaluationStore
 from service.jobs.tasks import TaskCatalog
@@ -29,6 +29,7 @@ class Services:
     catalog: TaskCatalog
     manager: EvaluationManager
     views: EvaluationViews
+    feed: EventFeed
 
 
 def get_services(request: Request) -> Services:
@@ -58,8 +59,14 @@ def get_views(services: Annotated[Services, Depends(get_services)]) -> Evaluatio
     return services.views
 
 
+def get_feed(services: Annotated[Services, Depends(get_services)]) -> EventFeed:
+    """Events read once per change for every stream."""
+    return services.feed
+
+
 ServicesDep = Annotated[Services, Depends(get_services)]
 ViewsDep = Annotated[EvaluationViews, Depends(get_views)]
+FeedDep = Annotated[EventFeed, Depends(get_feed)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[EvaluationStore, Depends(get_store)]
 ManagerDep = Annotated[EvaluationManager, Depends(get_manager)]

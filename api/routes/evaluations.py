@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, R
 from fastapi.responses import StreamingResponse
 
 from actors.errors import EvaluationNotFoundError, EvaluationStateError
-from api.deps import ManagerDep, SettingsDep, StoreDep, ViewsDep, require_token
+from api.deps import FeedDep, ManagerDep, SettingsDep, StoreDep, ViewsDep, require_token
 from api.schemas import (
     ErrorBody,
     EvaluationCreate,
@@ -29,6 +29,7 @@ from api.schemas import (
     ProgressPublic,
     Throughput,
 )
+from api.views import EventFeed
 from service.config import EvaluationConfig
 from service.jobs.states import EvaluationStatus, EventKind
 from service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
@@ -90,16 +91,21 @@ def list_evaluations(
 
 
 @router.get("/{evaluation_id}", response_model=EvaluationPublic, summary="One evaluation")
-async def get_evaluation(evaluation_id: str, store: StoreDep, views: ViewsDep) -> Response:
+async def get_evaluation(evaluation_id: str, views: ViewsDep) -> Response:
     """State, progress per request type, throughput, timestamps and error of an evaluation."""
     answer = views.cached(evaluation_id)
     if answer is None:
-
-        def build(record: EvaluationRecord) -> bytes:
-            return _public(record, store).model_dump_json(by_alias=True).encode()
-
-        answer = await asyncio.to_thread(views.render, evaluation_id, build)
+        answer = await asyncio.wrap_future(views.render(evaluation_id))
     return Response(content=answer, media_type="application/json")
+
+
+def public_json(store: EvaluationStore) -> Callable[[EvaluationRecord], bytes]:
+    """How :class:`api.views.EvaluationViews` renders ``GET /evaluations/{id}``."""
+
+    def build(record: EvaluationRecord) -> bytes:
+        return _public(record, store).model_dump_json(by_alias=True).encode()
+
+    return build
 
 
 @router.get(
@@ -160,6 +166,7 @@ async def stream_events(
     evaluation_id: str,
     request: Request,
     store: StoreDep,
+    feed: FeedDep,
     settings: SettingsDep,
     last_event_id: Annotated[
         str | None,
@@ -184,6 +191,7 @@ async def stream_events(
     return StreamingResponse(
         _sse(
             store,
+            feed,
             evaluation_id,
             seq,
             settings.poll_interval_s,
@@ -319,6 +327,7 @@ def _resume_point(last_event_id: str | None, after: int | None) -> int:
 
 async def _sse(
     store: EvaluationStore,
+    feed: EventFeed,
     evaluation_id: str,
     seq: int,
     poll_s: float,
@@ -330,11 +339,12 @@ async def _sse(
 
     The database is read when this process's store has written the evaluation since the last
     read (an in-memory counter), and at least every ``_RECHECK_S`` (another writer), so idle
-    streams cost no queries.
+    streams cost no queries; the streams of one evaluation share each read (``feed``).
     """
     yield f"retry: {int(max(poll_s, 1.0) * 1000)}\n\n"
     started = last_sent = time.monotonic()
     seen, read_at = -1, 0.0
+    delivered = False
     while time.monotonic() - started < max_stream_s:
         if await request.is_disconnected():
             return
@@ -346,7 +356,7 @@ async def _sse(
             await asyncio.sleep(poll_s)
             continue
         seen, read_at = version, time.monotonic()
-        events = await asyncio.to_thread(store.events_since, evaluation_id, seq)
+        events = await asyncio.to_thread(feed.events_since, evaluation_id, seq)
         for event in events:
             yield await _format(store, evaluation_id, event)
             seq = event.seq
@@ -354,11 +364,13 @@ async def _sse(
                 return
         if events:
             last_sent = time.monotonic()
+            delivered = True
             seen = -1  # read again at once: a page of events may not be all of them
             continue
-        record = await asyncio.to_thread(store.get, evaluation_id)
-        if record.status.is_terminal and seq >= record.last_event_seq:
-            return  # resumed after the end: nothing more will come
+        if not delivered:  # a stream that delivered events ends with the terminal one
+            record = await asyncio.to_thread(store.get, evaluation_id)
+            if record.status.is_terminal and seq >= record.last_event_seq:
+                return  # resumed after the end: nothing more will come
         if time.monotonic() - last_sent >= heartbeat_s:
             yield ": keep-alive\n\n"
             last_sent = time.monotonic()
