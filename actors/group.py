@@ -194,6 +194,20 @@ class WorkerGroup:
         ]
         return self.load_reports
 
+    def begin_evaluation(self, seed: int, timeout_s: float) -> None:
+        """Seed every loaded rank for a new evaluation (a group kept between evaluations).
+
+        Raises:
+            RayEvalError: a rank is gone or did not answer within ``timeout_s`` (the group
+                cannot be reused).
+        """
+        refs = [w.begin_evaluation.remote(seed) for r in self.replicas for w in r.workers]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            raise RayEvalError(f"{len(pending)} kept ranks did not answer within {timeout_s:g}s")
+        for ref in ready:
+            _get_or_raise(ref, RayEvalError, "starting an evaluation")
+
     def shutdown(self) -> None:
         """Kill every actor and remove the placement group. Safe to call more than once."""
         for replica in self.replicas:

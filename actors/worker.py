@@ -104,6 +104,18 @@ class ShardWorker:
             ),
         }
 
+    def begin_evaluation(self, seed: int) -> int:
+        """Start an evaluation on this loaded rank: seed torch as a new rank is seeded.
+
+        A rank kept warm for the next evaluation then samples what a new rank would.
+
+        Returns:
+            This rank's process id (the caller can tell a kept rank from a new one).
+        """
+        self._seed = seed
+        torch.manual_seed(seed)
+        return os.getpid()
+
     def reserve_port(self) -> tuple[str, int]:
         """A free TCP port on this node for the replica's rendezvous (called on shard rank 0)."""
         import ray

@@ -132,6 +132,14 @@ def _add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="fail an evaluation that makes no progress for this long (default 1800)",
     )
     serve.add_argument(
+        "--warm-replicas",
+        dest="warm_replicas",
+        type=int,
+        metavar="N",
+        help="keep up to N runners loaded after their evaluation succeeds, for the next "
+        "evaluation of the same model and layout (default 0)",
+    )
+    serve.add_argument(
         "--api-token",
         dest="api_token",
         metavar="TOKEN",
@@ -194,6 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
         "allow_remote_code",
         "allowed_hosts",
         "stall_timeout_s",
+        "warm_replicas",
         "api_token",
         "ray_address",
         "num_cpus",

@@ -53,6 +53,14 @@ class Settings(BaseSettings):
         description="An evaluation with no progress for this long (beyond its own load or step "
         "timeout) fails, naming where it stopped, and its actors are released.",
     )
+    warm_replicas: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Runners kept loaded after an evaluation succeeds, for the next evaluation of "
+        "the same model and layout (released when a queued evaluation needs the room, and on "
+        "shutdown). 0: every evaluation starts and loads its own ranks.",
+    )
     response_cache: bool = Field(
         True,
         description="Keep every answered request in a cache under data_dir (keyed by model and "

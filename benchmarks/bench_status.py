@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,8 +28,17 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.service_harness import (
+    demo_body,
+    free_port,
+    seconds_between,
+    start_server,
+    stop_server,
+    wait_finished,
+    wait_ready,
+)
 
 
 def main() -> int:
@@ -46,12 +52,12 @@ def main() -> int:
 
     assets = ensure_demo_assets()
     with tempfile.TemporaryDirectory(prefix="rayeval-bench-status-") as data_dir:
-        port = _free_port()
-        server = _start_server(assets, Path(data_dir), port)
+        port = free_port()
+        server = start_server(assets, Path(data_dir), port)
         try:
             base = f"http://127.0.0.1:{port}"
-            _wait_ready(base)
-            body = _demo_body(str(assets.model_dir))
+            wait_ready(base)
+            body = demo_body(str(assets.model_dir))
             alone = _run(base, body)
             print(f"evaluation alone: {alone['duration_s']:.1f}s")
             rows = {"alone": alone}
@@ -68,75 +74,19 @@ def main() -> int:
                     f"{loaded['duration_s']:.1f}s ({loaded['slowdown']:.2f}x alone)"
                 )
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop_server(server)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
 
 
-def _start_server(assets: Any, data_dir: Path, port: int) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "RAYEVAL_RESPONSE_CACHE": "false",
-    }
-    argv = [
-        sys.executable, "-m", "api.cli", "serve", "--port", str(port),
-        "--data-dir", str(data_dir), "--include-path", str(assets.tasks_dir),
-        "--model-root", str(assets.model_dir), "--log-level", "warning",
-    ]  # fmt: skip
-    return subprocess.Popen(argv, cwd=REPO, env=env)
-
-
-def _demo_body(model_dir: str) -> dict[str, Any]:
-    return {
-        "model_args": {"pretrained": model_dir, "dtype": "float32"},
-        "tasks": ["demo"],
-        "bootstrap_iters": 0,
-        "parallelism": {"num_replicas": 2, "shard_size": 1},
-    }
-
-
-def _wait_ready(base: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"the server at {base} did not answer within {timeout_s:g}s")
-
-
 def _run(base: str, body: dict[str, Any]) -> dict[str, Any]:
     evaluation = httpx.post(f"{base}/evaluations", json=body, timeout=120).json()
-    return _wait_finished(base, evaluation["id"])
-
-
-def _wait_finished(base: str, evaluation_id: str, timeout_s: float = 1800.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = httpx.get(f"{base}/evaluations/{evaluation_id}", timeout=60).json()
-        if state["status"] in ("succeeded", "failed", "cancelled"):
-            if state["status"] != "succeeded":
-                raise SystemExit(f"evaluation {evaluation_id} {state['status']}: {state['error']}")
-            return {"duration_s": _duration(state)}
-        time.sleep(0.5)
-    raise SystemExit(f"evaluation {evaluation_id} did not finish within {timeout_s:g}s")
+    return {"duration_s": _duration(wait_finished(base, evaluation["id"]))}
 
 
 def _duration(state: dict[str, Any]) -> float:
-    from datetime import datetime
-
-    started = datetime.fromisoformat(state["started_at"])
-    finished = datetime.fromisoformat(state["finished_at"])
-    return (finished - started).total_seconds()
+    return seconds_between(state["started_at"], state["finished_at"])
 
 
 async def _run_under_load(
@@ -199,12 +149,6 @@ async def _run_under_load(
         "max_ms": 1000 * ordered[-1],
         "errors": errors,
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 if __name__ == "__main__":

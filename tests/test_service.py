@@ -766,6 +766,58 @@ def test_a_stalled_evaluation_fails_naming_where_and_is_released(
         stalled_server.stop()
 
 
+def test_warm_replicas_serve_the_next_evaluation_then_give_way(
+    demo: Any, ray_session: None, tmp_path: Path
+) -> None:
+    """With --warm-replicas, a second evaluation of the same model and layout runs on the first
+    one's loaded ranks with identical results; a queued evaluation that needs the room gets it,
+    and shutdown releases what is kept."""
+    settings = make_settings(
+        tmp_path / "data", demo.tasks_dir, warm_replicas=1, response_cache=False
+    )
+    warm_server = ServerThread(settings)
+    warm_server.start()
+    try:
+        with warm_server.client() as c:
+            first = wait_for(c, submit(c, body(demo))["id"], finished, 300)
+            assert first["status"] == "succeeded", first["error"]
+            kept = ray_leftovers(first["id"])
+            assert len(kept[0]) == 3 and kept[1], f"runner and 2 ranks kept: {kept}"
+            pids = _rank_pids(first["id"])
+
+            second = wait_for(c, submit(c, body(demo))["id"], finished, 300)
+            assert second["status"] == "succeeded", second["error"]
+            assert ray_leftovers(second["id"]) == ([], []), "nothing new was started"
+            assert _rank_pids(first["id"]) == pids, "the same rank processes served it"
+            for task in TASKS:
+                ours = [c.get(e["links"]["samples"][task]).text for e in (first, second)]
+                assert ours[0] == ours[1], f"{task}: samples differ warm vs cold"
+            results = [c.get(f"/evaluations/{e['id']}/results").json() for e in (first, second)]
+            assert results[0]["results"] == results[1]["results"]
+
+            # Three replicas do not fit beside the kept two ranks on 4 CPUs: they are released.
+            wide = body(demo, parallelism={"num_replicas": 3, "shard_size": 1})
+            third = wait_for(c, submit(c, wide)["id"], finished, 300)
+            assert third["status"] == "succeeded", third["error"]
+            assert ray_leftovers(first["id"]) == ([], [])
+            assert ray_leftovers(third["id"])[0], "the last one is kept"
+    finally:
+        warm_server.stop()
+    assert ray_leftovers(third["id"]) == ([], []), "shutdown releases kept replicas"
+
+
+def _rank_pids(owner: str) -> list[int]:
+    """Process ids of the rank actors named after ``owner``."""
+    import ray
+
+    ranks = [
+        ray.get_actor(entry["name"], namespace=entry["namespace"])
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["name"].startswith(f"rayeval-{owner}-r")
+    ]
+    return sorted(info["pid"] for info in ray.get([r.node_info.remote() for r in ranks], timeout=60))
+
+
 # --------------------------------------------------------------------- auth and binding
 @pytest.mark.slow
 def test_token_guards_every_endpoint_but_healthz(

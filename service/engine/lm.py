@@ -39,7 +39,7 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from actors.batches import GenerateMicroBatch, MicroBatch, ModelSpec, ScoreMicroBatch
-from actors.errors import ConfigError, ResultIntegrityError
+from actors.errors import ConfigError, RayEvalError, ResultIntegrityError
 from actors.group import WorkerGroup
 from actors.layout import DeviceKind
 from actors.model_loading import resolve_dtype
@@ -61,6 +61,7 @@ from service.engine.cluster import connect, pick_device
 from service.engine.dispatch import StepDone, run_steps
 from service.engine.planner import GenerateRequest, TokenBudget, plan_generate, plan_score
 from service.engine.response_cache import generate_key, open_cache, score_key
+from service.engine.warm import KeptReplicas, replica_key
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class RayEvalLM(TemplateLM):
         host: HostOptions | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         on_warning: Callable[[dict[str, Any]], None] | None = None,
+        replicas: KeptReplicas | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -190,12 +192,22 @@ class RayEvalLM(TemplateLM):
         spec = _model_spec(self.pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id)
         logger.info("starting %s on %s (%s)", self.name, self.layout.describe(), self.connection)
         torch_seed = config.seeds[2]
-        self._group: WorkerGroup | None = WorkerGroup.create(
-            self.name,
-            self.layout,
-            spec,
-            self._timeouts,
-            seed=torch_seed if torch_seed is not None else DEFAULT_SEED[2],
+        self._seed = torch_seed if torch_seed is not None else DEFAULT_SEED[2]
+        self._replicas = replicas
+        self._key = replica_key(config) if replicas is not None else ""
+        kept = replicas.take(self._key) if replicas is not None else None
+        if kept is not None:
+            try:
+                kept.begin_evaluation(self._seed, timeout_s=min(self._timeouts.step_s, 60.0))
+            except RayEvalError as exc:
+                logger.warning("the kept replicas cannot be reused (%s): starting new ones", exc)
+                kept.shutdown()
+                kept = None
+        if replicas is not None:
+            replicas.reused = kept is not None
+        self._begun = kept is not None
+        self._group: WorkerGroup | None = kept or WorkerGroup.create(
+            self.name, self.layout, spec, self._timeouts, seed=self._seed
         )
 
     @classmethod
@@ -205,9 +217,20 @@ class RayEvalLM(TemplateLM):
         host: HostOptions | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         on_warning: Callable[[dict[str, Any]], None] | None = None,
+        replicas: KeptReplicas | None = None,
     ) -> RayEvalLM:
-        """The engine for ``config`` (an :class:`EvaluationConfig` is one), started on ``host``."""
-        return cls(config=config, host=host, on_progress=on_progress, on_warning=on_warning)
+        """The engine for ``config`` (an :class:`EvaluationConfig` is one), started on ``host``.
+
+        ``replicas``: loaded replicas to use if they match, and where to keep these ones after
+        a successful evaluation (:mod:`service.engine.warm`).
+        """
+        return cls(
+            config=config,
+            host=host,
+            on_progress=on_progress,
+            on_warning=on_warning,
+            replicas=replicas,
+        )
 
     # --------------------------------------------------------------------- lifecycle
     @property
@@ -217,10 +240,18 @@ class RayEvalLM(TemplateLM):
             return []
         return self._group.wait_ready()
 
-    def close(self) -> None:
-        """Release the actors and the placement group. Safe to call more than once."""
+    def close(self, keep: bool = False) -> None:
+        """Release the actors and the placement group. Safe to call more than once.
+
+        Args:
+            keep: Leave them loaded in the :class:`KeptReplicas` given at construction, if it
+                asks to keep them (the ``with`` block does so when it ends without an error).
+        """
         if self._group is not None:
-            self._group.shutdown()
+            if keep and self._replicas is not None and self._replicas.keep:
+                self._replicas.put(self._group, self._key)
+            else:
+                self._group.shutdown()
             self._group = None
         if self._cache is not None:
             self._cache.close()
@@ -229,8 +260,8 @@ class RayEvalLM(TemplateLM):
     def __enter__(self) -> RayEvalLM:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(keep=exc_type is None)
 
     # ------------------------------------------------------- tokenisation (lm-eval's own)
     @property
@@ -524,6 +555,9 @@ class RayEvalLM(TemplateLM):
         if self._group is None:
             raise ConfigError("this RayEvalLM was closed: create a new one to evaluate again")
         self._group.wait_ready()
+        if not self._begun:  # seeded after loading, as kept replicas are: same samples
+            self._group.begin_evaluation(self._seed, timeout_s=self._timeouts.step_s)
+            self._begun = True
         total = sum(requests_per_micro_batch.values())
         stats = self.stats.setdefault(phase, PhaseStats())
         stats.requests += total

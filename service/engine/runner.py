@@ -23,6 +23,7 @@ from actors.errors import ConfigError
 from service.config import EvaluationConfig, HostOptions
 from service.engine.lm import Progress, RayEvalLM
 from service.engine.outputs import OutputTarget
+from service.engine.warm import KeptReplicas
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def run_evaluation(
     host: HostOptions,
     on_progress: Callable[[Progress], None] | None = None,
     on_warning: Callable[[dict[str, Any]], None] | None = None,
+    replicas: KeptReplicas | None = None,
 ) -> EvaluationOutput | None:
     """Evaluate like ``lm_eval run --model hf`` with the model spread over Ray actors.
 
@@ -82,6 +84,8 @@ def run_evaluation(
             package installed).
         on_progress: Called after every finished step.
         on_warning: Called when a task has such requests (``{task, counts, example}``).
+        replicas: Loaded replicas to use if they match, and to keep these ones in after a
+            successful evaluation (the service's warm replicas; :mod:`service.engine.warm`).
 
     Returns:
         The results, or None where lm-eval returns None.
@@ -95,7 +99,7 @@ def run_evaluation(
     # A URL (s3://...) is checked now, staged locally for lm-eval's tracker, copied at the end.
     target = OutputTarget(cfg.output_path) if cfg.output_path else None
     try:
-        return _evaluate(config, host, cfg, task_manager, target, on_progress, on_warning)
+        return _evaluate(config, host, cfg, task_manager, target, on_progress, on_warning, replicas)
     finally:
         if target is not None:
             target.close()
@@ -109,6 +113,7 @@ def _evaluate(
     target: OutputTarget | None,
     on_progress: Callable[[Progress], None] | None,
     on_warning: Callable[[dict[str, Any]], None] | None,
+    replicas: KeptReplicas | None,
 ) -> EvaluationOutput | None:
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
@@ -126,6 +131,7 @@ def _evaluate(
         host,
         on_progress=on_progress,
         on_warning=on_warning,
+        replicas=replicas,
     ) as lm:
         results = simple_evaluate(
             model=lm,

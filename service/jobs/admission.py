@@ -1,14 +1,17 @@
 """Admission: which queued evaluations may start now, in strict FIFO order.
 
-The head of the queue starts when the cluster's free resources cover its layout; nobody overtakes
-it. Free means what Ray reports available minus what evaluations already admitted will reserve but
-have not yet (their placement group is not created), so one free slot is never handed to two
-evaluations. No torch here.
+The head of the queue starts when the cluster's free resources cover its layout, or at once on
+kept (warm) replicas loaded for the same model and layout; nobody overtakes it. Free means what
+Ray reports available minus what evaluations already admitted will reserve but have not yet
+(their placement group is not created), so one free slot is never handed to two evaluations.
+Kept replicas hold their resources until the head of the queue needs them: then the least
+recently kept are released first. No torch here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import ray
 
@@ -16,8 +19,15 @@ from service.jobs.ray_resources import group_name
 from service.jobs.store import EvaluationRecord
 
 
-def free_resources(active: Iterable[EvaluationRecord]) -> dict[str, float]:
-    """What Ray reports free, minus what ``active`` evaluations will reserve but have not yet."""
+def free_resources(
+    active: Iterable[EvaluationRecord], owners: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """What Ray reports free, minus what ``active`` evaluations will reserve but have not yet.
+
+    ``owners`` maps an evaluation running on kept replicas to the evaluation whose placement
+    group they are (named after it).
+    """
+    owners = owners or {}
     free = {k: float(v) for k, v in ray.available_resources().items()}
     placed = {
         info["name"]
@@ -25,28 +35,72 @@ def free_resources(active: Iterable[EvaluationRecord]) -> dict[str, float]:
         if info.get("state") == "CREATED"
     }
     for record in active:
-        if group_name(record.id) not in placed:
+        if group_name(owners.get(record.id, record.id)) not in placed:
             for key, amount in record.resources.items():
                 free[key] = free.get(key, 0.0) - amount
     return free
 
 
-def admissible(
-    queued: Iterable[EvaluationRecord], free: Mapping[str, float]
-) -> Iterator[EvaluationRecord]:
-    """The queued evaluations that fit, head first, stopping at the first that does not.
-
-    The caller starts each one it is given (or skips it, when it was cancelled meanwhile); what a
-    started one reserves is taken off ``free`` before the next is considered.
-    """
-    remaining = dict(free)
-    for record in queued:
-        if not covers(remaining, record.resources):
-            return  # strict FIFO: nobody overtakes the head of the queue
-        yield record
-        remaining = {k: v - record.resources.get(k, 0.0) for k, v in remaining.items()}
-
-
 def covers(free: Mapping[str, float], need: Mapping[str, float]) -> bool:
     """True when ``free`` holds at least ``need`` of every resource."""
     return all(free.get(key, 0.0) >= amount for key, amount in need.items())
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Loaded replicas kept after an evaluation: whose they are, what they serve, what they hold."""
+
+    owner: str
+    key: str
+    resources: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One round's decisions: evaluations to start (on kept replicas or new ones), and kept
+    replicas to release because the head of the queue needs their room."""
+
+    start: list[tuple[EvaluationRecord, Kept | None]]
+    release: list[Kept]
+
+
+def plan(
+    queued: Iterable[EvaluationRecord],
+    free: Mapping[str, float],
+    kept: Sequence[Kept],
+    key_of: Callable[[EvaluationRecord], str],
+) -> Admission:
+    """Admit in FIFO order, using kept replicas where they match and their room where needed.
+
+    Args:
+        queued: Queued evaluations, oldest first.
+        free: Free resources (:func:`free_resources`; kept replicas' are not in it).
+        kept: Kept replicas, least recently kept first.
+        key_of: An evaluation's replica key (:func:`service.engine.warm.replica_key`).
+    """
+    remaining = dict(free)
+    pool = list(kept)
+    start: list[tuple[EvaluationRecord, Kept | None]] = []
+    for record in queued:
+        match = next((k for k in pool if k.key == key_of(record)), None) if pool else None
+        if match is not None:
+            pool.remove(match)
+            start.append((record, match))
+            continue
+        if covers(remaining, record.resources):
+            start.append((record, None))
+            remaining = {k: v - record.resources.get(k, 0.0) for k, v in remaining.items()}
+            continue
+        # The head does not fit: free kept replicas, oldest first, if that makes room. It starts
+        # in a later round, once Ray has released them.
+        release: list[Kept] = []
+        for candidate in pool:
+            if covers(remaining, record.resources):
+                break
+            release.append(candidate)
+            for key, amount in candidate.resources.items():
+                remaining[key] = remaining.get(key, 0.0) + amount
+        if covers(remaining, record.resources):
+            return Admission(start, release)
+        return Admission(start, [])
+    return Admission(start, [])

@@ -8,7 +8,14 @@ One :class:`EvaluationManager` per API process. Submissions are checked
    (at most one call per runner in flight, a round waits a fraction of a second for answers),
    stores progress, and on the runner's final event stores lm-eval's result and sample files —
    which that event carries — and the terminal state in one transaction;
-2. admits queued evaluations (:mod:`service.jobs.admission`).
+2. admits queued evaluations (:mod:`service.jobs.admission`), on warm replicas where it can.
+
+Warm replicas (``warm_replicas`` > 0): the runner of an evaluation that succeeded keeps its loaded
+ranks and placement group; the next evaluation of the same model and layout
+(:func:`service.engine.warm.replica_key`) runs on that runner without starting or loading
+anything. At most ``warm_replicas`` runners are kept; they are released when a queued evaluation
+needs their room (oldest first), and when the manager stops. An evaluation on a kept runner is
+known by its owner: the evaluation whose names the runner, ranks and placement group carry.
 
 Releasing an ended evaluation's actors and placement group waits for Ray, so the loop hands it to
 a small pool and goes on: no thread is held for long by one evaluation. A cancel releases in the
@@ -19,22 +26,25 @@ No torch here: runners are created from a class reference and import torch in th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from actors.errors import EvaluationStateError
+from actors.errors import EvaluationNotFoundError, EvaluationStateError
 from actors.group import FORWARDED_ENV
 from service.config import EvaluationConfig
 from service.engine.cluster import pick_device
-from service.jobs.admission import admissible, free_resources
+from service.engine.warm import replica_key
+from service.jobs.admission import Kept, free_resources, plan
 from service.jobs.ray_resources import brief, release, runner_name
 from service.jobs.runner_actor import EvaluationRunner
 from service.jobs.states import EvaluationStatus, EventKind, RunnerEventKind
@@ -64,6 +74,8 @@ class ManagerOptions:
         stall_timeout_s: An evaluation whose runner reports nothing new for this long, beyond
             its own load (before the first batch) or step timeout, fails naming where it
             stopped, and is released.
+        warm_replicas: Most runners kept loaded after their evaluation succeeded, for the next
+            evaluation of the same model and layout (0: release at once).
     """
 
     namespace: str = "rayeval"
@@ -74,6 +86,7 @@ class ManagerOptions:
     policy: ServerPolicy = field(default_factory=ServerPolicy)
     response_cache: str | None = None
     stall_timeout_s: float = 1800.0
+    warm_replicas: int = 0
 
 
 class EvaluationManager:
@@ -98,7 +111,13 @@ class EvaluationManager:
         # and when its runner last reported something new.
         self._inflight: dict[str, tuple[Any, float]] = {}
         self._heard: dict[str, float] = {}
+        # Evaluations running on a kept runner -> the evaluation that owns its resources.
+        self._owners: dict[str, str] = {}
+        # Kept runners, least recently kept first: owner -> (kept replicas, runner handle).
+        self._kept: OrderedDict[str, tuple[Kept, Any]] = OrderedDict()
+        self._keys: dict[str, str] = {}  # queued evaluation -> replica key
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._releaser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rayeval-release")
 
@@ -111,13 +130,18 @@ class EvaluationManager:
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop polling (runner actors keep running and are re-attached by the next start)."""
+        """Stop polling (runner actors keep running and are re-attached by the next start);
+        release the kept runners."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
             if self._thread.is_alive():
                 logger.warning("the manager thread did not stop within %.0fs", timeout_s)
             self._thread = None
+        for owner, (_, handle) in list(self._kept.items()):
+            release(owner, handle, self._timeout_s)
+        self._kept.clear()
         self._releaser.shutdown(wait=False)
 
     # ------------------------------------------------------------------- operations
@@ -142,6 +166,7 @@ class EvaluationManager:
         logger.info(
             "queued evaluation %s (%s, tasks %s)", record.id, layout.describe(), config.tasks
         )
+        self._wake.set()  # admit now, not at the next round
         return record
 
     def retry(self, evaluation_id: str) -> EvaluationRecord:
@@ -202,7 +227,11 @@ class EvaluationManager:
 
     # ----------------------------------------------------------------- background loop
     def _loop(self) -> None:
-        while not self._stop.wait(self._options.poll_interval_s):
+        while not self._stop.is_set():
+            self._wake.wait(self._options.poll_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._follow_active()
                 self._admit()
@@ -213,11 +242,69 @@ class EvaluationManager:
         queued = self._store.queued()
         if not queued:
             return
-        for record in admissible(queued, free_resources(self._store.active())):
+        kept = [entry for entry, _ in self._kept.values()]
+        decided = plan(
+            queued, free_resources(self._store.active(), self._owners), kept, self._key_of
+        )
+        for freed in decided.release:
+            logger.info(
+                "releasing the kept replicas of %s: a queued evaluation needs room", freed.owner
+            )
+            self._release_kept(freed.owner)
+        for record, entry in decided.start:
             # Under the lock, so that a cancel sees either a queued evaluation or a runner handle.
             with self._lock:
                 if self._store.transition(record.id, EvaluationStatus.STARTING):
-                    self._start_runner(record)
+                    self._keys.pop(record.id, None)
+                    if entry is None or not self._start_on_kept(record, entry.owner):
+                        self._start_runner(record)
+
+    def _key_of(self, record: EvaluationRecord) -> str:
+        key = self._keys.get(record.id)
+        if key is None:
+            key = self._keys[record.id] = replica_key(record.config)
+        return key
+
+    def _start_on_kept(self, record: EvaluationRecord, owner: str) -> bool:
+        """Run ``record`` on the runner kept by ``owner``; False (and it is released) if not."""
+        _, handle = self._kept.pop(owner)
+        try:
+            started = ray.get(handle.start_next.remote(record.id, record.config), timeout=30)
+        except Exception as exc:  # the runner died while kept: start anew
+            logger.warning("the kept runner of %s cannot be reused: %s", owner, brief(exc))
+            started = False
+        if not started:
+            self._release_in_background(owner, handle)
+            return False
+        self._runners[record.id] = handle
+        self._owners[record.id] = owner
+        self._heard[record.id] = time.monotonic()
+        logger.info("started evaluation %s on the replicas kept by %s", record.id, owner)
+        return True
+
+    def _keep(self, evaluation_id: str, record: EvaluationRecord) -> bool:
+        """Keep the evaluation's runner and its loaded ranks for the next evaluation."""
+        if self._options.warm_replicas <= 0:
+            return False
+        owner = self._owners.pop(evaluation_id, evaluation_id)
+        handle = self._runners.pop(evaluation_id, None) or self._runner(evaluation_id)
+        self._runners.pop(evaluation_id, None)
+        self._heard.pop(evaluation_id, None)
+        if handle is None:
+            return False
+        entry = Kept(owner, replica_key(record.config), dict(record.resources))
+        for other, (kept, _) in list(self._kept.items()):  # one kept runner per key
+            if kept.key == entry.key:
+                self._release_kept(other)
+        self._kept[owner] = (entry, handle)
+        while len(self._kept) > self._options.warm_replicas:
+            self._release_kept(next(iter(self._kept)))
+        logger.info("keeping the replicas of %s loaded for the next evaluation", owner)
+        return True
+
+    def _release_kept(self, owner: str) -> None:
+        _, handle = self._kept.pop(owner)
+        self._release_in_background(owner, handle)
 
     def _start_runner(self, record: EvaluationRecord) -> None:
         env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
@@ -243,6 +330,7 @@ class EvaluationManager:
                     record.config,
                     list(self._catalog.include_paths),
                     self._options.response_cache,
+                    self._options.warm_replicas > 0,
                 )
             )
         except Exception as exc:  # e.g. a bad runtime_env: the evaluation cannot start
@@ -270,7 +358,7 @@ class EvaluationManager:
                     "died or the cluster restarted): resubmit the evaluation",
                 )
                 continue
-            call = runner.events_since.remote(record.runner_cursor)
+            call = runner.events_since.remote(record.runner_cursor, record.id)
             self._inflight[record.id] = (call, time.monotonic())
         if not self._inflight:
             return
@@ -370,7 +458,9 @@ class EvaluationManager:
             )
         if stored:
             logger.info("evaluation %s succeeded", evaluation_id)
-        self._release_later(evaluation_id)
+        kept = output.get("replicas", {}).get("kept", False)
+        if not (stored and kept and self._keep(evaluation_id, self._store.get(evaluation_id))):
+            self._release_later(evaluation_id)
 
     def _fail(self, evaluation_id: str, error: str) -> None:
         with self._lock:
@@ -394,8 +484,16 @@ class EvaluationManager:
         return handle
 
     def _recover(self) -> None:
+        running = self._scan_runners()
         for record in self._store.active():
-            if self._runner(record.id) is not None:
+            found = running.pop(record.id, None)
+            if found is not None:
+                handle, owner = found
+                self._runners[record.id] = handle
+                if owner != record.id:
+                    self._owners[record.id] = owner
+                logger.info("re-attached evaluation %s to its runner actor", record.id)
+            elif self._runner(record.id) is not None:
                 logger.info("re-attached evaluation %s to its runner actor", record.id)
             else:
                 self._fail(
@@ -404,18 +502,54 @@ class EvaluationManager:
                     "exists on the Ray cluster (the cluster restarted or the runner died): "
                     "resubmit the evaluation",
                 )
+        for evaluation_id, (handle, owner) in running.items():
+            # Kept by the previous API process, or left over. A runner of an evaluation this
+            # database does not know belongs to another service on the same cluster: not ours.
+            try:
+                ended = self._store.get(evaluation_id).status.is_terminal
+            except EvaluationNotFoundError:
+                continue
+            if ended:
+                logger.info("releasing runner %s (last ran %s): unfollowed", owner, evaluation_id)
+                self._release_in_background(owner, handle)
+
+    def _scan_runners(self, timeout_s: float = 10.0) -> dict[str, tuple[Any, str]]:
+        """The runner actors alive in this namespace: last evaluation -> (handle, owner)."""
+        handles = []
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] == self._options.namespace and entry["name"].startswith(
+                runner_name("")
+            ):
+                with contextlib.suppress(ValueError):  # died meanwhile
+                    handles.append(ray.get_actor(entry["name"], namespace=entry["namespace"]))
+        calls: dict[Any, Any] = {handle.current.remote(): handle for handle in handles}
+        if not calls:
+            return {}
+        ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        found: dict[str, tuple[Any, str]] = {}
+        for call in ready:
+            try:
+                current = ray.get(call, timeout=0)
+            except ray.exceptions.RayError:
+                continue  # a runner of an older version, or dying: found by name if needed
+            found[current["evaluation_id"]] = (calls[call], current["owner"])
+        return found
 
     def _release(self, evaluation_id: str) -> bool:
         """Release the evaluation's runner, rank actors and placement group (bounded wait)."""
-        return release(evaluation_id, self._forget_runner(evaluation_id), self._timeout_s)
+        owner = self._owners.pop(evaluation_id, evaluation_id)
+        return release(owner, self._forget_runner(evaluation_id), self._timeout_s)
 
     def _release_later(self, evaluation_id: str) -> None:
         """Release in the background: the polling thread does not wait for Ray to let go."""
-        handle = self._forget_runner(evaluation_id)
+        owner = self._owners.pop(evaluation_id, evaluation_id)
+        self._release_in_background(owner, self._forget_runner(evaluation_id))
+
+    def _release_in_background(self, owner: str, handle: Any | None) -> None:
         try:
-            self._releaser.submit(release, evaluation_id, handle, self._timeout_s)
+            self._releaser.submit(release, owner, handle, self._timeout_s)
         except RuntimeError:  # shutting down: release here rather than leak the actors
-            release(evaluation_id, handle, self._timeout_s)
+            release(owner, handle, self._timeout_s)
 
     @property
     def _timeout_s(self) -> float:

@@ -2,7 +2,8 @@
 
 :class:`EvaluationRunner` is a plain class; the service applies ``ray.remote`` where it creates it,
 as a named, detached actor (so it outlives an API restart and can be re-attached). Its constructor
-starts :func:`service.engine.runner.run_evaluation` in a background thread and returns at once; the
+starts :func:`service.engine.runner.run_evaluation` in a background thread and returns at once
+(later ones start with :meth:`EvaluationRunner.start_next`, on ranks kept loaded); the
 service polls :meth:`EvaluationRunner.events_since`, whose last event carries the outputs when the
 run succeeded (so nobody waits on a second call for them). lm-eval writes its result and sample
 files into a private temporary directory and the runner hands those files back verbatim, so what
@@ -14,6 +15,7 @@ inside the actor process only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import tempfile
@@ -24,29 +26,27 @@ from typing import Any
 
 from actors.errors import RayEvalError
 from service.config import EvaluationConfig, HostOptions
+from service.engine.warm import KeptReplicas
+from service.jobs.ray_resources import group_name
 from service.jobs.states import RunnerEventKind
 
 logger = logging.getLogger(__name__)
 
 
-def runner_name(evaluation_id: str) -> str:
-    """Name of the detached runner actor of an evaluation."""
-    return f"rayeval-runner-{evaluation_id}"
-
-
-def group_name(evaluation_id: str) -> str:
-    """Name of the evaluation's placement group, and prefix of its rank actors' names."""
-    return f"rayeval-{evaluation_id}"
-
-
 class EvaluationRunner:
-    """Runs one evaluation in a background thread and records what happens as events.
+    """Runs evaluations in a background thread and records what happens as events.
+
+    The first evaluation starts at construction; it names the runner, its placement group and
+    its rank actors (:func:`runner_name`, :func:`group_name`). With ``keep_replicas``, a runner
+    whose evaluation succeeded keeps its loaded ranks and can run the next evaluation of the same
+    model and layout (:meth:`start_next`): the service's warm replicas.
 
     Args:
         evaluation_id: The service's id; names the placement group ``rayeval-<id>``.
         config: ``EvaluationConfig.to_json()`` of the evaluation (device already resolved).
         include_paths: The server's task directories (must exist on this node too).
         response_cache: Path prefix of the response cache (``--use_cache``'s; None: none).
+        keep_replicas: Keep the loaded ranks after a successful evaluation.
     """
 
     def __init__(
@@ -55,86 +55,139 @@ class EvaluationRunner:
         config: dict[str, Any],
         include_paths: list[str],
         response_cache: str | None = None,
+        keep_replicas: bool = False,
     ) -> None:
-        self.evaluation_id = evaluation_id
-        self._config = EvaluationConfig.from_json(config)
+        self.owner_id = evaluation_id
         self._include_paths = tuple(include_paths)
         self._response_cache = response_cache
+        self._replicas = KeptReplicas(keep=keep_replicas)
         self._lock = threading.Lock()
-        self._events: list[dict[str, Any]] = []
-        self._thread = threading.Thread(
-            target=self._run, name=f"rayeval-run-{evaluation_id}", daemon=True
-        )
-        self._thread.start()
+        self._events: dict[str, list[dict[str, Any]]] = {}
+        self._current = evaluation_id
+        self._thread: threading.Thread | None = None
+        self._start(evaluation_id, config)
 
-    # ------------------------------------------------------------------ polled by the API
-    def events_since(self, seq: int) -> list[dict[str, Any]]:
-        """Events numbered above ``seq`` (numbers start at 1), each ``{seq, type, data, time}``.
+    # ------------------------------------------------------------------ called by the API
+    def events_since(self, seq: int, evaluation_id: str | None = None) -> list[dict[str, Any]]:
+        """Events of an evaluation (default: the current one) numbered above ``seq``.
 
-        The ``succeeded`` event's data are the run's outputs: ``results_json`` (lm-eval's
-        results file, verbatim), ``samples`` (task -> lm-eval's samples JSONL, verbatim) and
-        ``stats`` (throughput per request type).
+        Numbers start at 1; each event is ``{seq, type, data, time}``. The ``succeeded`` event's
+        data are the run's outputs: ``results_json`` (lm-eval's results file, verbatim),
+        ``samples`` (task -> lm-eval's samples JSONL, verbatim), ``stats`` (throughput per
+        request type) and ``replicas`` (``reused``: it ran on kept ranks; ``kept``: its ranks
+        are kept for the next evaluation).
         """
         with self._lock:
-            return self._events[seq:]
+            return self._events.get(evaluation_id or self._current, [])[seq:]
+
+    def start_next(self, evaluation_id: str, config: dict[str, Any]) -> bool:
+        """Run another evaluation on the kept ranks.
+
+        Returns:
+            False when it cannot: an evaluation is still running, no ranks are kept, or they
+            were loaded for another model or layout.
+        """
+        from service.engine.warm import replica_key
+
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return False
+            if self._replicas.group is None or self._replicas.key != replica_key(config):
+                return False
+        self._start(evaluation_id, config)
+        return True
+
+    def current(self) -> dict[str, Any]:
+        """``evaluation_id`` (the latest), ``owner`` (whose names the resources carry),
+        ``running`` and ``kept`` (loaded ranks are held)."""
+        with self._lock:
+            running = self._thread is not None and self._thread.is_alive()
+            return {
+                "evaluation_id": self._current,
+                "owner": self.owner_id,
+                "running": running,
+                "kept": self._replicas.group is not None,
+            }
+
+    def release_replicas(self) -> None:
+        """Shut the kept ranks down (the runner itself is killed by the service)."""
+        self._replicas.shutdown()
 
     # ------------------------------------------------------------------------ the run
-    def _emit(self, kind: RunnerEventKind, data: dict[str, Any]) -> None:
+    def _start(self, evaluation_id: str, config: dict[str, Any]) -> None:
+        parsed = EvaluationConfig.from_json(config)
         with self._lock:
-            self._events.append(
-                {
-                    "seq": len(self._events) + 1,
-                    "type": kind.value,
-                    "data": data,
-                    "time": time.time(),
-                }
+            # The previous evaluation's final event was read before the service chose this
+            # runner: its events are not needed any more.
+            self._events = {evaluation_id: []}
+            self._current = evaluation_id
+            self._thread = threading.Thread(
+                target=self._run,
+                args=(evaluation_id, parsed),
+                name=f"rayeval-run-{evaluation_id}",
+                daemon=True,
+            )
+        self._thread.start()
+
+    def _emit(self, evaluation_id: str, kind: RunnerEventKind, data: dict[str, Any]) -> None:
+        with self._lock:
+            events = self._events.setdefault(evaluation_id, [])
+            events.append(
+                {"seq": len(events) + 1, "type": kind.value, "data": data, "time": time.time()}
             )
 
-    def _on_progress(self, progress: Any) -> None:
-        self._emit(
-            RunnerEventKind.PROGRESS,
-            {
-                "phase": progress.phase,
-                "done": progress.done,
-                "total": progress.total,
-                "tokens_per_s": progress.tokens_per_s,
-                "real_token_fraction": progress.real_token_fraction,
-            },
-        )
-
-    def _run(self) -> None:
-        output_dir = Path(tempfile.mkdtemp(prefix=f"rayeval-{self.evaluation_id}-"))
+    def _run(self, evaluation_id: str, config: EvaluationConfig) -> None:
+        output_dir = Path(tempfile.mkdtemp(prefix=f"rayeval-{evaluation_id}-"))
+        emit = functools.partial(self._emit, evaluation_id)
         try:
-            outputs = self._evaluate(output_dir)
+            outputs = self._evaluate(evaluation_id, config, output_dir)
         except RayEvalError as exc:
-            self._emit(RunnerEventKind.FAILED, {"error": str(exc), "kind": type(exc).__name__})
+            emit(RunnerEventKind.FAILED, {"error": str(exc), "kind": type(exc).__name__})
         except Exception as exc:  # lm-eval raises plain exceptions for bad task/model setups
-            logger.exception("evaluation %s failed", self.evaluation_id)
+            logger.exception("evaluation %s failed", evaluation_id)
             kind = type(exc).__name__
-            self._emit(RunnerEventKind.FAILED, {"error": f"{kind}: {exc}", "kind": kind})
+            emit(RunnerEventKind.FAILED, {"error": f"{kind}: {exc}", "kind": kind})
         else:
-            self._emit(RunnerEventKind.SUCCEEDED, outputs)
+            emit(RunnerEventKind.SUCCEEDED, outputs)
         finally:
             shutil.rmtree(output_dir, ignore_errors=True)
 
-    def _evaluate(self, output_dir: Path) -> dict[str, Any]:
+    def _evaluate(
+        self, evaluation_id: str, config: EvaluationConfig, output_dir: Path
+    ) -> dict[str, Any]:
         from service.engine.runner import run_evaluation
+
+        emit = functools.partial(self._emit, evaluation_id)
+
+        def on_progress(progress: Any) -> None:
+            emit(
+                RunnerEventKind.PROGRESS,
+                {
+                    "phase": progress.phase,
+                    "done": progress.done,
+                    "total": progress.total,
+                    "tokens_per_s": progress.tokens_per_s,
+                    "real_token_fraction": progress.real_token_fraction,
+                },
+            )
 
         host = HostOptions(
             output_path=str(output_dir),
             include_paths=self._include_paths,
-            name=group_name(self.evaluation_id),
+            name=group_name(self.owner_id),
             lm_eval={"use_cache": self._response_cache} if self._response_cache else {},
         )
         output = run_evaluation(
-            self._config,
+            config,
             host,
-            on_progress=self._on_progress,
-            on_warning=lambda data: self._emit(RunnerEventKind.WARNING, data),
+            on_progress=on_progress,
+            on_warning=lambda data: emit(RunnerEventKind.WARNING, data),
+            replicas=self._replicas,
         )
         if output is None:
             raise RayEvalError("lm-eval returned no results for this evaluation")
-        return {**_read_lm_eval_files(output_dir), "stats": output.stats}
+        replicas = {"reused": self._replicas.reused, "kept": self._replicas.group is not None}
+        return {**_read_lm_eval_files(output_dir), "stats": output.stats, "replicas": replicas}
 
 
 def _read_lm_eval_files(output_dir: Path) -> dict[str, Any]:
