@@ -89,6 +89,9 @@ class EvaluationRunner:
         """
         from service.engine.warm import replica_key
 
+        previous = self._thread
+        if previous is not None:  # its final event is out; it may still be cleaning up
+            previous.join(timeout=10.0)
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return False
