@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -511,12 +512,13 @@ def test_admission_fifo_cancel_and_reattach(
     a = wait_for(client, a["id"], finished)
     b = wait_for(client, b["id"], finished)
     assert a["status"] == b["status"] == "succeeded", (a["error"], b["error"])
-    assert b["started_at"] >= a["finished_at"], "B started before A had finished"
-    states = [
-        e["data"]["status"]
-        for e in read_events(server.url, f"/evaluations/{a['id']}/events")
-        if e["event"] == "state"
-    ]
+    # A's ranks are released as soon as lm-eval is done with them, before A's results are
+    # stored: B may start in between, but never while A's ranks still compute.
+    a_events = read_events(server.url, f"/evaluations/{a['id']}/events")
+    a_last_batch = max(e["data"]["updated_at"] for e in a_events if e["event"] == "progress")
+    b_started = datetime.fromisoformat(b["started_at"]).replace(tzinfo=UTC).timestamp()
+    assert b_started >= a_last_batch, "B started while A's ranks were computing"
+    states = [e["data"]["status"] for e in a_events if e["event"] == "state"]
     assert states == ["queued", "starting", "running", "succeeded"], "A ran exactly once"
     for evaluation in (a, b, d):
         assert ray_leftovers(evaluation["id"]) == ([], [])
@@ -815,7 +817,8 @@ def _rank_pids(owner: str) -> list[int]:
         for entry in ray.util.list_named_actors(all_namespaces=True)
         if entry["name"].startswith(f"rayeval-{owner}-r")
     ]
-    return sorted(info["pid"] for info in ray.get([r.node_info.remote() for r in ranks], timeout=60))
+    infos = ray.get([rank.node_info.remote() for rank in ranks], timeout=60)
+    return sorted(info["pid"] for info in infos)
 
 
 # --------------------------------------------------------------------- auth and binding
