@@ -14,6 +14,7 @@ inside the actor process only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -91,16 +92,9 @@ class EvaluationRunner:
             )
 
     def _on_progress(self, progress: Any) -> None:
-        self._emit(
-            RunnerEventKind.PROGRESS,
-            {
-                "phase": progress.phase,
-                "done": progress.done,
-                "total": progress.total,
-                "tokens_per_s": progress.tokens_per_s,
-                "real_token_fraction": progress.real_token_fraction,
-            },
-        )
+        # Every field of the engine's Progress: counts, rates, per-replica work, rank memory and
+        # start-up figures (the service's /metrics and dashboard read them from stored progress).
+        self._emit(RunnerEventKind.PROGRESS, dataclasses.asdict(progress))
 
     def _run(self) -> None:
         output_dir = Path(tempfile.mkdtemp(prefix=f"rayeval-{self.evaluation_id}-"))
