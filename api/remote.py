@@ -59,6 +59,10 @@ def submission_body(args: argparse.Namespace, config_from_args: Callable[..., An
     local = argparse.Namespace(
         **{k: v for k, v in given.items() if k not in _REMOTE_FLAGS}, address=None
     )
+    if not given.get("output_path"):
+        # lm-eval refuses --log_samples without --output_path; remotely the server keeps the
+        # samples, so its check must pass. The path is only checked, never written.
+        local.output_path = "server"
     config, _ = config_from_args(local)
     return config
 

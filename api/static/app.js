@@ -296,7 +296,7 @@ function drawPlot(plot, points) {
     const y = (yMax / 1.1) * fraction;
     svg(plot, "text", { x: left - 6, y: Y(y) + 4, "text-anchor": "end" }, Math.round(y));
     svg(plot, "text", { x: X(xMax * fraction), y: H - bottom + 16, "text-anchor": "middle" },
-        Math.round(xMax * fraction) + " s");
+        (xMax < 10 ? (xMax * fraction).toFixed(1) : Math.round(xMax * fraction)) + " s");
   }
   svg(plot, "text", { x: 4, y: top + 4 }, "tok/s");
   lines.forEach((line, i) => {
@@ -343,7 +343,7 @@ async function showComparison(ids) {
     const sections = Object.assign({}, results.results || {}, results.groups || {});
     for (const [task, metrics] of Object.entries(sections)) {
       for (const [key, value] of Object.entries(metrics)) {
-        if (key === "alias" || key.includes("_stderr,")) continue;
+        if (key === "alias" || !key.includes(",") || key.includes("_stderr,")) continue;
         const [metric, filter] = key.split(",");
         const id = [task, metric, filter || ""].join("|");
         if (!rows.has(id)) rows.set(id, { task, metric, filter: filter || "", cells: [] });
@@ -412,7 +412,7 @@ async function showResults(evaluation) {
   const sections = Object.assign({}, results.results || {}, results.groups || {});
   for (const [task, metrics] of Object.entries(sections)) {
     for (const [key, value] of Object.entries(metrics)) {
-      if (key === "alias" || key.includes("_stderr,")) continue;
+      if (key === "alias" || !key.includes(",") || key.includes("_stderr,")) continue;
       const [metric, filter] = key.split(",");
       const row = body.insertRow();
       row.dataset.task = task;
