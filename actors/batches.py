@@ -99,3 +99,7 @@ class StepStats:
     real_tokens: int
     padded_tokens: int
     seconds: float
+    #: The rank's resident memory right after the micro-batch (MiB; 0.0 where unknown).
+    rss_mib: float = 0.0
+    #: Device memory held by tensors on a CUDA rank (MiB; 0.0 on CPU ranks).
+    device_mib: float = 0.0

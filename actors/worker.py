@@ -207,7 +207,7 @@ class ShardWorker:
             results.append(row_results)
             start += end - first
         real = sum(len(row.tokens) for row in rows)
-        return results, StepStats(real, len(rows) * width, time.monotonic() - started)
+        return results, self._step_stats(real, len(rows) * width, started)
 
     def generate(self, batch: GenerateMicroBatch) -> tuple[GenerateResult, StepStats]:
         """Greedy or sampled continuations, exactly as lm-eval's HF backend calls ``generate``."""
@@ -250,9 +250,18 @@ class ShardWorker:
             sum(1 for token in row if token != self._spec.pad_token_id) for row in generated
         )
         padded = len(generated) * output.shape[1]
-        return generated, StepStats(real, padded, time.monotonic() - started)
+        return generated, self._step_stats(real, padded, started)
 
     # ------------------------------------------------------------------------------- helpers
+    def _step_stats(self, real: int, padded: int, started: float) -> StepStats:
+        """A micro-batch's figures, with this rank's memory as it stands after it."""
+        device_mib = 0.0
+        if self._torch_device.type == "cuda":
+            device_mib = torch.cuda.memory_allocated(self._torch_device) / 2**20
+        return StepStats(
+            real, padded, time.monotonic() - started, rss_mib=_rss_mib(), device_mib=device_mib
+        )
+
     def _select_device(self) -> torch.device:
         """This rank's device; for CUDA also makes it the current device of the process."""
         if self._device_kind is DeviceKind.CUDA:
@@ -355,6 +364,18 @@ def _return_large_frees_to_os() -> None:
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
+
+
+def _rss_mib() -> float:
+    """This process's resident memory now (``VmRSS`` of /proc/self/status; 0.0 without /proc)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 def _peak_rss_mib() -> float:

@@ -31,7 +31,7 @@ from actors.errors import (
     ServiceNotReadyError,
 )
 from api.deps import Services
-from api.routes import dashboard, evaluations, health
+from api.routes import dashboard, evaluations, health, insights, metrics
 from api.settings import Settings
 from api.views import EvaluationViews, EventFeed
 from service.jobs.manager import EvaluationManager, ManagerOptions
@@ -65,6 +65,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.add_middleware(TrustedHosts, allowed=settings.trusted_hosts)  # DNS rebinding
     app.include_router(health.router)
     app.include_router(evaluations.router)
+    app.include_router(insights.router)
+    app.include_router(metrics.router)
     app.include_router(dashboard.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     app.add_exception_handler(RayEvalError, _domain_error)  # type: ignore[arg-type]

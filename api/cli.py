@@ -3,7 +3,9 @@
 ``rayeval run`` takes lm-eval's own ``run`` flags — its parser is reused, so every flag means what
 it means in ``lm_eval`` — plus the layout and Ray options. It is also the entrypoint for
 ``ray job submit``: inside a Ray job, ``RAY_ADDRESS`` is set and the job's cluster is used.
-``rayeval serve`` runs the REST service (see ``api.app``).
+``rayeval serve`` runs the REST service (see ``api.app``); ``rayeval submit`` takes ``run``'s flags
+and sends the evaluation to a server instead, and ``rayeval status/results/cancel`` follow it
+there (:mod:`api.client`), with progress bars.
 Nothing heavy is imported until a command runs.
 """
 
@@ -39,7 +41,85 @@ def build_parser() -> argparse.ArgumentParser:
         help="Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)",
     )
     _add_serve_parser(subparsers)
+    _add_client_parsers(subparsers)
     return parser
+
+
+class _Renamed:
+    """Hands lm-eval's ``Run`` a subparsers object that names its parser ``name``."""
+
+    def __init__(self, subparsers: argparse._SubParsersAction, name: str, **kwargs: Any) -> None:
+        self._subparsers = subparsers
+        self._name = name
+        self._kwargs = kwargs
+
+    def add_parser(self, _name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self._subparsers.add_parser(
+            self._name, **{**kwargs, **self._kwargs}
+        )
+        return parser
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    import os
+
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("RAYEVAL_URL", "http://127.0.0.1:8000"),
+        help="the rayeval server (default: $RAYEVAL_URL, else http://127.0.0.1:8000)",
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="the server's API token (default: $RAYEVAL_API_TOKEN; prefer the variable: command "
+        "lines are visible to other users)",
+    )
+
+
+def _add_client_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """``submit``, ``status``, ``results`` and ``cancel``: the REST service from the shell."""
+    from lm_eval._cli.run import Run
+
+    submit = Run.create(
+        _Renamed(
+            subparsers,
+            "submit",
+            help="send an evaluation to a rayeval server (rayeval run's flags)",
+            description="Submit an evaluation to a rayeval server: the flags of `rayeval run` "
+            "(task directories and models are the server's). With --wait, follow it with "
+            "progress bars, print lm-eval's table, and write lm-eval's files to --output_path.",
+            usage="rayeval submit --model_args pretrained=SERVER_PATH_OR_ID --tasks TASKS "
+            "[--num_replicas R] [--shard_size G] [--wait] [--url URL] [lm-eval options]",
+            epilog=None,
+        )  # type: ignore[arg-type]
+    )._parser
+    submit.prog = "rayeval submit"
+    _add_config_flags(submit.add_argument_group("rayeval layout, batching and timeouts"))
+    remote = submit.add_argument_group("the server")
+    _add_server_flags(remote)  # type: ignore[arg-type]
+    remote.add_argument(
+        "--wait", action="store_true", help="follow the evaluation until it ends (progress bars)"
+    )
+    status = subparsers.add_parser(
+        "status", help="list evaluations on a server, or show one (--watch: progress bars)"
+    )
+    status.add_argument("id", nargs="?", help="an evaluation id (none: list the newest)")
+    status.add_argument("--watch", action="store_true", help="follow it until it ends")
+    _add_server_flags(status)
+    results = subparsers.add_parser(
+        "results", help="print a finished evaluation's results, or write lm-eval's files"
+    )
+    results.add_argument("id", help="the evaluation id")
+    results.add_argument(
+        "--output_path",
+        default=None,
+        help="write lm-eval's results file (and samples files) under this directory",
+    )
+    results.add_argument("--json", action="store_true", help="print the results JSON itself")
+    _add_server_flags(results)
+    cancel = subparsers.add_parser("cancel", help="cancel an evaluation on a server")
+    cancel.add_argument("id", help="the evaluation id")
+    _add_server_flags(cancel)
 
 
 def _add_config_flags(group: argparse._ArgumentGroup) -> None:
@@ -184,6 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command in ("submit", "status", "results", "cancel"):
+        from api import remote
+
+        return remote.main(args, _config_from_args)
     return 2
 
 
@@ -340,6 +424,12 @@ def _run(args: argparse.Namespace) -> int:
     if output is None:
         return 0
     results = output.results
+    if host.lm_eval.get("show_config"):  # as `lm_eval run --show_config`: the whole results JSON
+        import json
+
+        from lm_eval.utils import handle_non_serializable
+
+        print(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
     batch_sizes = ",".join(map(str, results["config"].get("batch_sizes", [])))
     layout = config.parallelism
     print(

@@ -27,6 +27,10 @@ class PhaseProgress(BaseModel):
     total: int
     tokens_per_s: float
     real_token_fraction: float = Field(description="Real tokens / padded tokens computed.")
+    seconds: float = Field(
+        0.0, description="Seconds this request type has run so far (rate: done / seconds)."
+    )
+    cached: int = Field(0, description="Requests answered from the response cache.")
 
 
 class ProgressPublic(BaseModel):

@@ -1,5 +1,7 @@
-// rayeval dashboard: lists evaluations and shows one's live progress and final metrics, by
-// polling the REST API. Plain JavaScript, no build step. Data is only ever inserted as text.
+// rayeval dashboard: lists evaluations, shows one's live progress (ETA per request type, a
+// throughput plot drawn as inline SVG) and final metrics, and compares finished evaluations side
+// by side, by polling the REST API. Plain JavaScript, no build step, nothing fetched from
+// elsewhere. Data is only ever inserted as text.
 "use strict";
 
 const LIST_EVERY_MS = 2000;
@@ -11,7 +13,11 @@ const state = {
   selected: window.location.hash.slice(1) || null,
   resultsShownFor: null,
   settledFor: null,  // the selected evaluation ended and everything about it is shown
+  compare: new Set(),  // ids ticked for comparison
+  timeline: { id: null, after: 0, points: [] },
 };
+const SVG = "http://www.w3.org/2000/svg";
+const COLOURS = ["#2f6fde", "#d9480f", "#127a3a", "#7048e8", "#c2255c"];
 
 function $(id) { return document.getElementById(id); }
 
@@ -83,6 +89,7 @@ async function refreshList() {
     row.dataset.id = evaluation.id;
     row.dataset.status = evaluation.status;
     if (evaluation.id === state.selected) row.className = "selected";
+    checkCell(row, evaluation);
     cell(row, evaluation.id, "mono");
     cell(row, evaluation.status, "badge " + evaluation.status);
     cell(row, modelName(evaluation.request));
@@ -95,7 +102,28 @@ async function refreshList() {
     row.addEventListener("click", () => select(evaluation.id));
   }
   $("count").textContent = "(" + page.total + ")";
+  $("compare-button").disabled = state.compare.size < 2;
   $("empty").hidden = page.items.length > 0;
+}
+
+function checkCell(row, evaluation) {
+  const td = row.insertCell();
+  td.className = "check";
+  if (evaluation.status !== "succeeded") {
+    state.compare.delete(evaluation.id);
+    return;
+  }
+  const box = document.createElement("input");
+  box.type = "checkbox";
+  box.className = "compare";
+  box.title = "compare";
+  box.checked = state.compare.has(evaluation.id);
+  box.addEventListener("click", (event) => event.stopPropagation());
+  box.addEventListener("change", () => {
+    if (box.checked) state.compare.add(evaluation.id); else state.compare.delete(evaluation.id);
+    $("compare-button").disabled = state.compare.size < 2;
+  });
+  td.appendChild(box);
 }
 
 function select(id) {
@@ -154,12 +182,23 @@ async function refreshDetail() {
   phases.replaceChildren();
   for (const [name, p] of Object.entries(evaluation.progress.phases)) {
     const row = phases.insertRow();
+    row.dataset.phase = name;
     cell(row, name);
+    const td = row.insertCell();
+    const bar = document.createElement("progress");
+    bar.max = Math.max(p.total, 1);
+    bar.value = p.done;
+    td.appendChild(bar);
     cell(row, p.done);
     cell(row, p.total);
+    const rate = p.seconds > 0 ? p.done / p.seconds : null;
+    cell(row, rate === null ? "" : number(rate, 2));
     cell(row, number(p.tokens_per_s, 0));
     cell(row, number(p.real_token_fraction, 3));
+    cell(row, p.cached === undefined ? "" : p.cached);
+    cell(row, eta(p, rate, evaluation.status), "eta");
   }
+  await refreshPlot(evaluation);
 
   if (evaluation.status === "succeeded" && state.resultsShownFor !== evaluation.id) {
     await showResults(evaluation);
@@ -172,6 +211,200 @@ async function refreshDetail() {
   }
 }
 
+// ETA of one request type at its rate so far ("done" once it has computed everything).
+function eta(p, rate, status) {
+  if (p.done >= p.total) return "done";
+  if (TERMINAL.has(status)) return "";
+  if (!rate) return "…";
+  return duration((p.total - p.done) / rate);
+}
+
+function duration(s) {
+  s = Math.round(s);
+  if (s < 120) return s + " s";
+  if (s < 7200) return Math.floor(s / 60) + " min " + (s % 60) + " s";
+  return Math.floor(s / 3600) + " h " + Math.round((s % 3600) / 60) + " min";
+}
+
+// ------------------------------------------------------------------- throughput plot
+async function refreshPlot(evaluation) {
+  const line = state.timeline;
+  if (line.id !== evaluation.id) {
+    state.timeline = { id: evaluation.id, after: 0, points: [] };
+  }
+  for (let page = 0; page < 20; page++) {  // bounded: a long run's backlog comes in pages
+    const url = "/evaluations/" + evaluation.id + "/timeline?after=" + state.timeline.after;
+    const timeline = await (await api(url)).json();
+    if (state.timeline.id !== evaluation.id) return;  // another one was selected meanwhile
+    state.timeline.points.push(...timeline.points);
+    state.timeline.after = timeline.last_seq;
+    if (timeline.complete) break;
+  }
+  drawPlot($("throughput-plot"), state.timeline.points);
+}
+
+// Tokens/s between two reports of a request type (its average for the first report).
+function series(points) {
+  const byType = new Map();
+  for (const p of points) {
+    if (!byType.has(p.request_type)) byType.set(p.request_type, []);
+    byType.get(p.request_type).push(p);
+  }
+  const t0 = Math.min(...points.map((p) => p.time - p.seconds));
+  const result = [];
+  for (const [type, reports] of byType) {
+    const xy = [];
+    let previous = null;
+    for (const p of reports) {
+      let rate = p.tokens_per_s;
+      if (previous && p.seconds > previous.seconds) {
+        rate = (p.tokens - previous.tokens) / (p.seconds - previous.seconds);
+      } else if (previous) {
+        continue;
+      }
+      xy.push([p.time - t0, Math.max(0, rate)]);
+      previous = p;
+    }
+    result.push({ type, xy });
+  }
+  return result;
+}
+
+function svg(parent, tag, attributes, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attributes)) node.setAttribute(key, value);
+  if (text !== undefined) node.textContent = text;
+  parent.appendChild(node);
+  return node;
+}
+
+function drawPlot(plot, points) {
+  plot.replaceChildren();
+  $("plot-empty").hidden = points.length > 0;
+  plot.dataset.points = String(points.length);
+  if (!points.length) return;
+  const W = 720, H = 220, left = 56, right = 150, top = 12, bottom = 30;
+  const lines = series(points);
+  const xs = lines.flatMap((l) => l.xy.map(([x]) => x));
+  const ys = lines.flatMap((l) => l.xy.map(([, y]) => y));
+  const xMax = Math.max(1, ...xs), yMax = Math.max(1, ...ys) * 1.1;
+  const X = (x) => left + (x / xMax) * (W - left - right);
+  const Y = (y) => H - bottom - (y / yMax) * (H - top - bottom);
+  svg(plot, "line", { x1: left, y1: H - bottom, x2: W - right, y2: H - bottom, stroke: "#98a2b3" });
+  svg(plot, "line", { x1: left, y1: top, x2: left, y2: H - bottom, stroke: "#98a2b3" });
+  for (const fraction of [0, 0.5, 1]) {
+    const y = (yMax / 1.1) * fraction;
+    svg(plot, "text", { x: left - 6, y: Y(y) + 4, "text-anchor": "end" }, Math.round(y));
+    svg(plot, "text", { x: X(xMax * fraction), y: H - bottom + 16, "text-anchor": "middle" },
+        (xMax < 10 ? (xMax * fraction).toFixed(1) : Math.round(xMax * fraction)) + " s");
+  }
+  svg(plot, "text", { x: 4, y: top + 4 }, "tok/s");
+  lines.forEach((line, i) => {
+    const colour = COLOURS[i % COLOURS.length];
+    const path = line.xy.map(([x, y]) => X(x).toFixed(1) + "," + Y(y).toFixed(1)).join(" ");
+    svg(plot, "polyline", {
+      points: path, fill: "none", stroke: colour, "stroke-width": 2, class: "series",
+      "data-request-type": line.type,
+    });
+    for (const [x, y] of line.xy) {
+      svg(plot, "circle", { cx: X(x), cy: Y(y), r: 2.5, fill: colour });
+    }
+    svg(plot, "rect", { x: W - right + 12, y: top + 4 + i * 18, width: 10, height: 10, fill: colour });
+    svg(plot, "text", { x: W - right + 26, y: top + 13 + i * 18 }, line.type);
+  });
+}
+
+// ----------------------------------------------------------------------- comparison
+async function showComparison(ids) {
+  const evaluations = await Promise.all(ids.map(async (id) => {
+    const evaluation = await (await api("/evaluations/" + id)).json();
+    const results = await (await api(evaluation.links.results)).json();
+    return { evaluation, results };
+  }));
+  const head = $("compare-table").tHead.rows[0];
+  head.replaceChildren();
+  for (const title of ["task", "metric", "filter"]) {
+    const th = document.createElement("th");
+    th.textContent = title;
+    head.appendChild(th);
+  }
+  for (const { evaluation } of evaluations) {
+    const th = document.createElement("th");
+    th.dataset.evaluation = evaluation.id;
+    const a = document.createElement("a");
+    a.href = "#" + evaluation.id;
+    a.textContent = evaluation.id.slice(0, 8) + " " + modelName(evaluation.request);
+    a.addEventListener("click", () => select(evaluation.id));
+    th.appendChild(a);
+    head.appendChild(th);
+  }
+  const rows = new Map();  // "task|metric|filter" -> per evaluation {value, stderr}
+  evaluations.forEach(({ results }, column) => {
+    const sections = Object.assign({}, results.results || {}, results.groups || {});
+    for (const [task, metrics] of Object.entries(sections)) {
+      for (const [key, value] of Object.entries(metrics)) {
+        if (key === "alias" || !key.includes(",") || key.includes("_stderr,")) continue;
+        const [metric, filter] = key.split(",");
+        const id = [task, metric, filter || ""].join("|");
+        if (!rows.has(id)) rows.set(id, { task, metric, filter: filter || "", cells: [] });
+        rows.get(id).cells[column] = { value, stderr: metrics[metric + "_stderr," + (filter || "")] };
+      }
+    }
+  });
+  const body = $("compare-table").tBodies[0];
+  body.replaceChildren();
+  for (const { task, metric, filter, cells } of rows.values()) {
+    const row = body.insertRow();
+    row.dataset.task = task;
+    row.dataset.metric = metric;
+    row.dataset.filter = filter;
+    const taskCell = cell(row, task, "task");
+    evaluations.forEach(({ evaluation }, i) => {
+      const url = evaluation.links.samples[task];
+      if (!url) return;
+      const a = document.createElement("a");
+      a.href = url;
+      a.className = "samples";
+      a.textContent = " samples" + (evaluations.length > 1 ? " " + (i + 1) : "");
+      taskCell.appendChild(a);
+    });
+    cell(row, metric);
+    cell(row, filter);
+    const first = cells[0];
+    let differs = false;
+    evaluations.forEach(({ evaluation }, i) => {
+      const c = cells[i];
+      const text = c === undefined ? "—" : number(c.value, 4)
+        + (typeof c.stderr === "number" ? " ± " + number(c.stderr, 4) : "");
+      const td = cell(row, text, "value");
+      td.dataset.evaluation = evaluation.id;
+      if (i === 0 || c === undefined || first === undefined) {
+        if (i > 0) { td.classList.add("diff"); differs = true; }
+        return;
+      }
+      if (typeof c.value === "number" && typeof first.value === "number") {
+        const delta = c.value - first.value;
+        if (Math.abs(delta) > 1e-12) {
+          td.classList.add("diff");
+          td.title = "Δ " + (delta > 0 ? "+" : "") + delta.toFixed(4) + " vs the first";
+          differs = true;
+          const se = [c.stderr, first.stderr];
+          if (se.every((v) => typeof v === "number")
+              && Math.abs(delta) > Math.hypot(se[0], se[1])) {
+            td.classList.add("significant");
+          }
+        }
+      } else if (c.value !== first.value) {
+        td.classList.add("diff");
+        differs = true;
+      }
+    });
+    if (differs) row.classList.add("differs");
+  }
+  $("compare").hidden = false;
+  $("compare").scrollIntoView();
+}
+
 async function showResults(evaluation) {
   const results = await (await api(evaluation.links.results)).json();
   const body = $("metrics").tBodies[0];
@@ -179,7 +412,7 @@ async function showResults(evaluation) {
   const sections = Object.assign({}, results.results || {}, results.groups || {});
   for (const [task, metrics] of Object.entries(sections)) {
     for (const [key, value] of Object.entries(metrics)) {
-      if (key === "alias" || key.includes("_stderr,")) continue;
+      if (key === "alias" || !key.includes(",") || key.includes("_stderr,")) continue;
       const [metric, filter] = key.split(",");
       const row = body.insertRow();
       row.dataset.task = task;
@@ -235,6 +468,10 @@ $("auth").addEventListener("submit", (event) => {
   refreshList().catch((error) => say(error.message));
 });
 $("cancel").addEventListener("click", cancelSelected);
+$("compare-button").addEventListener("click", () => {
+  showComparison([...state.compare]).catch((error) => say(error.message));
+});
+$("compare-close").addEventListener("click", () => { $("compare").hidden = true; });
 
 poll(refreshList, LIST_EVERY_MS);
 poll(refreshDetail, DETAIL_EVERY_MS, () => state.selected && state.settledFor !== state.selected);

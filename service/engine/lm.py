@@ -68,13 +68,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Progress:
-    """Progress of one request type, reported after every finished step."""
+    """Progress of one request type, reported after every finished step.
+
+    Beyond the counts: ``seconds`` of the request type so far (its rate and ETA are
+    ``done / seconds`` and ``(total - done) / rate``), requests it answered from the response
+    cache, per replica what it computed (``{replica: {requests, tokens, busy_s}}``), per replica
+    each shard rank's memory after its last micro-batch (``{replica: [{rss_mib, device_mib}]}``),
+    and the engine's start-up: the slowest rank's model load and the seconds from the engine's
+    start to its first batch.
+    """
 
     phase: str
     done: int
     total: int
     tokens_per_s: float
     real_token_fraction: float
+    seconds: float = 0.0
+    cached: int = 0
+    replicas: dict[str, dict[str, float]] = field(default_factory=dict)
+    rank_memory: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    load_s: float | None = None
+    startup_s: float | None = None
 
 
 @dataclass
@@ -88,6 +102,8 @@ class PhaseStats:
     padded_tokens: int = 0
     seconds: float = 0.0
     replica_busy_s: dict[int, float] = field(default_factory=dict)
+    replica_requests: dict[int, int] = field(default_factory=dict)
+    replica_tokens: dict[int, int] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,6 +173,9 @@ class RayEvalLM(TemplateLM):
         **options: Any,
     ) -> None:
         super().__init__()
+        self._created = time.monotonic()
+        self._startup_s: float | None = None
+        self._rank_memory: dict[str, list[dict[str, float]]] = {}
         if host is None:
             use_cache = options.pop("use_cache", None)
             host = HostOptions(
@@ -205,7 +224,7 @@ class RayEvalLM(TemplateLM):
                 kept = None
         if replicas is not None:
             replicas.reused = kept is not None
-        self._begun = kept is not None
+        self._begun = self._reused = kept is not None
         self._group: WorkerGroup | None = kept or WorkerGroup.create(
             self.name, self.layout, spec, self._timeouts, seed=self._seed
         )
@@ -554,10 +573,14 @@ class RayEvalLM(TemplateLM):
     ) -> list[Any]:
         if self._group is None:
             raise ConfigError("this RayEvalLM was closed: create a new one to evaluate again")
-        self._group.wait_ready()
+        load_reports = self._group.wait_ready()
         if not self._begun:  # seeded after loading, as kept replicas are: same samples
             self._group.begin_evaluation(self._seed, timeout_s=self._timeouts.step_s)
             self._begun = True
+        if self._startup_s is None:
+            self._startup_s = time.monotonic() - self._created
+        # Kept replicas loaded nothing for this evaluation.
+        load_s = 0.0 if self._reused else max((r["seconds"] for r in load_reports), default=None)
         total = sum(requests_per_micro_batch.values())
         stats = self.stats.setdefault(phase, PhaseStats())
         stats.requests += total
@@ -576,7 +599,15 @@ class RayEvalLM(TemplateLM):
             stats.real_tokens += sum(s.real_tokens for s in step.stats)
             stats.padded_tokens += sum(s.padded_tokens for s in step.stats)
             busy = max(s.seconds for s in step.stats)
-            stats.replica_busy_s[step.replica] = stats.replica_busy_s.get(step.replica, 0.0) + busy
+            replica = step.replica
+            stats.replica_busy_s[replica] = stats.replica_busy_s.get(replica, 0.0) + busy
+            stats.replica_requests[replica] = stats.replica_requests.get(replica, 0) + count
+            stats.replica_tokens[replica] = stats.replica_tokens.get(replica, 0) + sum(
+                s.real_tokens for s in step.stats
+            )
+            self._rank_memory[str(replica)] = [
+                {"rss_mib": s.rss_mib, "device_mib": s.device_mib} for s in step.stats
+            ]
             stats.seconds = base_seconds + time.monotonic() - started
             if on_result is not None:
                 for micro_batch, result in zip(step.micro_batches, step.results, strict=True):
@@ -587,7 +618,26 @@ class RayEvalLM(TemplateLM):
             )
             if self._on_progress is not None:
                 self._on_progress(
-                    Progress(phase, done, total, stats.tokens_per_s, stats.real_token_fraction)
+                    Progress(
+                        phase,
+                        done,
+                        total,
+                        stats.tokens_per_s,
+                        stats.real_token_fraction,
+                        seconds=stats.seconds,
+                        cached=stats.cached,
+                        replicas={
+                            str(r): {
+                                "requests": stats.replica_requests.get(r, 0),
+                                "tokens": stats.replica_tokens.get(r, 0),
+                                "busy_s": busy_s,
+                            }
+                            for r, busy_s in sorted(stats.replica_busy_s.items())
+                        },
+                        rank_memory=dict(self._rank_memory),
+                        load_s=load_s,
+                        startup_s=self._startup_s,
+                    )
                 )
 
         try:

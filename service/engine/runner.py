@@ -123,6 +123,8 @@ def _evaluate(
     if os.environ.get("HF_TOKEN"):
         cfg.hf_hub_log_args["token"] = os.environ["HF_TOKEN"]
     tracker = EvaluationTracker(**cfg.hf_hub_log_args)
+    # lm-eval's W&B logger, set up before the run as `lm_eval run` does (wandb.init happens here).
+    wandb_logger = _wandb_logger(cfg)
     # lm-eval may have changed model args (--trust_remote_code): the engine uses its copy.
     seed = cfg.seed or [None, None, None, None]
 
@@ -176,10 +178,53 @@ def _evaluate(
     results["config"]["model"] = cfg.model
     tracker.general_config_tracker.model_source = cfg.model
     samples = results.pop("samples", None) if cfg.log_samples else None
+    if wandb_logger is not None:
+        _log_to_wandb(wandb_logger, results, samples)
+    # As `lm_eval run`: the tracker writes where its output_path says (--output_path, or
+    # --hf_hub_log_args output_path=...; nothing without one) and pushes to the hub if asked.
+    tracker.save_results_aggregated(results=results, samples=samples)
+    if samples is not None:
+        for task_name in results["configs"]:
+            tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+    if tracker.push_results_to_hub or tracker.push_samples_to_hub:
+        tracker.recreate_metadata_card()
     if target is not None:
-        tracker.save_results_aggregated(results=results, samples=samples)
-        if samples is not None:
-            for task_name in results["configs"]:
-                tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
         target.publish()
     return EvaluationOutput(results=results, samples=samples, stats=stats)
+
+
+def _wandb_logger(cfg: EvaluatorConfig) -> Any:
+    """lm-eval's ``WandbLogger`` for ``--wandb_args`` (None without them).
+
+    Raises:
+        ConfigError: wandb is not installed, or ``trackio_args`` were given.
+    """
+    if cfg.trackio_args:
+        raise ConfigError(
+            "--trackio_args is not supported by rayeval yet: log with --wandb_args, or read the "
+            "results file (--output_path)"
+        )
+    if not cfg.wandb_args:
+        return None
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "--wandb_args needs wandb: pip install 'rayeval[wandb]' (or pip install wandb)"
+        ) from None
+    from lm_eval.loggers import WandbLogger
+
+    return WandbLogger(dict(cfg.wandb_args), dict(cfg.wandb_config_args or {}))
+
+
+def _log_to_wandb(logger_: Any, results: dict[str, Any], samples: dict[str, Any] | None) -> None:
+    """Results (and samples) to W&B as `lm_eval run` logs them; the run is finished after."""
+    try:
+        logger_.post_init(results)
+        logger_.log_eval_result()
+        if samples is not None:
+            logger_.log_eval_samples(samples)
+    except Exception as exc:  # as lm-eval: a logging failure does not lose the results
+        logger.warning("logging to W&B failed: %s", exc)
+    finally:
+        logger_.run.finish()

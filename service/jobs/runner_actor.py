@@ -15,6 +15,7 @@ inside the actor process only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import shutil
@@ -163,16 +164,9 @@ class EvaluationRunner:
         emit = functools.partial(self._emit, evaluation_id)
 
         def on_progress(progress: Any) -> None:
-            emit(
-                RunnerEventKind.PROGRESS,
-                {
-                    "phase": progress.phase,
-                    "done": progress.done,
-                    "total": progress.total,
-                    "tokens_per_s": progress.tokens_per_s,
-                    "real_token_fraction": progress.real_token_fraction,
-                },
-            )
+            # Every field of the engine's Progress: counts, rates, per-replica work, rank memory
+            # and start-up figures (/metrics and the dashboard read them from stored progress).
+            emit(RunnerEventKind.PROGRESS, dataclasses.asdict(progress))
 
         host = HostOptions(
             output_path=str(output_dir),

@@ -339,6 +339,14 @@ class EvaluationStore:
             rows = session.scalars(query.order_by(order).limit(limit).offset(offset)).all()
             return [_record(row) for row in rows], int(session.scalar(count) or 0)
 
+    def count_by_status(self) -> dict[EvaluationStatus, int]:
+        """How many evaluations are in each state (states with none are absent)."""
+        with self._sessions() as session:
+            rows = session.execute(
+                select(_EvaluationRow.status, func.count()).group_by(_EvaluationRow.status)
+            ).all()
+        return {EvaluationStatus(status): int(count) for status, count in rows}
+
     def queued(self) -> list[EvaluationRecord]:
         """Every queued evaluation, in submission (FIFO) order."""
         return self._all([EvaluationStatus.QUEUED])

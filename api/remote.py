@@ -1,0 +1,178 @@
+"""``rayeval submit/status/results/cancel``: the REST service from the shell, via :mod:`api.client`.
+
+``submit`` reads the flags of ``rayeval run`` (lm-eval's own parser, same meanings) into the one
+configuration object and posts it; with ``--wait`` it shows a progress bar per request type, then
+prints lm-eval's table and, with ``--output_path``, writes the files ``lm_eval`` writes. Options
+that are the server's (task directories, caches, loggers) are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from actors.errors import ConfigError, RayEvalError
+from api.client import RayEvalClient, ServiceError
+
+_REMOTE_FLAGS = ("url", "token", "wait")
+
+
+def main(args: argparse.Namespace, config_from_args: Callable[..., Any]) -> int:
+    """Run one client command; returns the exit status (2: refused or unreachable)."""
+    token = args.token or os.environ.get("RAYEVAL_API_TOKEN") or None
+    try:
+        with RayEvalClient(args.url, token=token) as client:
+            if args.command == "submit":
+                return _submit(client, args, config_from_args)
+            if args.command == "status":
+                return _status(client, args)
+            if args.command == "results":
+                return _results(client, args.id, args.output_path, args.json)
+            print(_line(client.cancel(args.id)))
+            return 0
+    except (RayEvalError, ValueError, TypeError) as exc:
+        print(f"rayeval {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def submission_body(args: argparse.Namespace, config_from_args: Callable[..., Any]) -> Any:
+    """The body of ``POST /evaluations`` from ``rayeval submit``'s flags.
+
+    Raises:
+        ConfigError: a bad flag, or one that only the server's operator sets.
+    """
+    from service.config import LM_EVAL_HOST_FIELDS
+
+    given = vars(args)
+    refused = [f"--{name}" for name in LM_EVAL_HOST_FIELDS | {"include_path"} if given.get(name)]
+    if refused:
+        raise ConfigError(
+            f"{', '.join(sorted(refused))}: the server's operator sets these (task directories, "
+            "caches and loggers live on the server); drop them, or use `rayeval run`"
+        )
+    local = argparse.Namespace(
+        **{k: v for k, v in given.items() if k not in _REMOTE_FLAGS}, address=None
+    )
+    if not given.get("output_path"):
+        # lm-eval refuses --log_samples without --output_path; remotely the server keeps the
+        # samples, so its check must pass. The path is only checked, never written.
+        local.output_path = "server"
+    config, _ = config_from_args(local)
+    return config
+
+
+def _submit(
+    client: RayEvalClient, args: argparse.Namespace, config_from_args: Callable[..., Any]
+) -> int:
+    config = submission_body(args, config_from_args)
+    evaluation = client.submit(config.to_json())
+    print(f"submitted {evaluation['id']} ({client.url}/#{evaluation['id']})", flush=True)
+    if not args.wait:
+        return 0
+    final = _watch(client, evaluation["id"])
+    if final["status"] != "succeeded":
+        print(_line(final), file=sys.stderr)
+        return 1
+    return _results(client, final["id"], args.output_path, as_json=False)
+
+
+def _status(client: RayEvalClient, args: argparse.Namespace) -> int:
+    if args.id is None:
+        for evaluation in client.list_evaluations(limit=20)["items"]:
+            print(_line(evaluation))
+        return 0
+    evaluation = _watch(client, args.id) if args.watch else client.get(args.id)
+    print(_line(evaluation))
+    for phase, p in evaluation["progress"]["phases"].items():
+        print(f"  {phase}: {p['done']}/{p['total']} requests, {p['tokens_per_s']:,.0f} tokens/s")
+    return 0 if evaluation["status"] != "failed" else 1
+
+
+def _watch(client: RayEvalClient, evaluation_id: str) -> dict[str, Any]:
+    """Follow an evaluation with one progress bar per request type; return its final state."""
+    from tqdm import tqdm
+
+    bars: dict[str, Any] = {}
+    status_bar = tqdm(total=0, bar_format="{desc}", position=0, file=sys.stderr)
+
+    def update(evaluation: dict[str, Any]) -> None:
+        where = evaluation["status"]
+        if evaluation.get("queue_position"):
+            where += f" (queue #{evaluation['queue_position']})"
+        status_bar.set_description_str(f"{evaluation_id}: {where}")
+        for phase, p in evaluation["progress"]["phases"].items():
+            bar = bars.get(phase)
+            if bar is None:
+                bar = bars[phase] = tqdm(
+                    total=p["total"],
+                    desc=phase,
+                    unit="req",
+                    position=len(bars) + 1,
+                    file=sys.stderr,
+                )
+            bar.total = p["total"]
+            bar.n = p["done"]
+            bar.set_postfix(tok_s=f"{p['tokens_per_s']:,.0f}", refresh=False)
+            bar.refresh()
+
+    try:
+        return client.wait(evaluation_id, on_update=update)
+    finally:
+        for bar in bars.values():
+            bar.close()
+        status_bar.close()
+
+
+def _results(
+    client: RayEvalClient, evaluation_id: str, output_path: str | None, as_json: bool
+) -> int:
+    text = client.results_text(evaluation_id)
+    results = json.loads(text)
+    if as_json:
+        print(text)
+        return 0
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    if output_path:
+        written = _write_lm_eval_files(client, evaluation_id, results, text, Path(output_path))
+        print(f"wrote {written}")
+    return 0
+
+
+def _write_lm_eval_files(
+    client: RayEvalClient, evaluation_id: str, results: dict[str, Any], text: str, out: Path
+) -> Path:
+    """``OUT/<model>/results_<date>.json`` and ``samples_<task>_<date>.jsonl``, as lm-eval names
+    them, holding the server's files verbatim."""
+    name = results.get("model_name_sanitized") or str(results["model_name"]).replace("/", "__")
+    directory = out / name
+    directory.mkdir(parents=True, exist_ok=True)
+    date_id = datetime.now().isoformat().replace(":", "-")
+    results_file = directory / f"results_{date_id}.json"
+    results_file.write_text(text, encoding="utf-8")
+    for task in client.get(evaluation_id)["links"]["samples"]:
+        samples = client.samples_text(evaluation_id, task)
+        (directory / f"samples_{task}_{date_id}.jsonl").write_text(samples, encoding="utf-8")
+    return results_file
+
+
+def _line(evaluation: dict[str, Any]) -> str:
+    progress = evaluation["progress"]
+    error = f": {evaluation['error']}" if evaluation.get("error") else ""
+    tasks = ",".join(evaluation["request"]["tasks"])
+    return (
+        f"{evaluation['id']}  {evaluation['status']:<9}  {progress['done']}/{progress['total']}"
+        f"  {tasks}{error}"
+    )
+
+
+__all__ = ["ServiceError", "main", "submission_body"]

@@ -1,0 +1,92 @@
+"""``/evaluations/{id}/timeline``: an evaluation's progress over time, for plots and ETAs.
+
+Every stored ``progress`` event becomes one point (the runner's time, the request type, its
+counts, rates and seconds so far); ``?after=N`` returns only points after event ``N``, so a page
+that polls reads each point once.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
+
+from api.deps import StoreDep, require_token
+from api.schemas import ErrorBody
+from service.jobs.states import EventKind
+
+router = APIRouter(
+    prefix="/evaluations",
+    tags=["evaluations"],
+    dependencies=[Depends(require_token)],
+    responses={
+        400: {"model": ErrorBody},
+        401: {"model": ErrorBody},
+        404: {"model": ErrorBody},
+        422: {"model": ErrorBody},
+    },
+)
+#: Most points one answer carries (the rest follow with ?after=).
+MAX_POINTS = 5000
+#: Largest event number a request may name (as the event stream's).
+MAX_SEQ = 2**53
+
+
+class TimelinePoint(BaseModel):
+    """One progress report of one request type."""
+
+    seq: int = Field(description="The event's number (pass it as ?after= to continue).")
+    time: float = Field(description="When the runner reported it (seconds since the epoch).")
+    request_type: str
+    done: int
+    total: int
+    seconds: float = Field(description="Seconds this request type has run so far.")
+    tokens_per_s: float = Field(description="Average over the request type so far.")
+    tokens: float = Field(
+        description="Real tokens computed so far (rate between two points: "
+        "difference of tokens over difference of seconds)."
+    )
+    requests_per_s: float | None
+
+
+class Timeline(BaseModel):
+    """Progress points in event order; ``last_seq`` is where to continue from."""
+
+    points: list[TimelinePoint]
+    last_seq: int
+    complete: bool = Field(description="False when more points follow (ask again with ?after=).")
+
+
+@router.get("/{evaluation_id}/timeline", response_model=Timeline, summary="Progress over time")
+def get_timeline(
+    evaluation_id: str,
+    store: StoreDep,
+    after: Annotated[int, Query(ge=0, le=MAX_SEQ, description="Only points after this event.")] = 0,
+) -> Timeline:
+    """Throughput and counts of each request type over time (404 for an unknown id)."""
+    store.get(evaluation_id)
+    points: list[TimelinePoint] = []
+    seq = after
+    while len(points) < MAX_POINTS:
+        events = store.events_since(evaluation_id, seq)
+        if not events:
+            break
+        seq = events[-1].seq
+        points += [_point(e.seq, e.data) for e in events if e.type is EventKind.PROGRESS]
+    return Timeline(points=points, last_seq=seq, complete=len(points) < MAX_POINTS)
+
+
+def _point(seq: int, data: dict[str, Any]) -> TimelinePoint:
+    seconds = float(data.get("seconds") or 0.0)
+    return TimelinePoint(
+        seq=seq,
+        time=float(data["updated_at"]),
+        request_type=data["phase"],
+        done=data["done"],
+        total=data["total"],
+        seconds=seconds,
+        tokens_per_s=data["tokens_per_s"],
+        tokens=data["tokens_per_s"] * seconds,
+        requests_per_s=data["done"] / seconds if seconds > 0 else None,
+    )

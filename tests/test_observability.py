@@ -1,0 +1,365 @@
+"""What a team watches and compares: /metrics, the dashboard's plot and comparison, the client.
+
+One real uvicorn server with an API token, on the session's Ray. Two evaluations run on it:
+A (2 replicas, one request per micro-batch, so progress moves in many small steps) submitted with
+``rayeval submit --wait`` in a thread, and B (one replica reserving 3 CPUs, so it waits in the
+queue while A runs; more documents, so part of it comes from the response cache and its metrics
+differ from A's). While they run, ``/metrics`` is scraped over HTTP; afterwards Chromium shows
+A's throughput plot and compares A with B.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.test_service import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    ServerThread,
+    body,
+    make_settings,
+)
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "observability-token"
+#: demo_gen_long generates up to 40 tokens per request: with one request per micro-batch its
+#: request type lasts seconds, long enough to watch its progress move between scrapes.
+TASKS = ["demo_cloze", "demo_gen_long", "demo_mc"]
+
+
+@pytest.fixture(scope="module")
+def server(demo: Any, ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    handle = ServerThread(
+        make_settings(tmp_path_factory.mktemp("observability"), demo.tasks_dir, api_token=TOKEN)
+    )
+    handle.start()
+    yield handle
+    handle.stop()
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """GET /metrics over HTTP, parsed: family name -> [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        family.name: [(sample.labels, sample.value) for sample in family.samples]
+        for family in text_string_to_metric_families(response.text)
+    }
+
+
+def values(
+    scrapes: list[dict[str, Any]], family: str, **labels: str
+) -> list[tuple[dict[str, str], float]]:
+    """Every sample of ``family`` whose labels include ``labels``, over all scrapes."""
+    return [
+        (sample_labels, value)
+        for scraped in scrapes
+        for sample_labels, value in scraped.get(family, [])
+        if all(sample_labels.get(k) == v for k, v in labels.items())
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(server: Any, demo: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A through `rayeval submit --wait`, B and C through the Python client, /metrics scraped."""
+    import contextlib
+    import io
+
+    from api.cli import main
+    from api.client import RayEvalClient
+
+    out = tmp_path_factory.mktemp("submitted")
+    argv = [
+        "submit", "--url", server.url,
+        "--model_args", f"pretrained={demo.model_dir},dtype=float32",
+        "--tasks", ",".join(TASKS), "--limit", "12", "--batch_size", "1",
+        "--bootstrap_iters", "100", "--log_samples", "--num_replicas", "2",
+        "--wait", "--output_path", str(out),
+    ]  # fmt: skip
+    cli: dict[str, Any] = {}
+    stdout, stderr = io.StringIO(), io.StringIO()
+
+    def submit_with_cli() -> None:
+        os.environ["RAYEVAL_API_TOKEN"] = TOKEN  # the CLI reads the token from the environment
+        try:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                cli["status"] = main(argv)
+        finally:
+            os.environ.pop("RAYEVAL_API_TOKEN", None)
+
+    with RayEvalClient(server.url, token=TOKEN) as client:
+        before = scrape(server.url)
+        thread = threading.Thread(target=submit_with_cli, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not client.list_evaluations()["items"]:
+            assert thread.is_alive(), stderr.getvalue()
+            assert time.monotonic() < deadline, "rayeval submit did not submit"
+            time.sleep(0.2)
+        (a,) = client.list_evaluations()["items"]
+        b_body = body(demo, tasks=TASKS, limit=15, bootstrap_iters=100)
+        b_body["parallelism"] = {"num_replicas": 1, "cpus_per_rank": 3}
+        b = client.submit(b_body)
+        c = client.submit(b_body)  # queued behind B, then cancelled by `rayeval cancel`
+        scrapes = []
+        deadline = time.monotonic() + 600
+        while thread.is_alive() or client.get(b["id"])["status"] not in ("succeeded", "failed"):
+            scrapes.append(scrape(server.url))
+            if len(scrapes) == 3:
+                with contextlib.redirect_stdout(io.StringIO()) as said:
+                    cli["cancel"] = main(["cancel", c["id"], "--url", server.url,
+                                          "--token", TOKEN])  # fmt: skip
+                cli["cancel_out"] = said.getvalue()
+            assert time.monotonic() < deadline, "the evaluations did not end in 600 s"
+            time.sleep(0.1)
+        thread.join(timeout=60)
+        after = scrape(server.url)
+        final_a, final_b = client.get(a["id"]), client.get(b["id"])
+    for name, final in (("A", final_a), ("B", final_b)):
+        print(f"{name}: created {final['created_at']} started {final['started_at']} "
+              f"finished {final['finished_at']}; {len(scrapes)} scrapes")  # fmt: skip
+    return {
+        "a": final_a, "b": final_b, "c": c, "before": before, "after": after,
+        "scrapes": scrapes, "out": out, "cli": cli,
+        "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
+    }  # fmt: skip
+
+
+def test_metrics_move_during_a_run(runs: dict[str, Any]) -> None:
+    a, b, scrapes = runs["a"]["id"], runs["b"]["id"], runs["scrapes"]
+    assert runs["a"]["status"] == runs["b"]["status"] == "succeeded", (runs["a"], runs["b"])
+    assert len(scrapes) >= 5, "too few scrapes to see anything move"
+
+    def state_count(scraped: dict[str, Any], state: str) -> float:
+        return next(v for labels, v in scraped["rayeval_evaluations"] if labels["state"] == state)
+
+    assert state_count(runs["after"], "succeeded") == state_count(runs["before"], "succeeded") + 2
+    assert state_count(runs["after"], "cancelled") == state_count(runs["before"], "cancelled") + 1
+    assert max(state_count(s, "running") for s in scrapes) >= 1
+    queue = [v for s in scrapes for _, v in s["rayeval_queue_length"]]
+    assert max(queue) >= 1 and queue[-1] == 0, queue  # B waited while A ran, then started
+
+    # A's progress moved in steps between scrapes, per request type, at a positive rate.
+    done = values(scrapes, "rayeval_evaluation_requests_done", evaluation=a)
+    by_type: dict[str, set[float]] = {}
+    for labels, value in done:
+        by_type.setdefault(labels["request_type"], set()).add(value)
+    assert {"loglikelihood", "generate_until"} <= set(by_type), by_type
+    assert any(len(seen) >= 2 for seen in by_type.values()), by_type
+    for rate in ("tokens", "requests"):
+        family = f"rayeval_evaluation_{rate}_per_second"
+        assert max(v for _, v in values(scrapes, family, evaluation=a)) > 0, family
+    assert values(scrapes, "rayeval_evaluation_eta_seconds", evaluation=a)
+    # Both replicas of A worked; utilisation is a share of wall time.
+    replicas = values(scrapes, "rayeval_replica_requests_per_second", evaluation=a)
+    assert {labels["replica"] for labels, v in replicas if v > 0} == {"0", "1"}
+    assert values(scrapes, "rayeval_replica_tokens_per_second", evaluation=a)
+    utilisation = [v for _, v in values(scrapes, "rayeval_replica_utilisation_ratio", evaluation=a)]
+    assert utilisation and all(0 <= u <= 1.05 for u in utilisation) and max(utilisation) > 0
+    # Each rank's resident memory (a process holding torch and the model: well over 50 MiB).
+    memory = values(scrapes, "rayeval_rank_resident_memory_bytes", evaluation=a)
+    assert {(rank["replica"], rank["shard_rank"]) for rank, _ in memory} == {("0", "0"), ("1", "0")}
+    assert all(v > 50 * 2**20 for _, v in memory), memory
+    load = [v for _, v in values(scrapes, "rayeval_evaluation_load_seconds", evaluation=a)]
+    startup = [v for _, v in values(scrapes, "rayeval_evaluation_startup_seconds", evaluation=a)]
+    assert load and min(load) > 0 and startup and min(startup) > 0
+    # B repeats A's first twelve documents: those answers come from the response cache.
+    hits = values(scrapes, "rayeval_evaluation_cache_hits", evaluation=b)
+    assert max(v for _, v in hits) > 0, hits
+    # Finished evaluations leave the per-evaluation series.
+    assert not values([runs["after"]], "rayeval_evaluation_requests_done", evaluation=a)
+    assert runs["after"]["process_resident_memory_bytes"][0][1] > 0
+
+
+def test_metrics_need_the_token(server: Any) -> None:
+    response = httpx.get(server.url + "/metrics", timeout=30)
+    assert response.status_code == 401 and "Authorization: Bearer" in response.json()["detail"]
+
+
+def test_submit_waits_with_progress_bars_and_writes_lm_eval_files(
+    runs: dict[str, Any], server: Any
+) -> None:
+    from api.client import RayEvalClient
+
+    assert runs["cli"]["status"] == 0, runs["stderr"]
+    a = runs["a"]
+    assert f"submitted {a['id']}" in runs["stdout"]
+    assert "|demo_mc" in runs["stdout"] and "acc" in runs["stdout"]  # lm-eval's table
+    assert "loglikelihood" in runs["stderr"] and "req" in runs["stderr"]  # a bar per type
+    assert a["request"]["parallelism"]["num_replicas"] == 2
+    assert a["request"]["batch_size"] == 1 and a["request"]["limit"] == 12
+    (model_dir,) = runs["out"].iterdir()
+    (results_file,) = model_dir.glob("results_*.json")
+    with RayEvalClient(server.url, token=TOKEN) as client:
+        assert results_file.read_text() == client.results_text(a["id"])
+        for task in TASKS:
+            (samples_file,) = model_dir.glob(f"samples_{task}_*.jsonl")
+            assert samples_file.read_text() == client.samples_text(a["id"], task)
+        assert client.samples(a["id"], "demo_mc")[0]["doc_id"] == 0
+    # `rayeval cancel` cancelled C while it was queued.
+    assert runs["cli"]["cancel"] == 0 and "cancelled" in runs["cli"]["cancel_out"]
+
+
+def test_status_results_cancel_commands(
+    runs: dict[str, Any], server: Any, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from api.cli import main
+
+    a, b = runs["a"]["id"], runs["b"]["id"]
+    monkeypatch.setenv("RAYEVAL_API_TOKEN", TOKEN)
+    monkeypatch.setenv("RAYEVAL_URL", server.url)
+    assert main(["status"]) == 0
+    listed = capsys.readouterr().out
+    assert a in listed and b in listed and runs["c"]["id"] in listed and "cancelled" in listed
+    assert main(["status", b, "--watch"]) == 0
+    shown = capsys.readouterr().out
+    assert "succeeded" in shown and "loglikelihood:" in shown and "tokens/s" in shown
+    assert main(["results", b, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n-samples"]["demo_mc"]["effective"] == 15
+    # Refusals name the fix; nothing is a traceback.
+    assert main(["cancel", a]) == 2
+    assert "already succeeded" in capsys.readouterr().err
+    monkeypatch.setenv("RAYEVAL_API_TOKEN", "wrong")
+    assert main(["status", a]) == 2
+    assert "Authorization: Bearer" in capsys.readouterr().err
+    monkeypatch.setenv("RAYEVAL_URL", "http://127.0.0.1:9")
+    assert main(["status"]) == 2
+    assert "cannot reach the rayeval server" in capsys.readouterr().err
+    assert main(["submit", "--model_args", "pretrained=x", "--tasks", "demo_mc",
+                 "--include_path", "/tmp", "--use_cache", "c"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--include_path" in err and "--use_cache" in err and "server's operator" in err
+
+
+def test_dashboard_plot_eta_and_comparison(
+    runs: dict[str, Any], server: Any, tmp_path: Path
+) -> None:
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is absent: install it with `apt-get install -y chromium`")
+    from playwright.sync_api import sync_playwright
+
+    from api.client import RayEvalClient
+
+    a, b = runs["a"]["id"], runs["b"]["id"]
+    with RayEvalClient(server.url, token=TOKEN) as client:
+        results = {e: client.results(e) for e in (a, b)}
+        timeline = client.timeline(a)
+    assert timeline["complete"] and len(timeline["points"]) >= 2
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1400})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.add_init_script(f"sessionStorage.setItem('rayeval-token', {TOKEN!r})")
+            page.goto(server.url + "/#" + a)
+            page.locator("#metrics tr[data-task='demo_mc']").first.wait_for(timeout=30_000)
+            # Progress per request type, finished: ETA says done; requests/s shown.
+            for phase in ("loglikelihood", "generate_until"):
+                row = page.locator(f"#phases tr[data-phase='{phase}']")
+                assert row.locator("td.eta").text_content() == "done"
+            # The throughput plot: one line per request type, drawn from the timeline.
+            plot = page.locator("#throughput-plot")
+            page.wait_for_function(
+                "document.querySelector('#throughput-plot').dataset.points > 0", timeout=30_000
+            )
+            assert plot.get_attribute("data-points") == str(len(timeline["points"]))
+            types = plot.locator("polyline.series").evaluate_all(
+                "lines => lines.map(l => l.dataset.requestType)"
+            )
+            assert set(types) == {p["request_type"] for p in timeline["points"]}
+            coloured = _coloured_pixels(page, plot.screenshot())
+            assert coloured > 200, f"the plot shows almost nothing ({coloured} coloured pixels)"
+            # Only metrics ("metric,filter" keys): not lm-eval's name and sample_len entries.
+            assert page.locator("#metrics tr[data-metric='sample_len']").count() == 0
+            # Samples links of the finished evaluation.
+            assert page.locator("#samples-links a").count() == len(TASKS)
+
+            # Compare A and B: per task and metric, each value with its stderr, differences marked.
+            for evaluation in (a, b):
+                page.locator(f"#evaluations tr[data-id='{evaluation}'] input.compare").check()
+            page.click("#compare-button")
+            page.locator("#compare-table tbody tr").first.wait_for(timeout=30_000)
+            for task in TASKS:
+                metrics = results[a]["results"][task]
+                for key, value in metrics.items():
+                    if key == "alias" or "_stderr," in key or not isinstance(value, float):
+                        continue
+                    metric, filter_ = key.split(",")
+                    row = page.locator(
+                        f"#compare-table tr[data-task='{task}'][data-metric='{metric}']"
+                        f"[data-filter='{filter_}']"
+                    )
+                    cells = row.locator("td.value")
+                    assert cells.nth(0).text_content().startswith(f"{value:.4f}")
+                    stderr = metrics.get(f"{metric}_stderr,{filter_}")
+                    if isinstance(stderr, float):
+                        assert cells.nth(0).text_content().endswith(f" ± {stderr:.4f}")
+                    other = results[b]["results"][task][key]
+                    assert cells.nth(1).text_content().startswith(f"{other:.4f}")
+                    marked = "diff" in (cells.nth(1).get_attribute("class") or "")
+                    assert marked == (other != value), (task, key, value, other)
+                samples = page.locator(f"#compare-table tr[data-task='{task}'] a.samples")
+                assert samples.count() >= 2
+            assert page.locator("#compare-table td.value.diff").count() > 0, "A and B differ"
+            if os.environ.get("RAYEVAL_SCREENSHOT"):  # how docs/dashboard.png is made
+                page.screenshot(path=os.environ["RAYEVAL_SCREENSHOT"], full_page=True)
+            assert errors == []
+        finally:
+            browser.close()
+
+
+def _coloured_pixels(page: Any, png: bytes) -> int:
+    """Pixels of a screenshot that are neither near-white background nor grey (axes, labels),
+    counted by the browser's own PNG decoder."""
+    script = """async (data) => {
+        const image = new Image();
+        image.src = "data:image/png;base64," + data;
+        await image.decode();
+        const canvas = document.createElement("canvas");
+        canvas.width = image.width; canvas.height = image.height;
+        const context = canvas.getContext("2d");
+        context.drawImage(image, 0, 0);
+        const pixels = context.getImageData(0, 0, image.width, image.height).data;
+        let coloured = 0;
+        for (let i = 0; i < pixels.length; i += 4) {
+            const [r, g, b] = [pixels[i], pixels[i + 1], pixels[i + 2]];
+            if (Math.max(r, g, b) - Math.min(r, g, b) > 60) coloured++;
+        }
+        return coloured;
+    }"""
+    return int(page.evaluate(script, base64.b64encode(png).decode()))
+
+
+@pytest.mark.parametrize("output_path", [None, "out"])
+def test_submit_flags_become_the_request_body(output_path: str | None) -> None:
+    """`rayeval submit` reads `rayeval run`'s flags; --log_samples needs no --output_path there
+    (the server keeps the samples), and the body is what POST /evaluations takes."""
+    from api.cli import _config_from_args, build_parser
+    from api.remote import submission_body
+    from service.config import EvaluationConfig
+
+    argv = ["submit", "--model_args", "pretrained=/models/m,dtype=float32",
+            "--tasks", "demo_mc,demo_cloze", "--log_samples", "--num_replicas", "3",
+            "--limit", "5", "--gen_kwargs", "max_gen_toks=7"]  # fmt: skip
+    if output_path:
+        argv += ["--output_path", output_path]
+    config = submission_body(build_parser().parse_args(argv), _config_from_args)
+    assert EvaluationConfig.model_validate(config.to_json()) == config
+    assert config.log_samples and config.limit == 5 and config.tasks == ("demo_mc", "demo_cloze")
+    assert config.parallelism.num_replicas == 3 and config.gen_kwargs == {"max_gen_toks": 7}
+    assert config.model_args == {"pretrained": "/models/m", "dtype": "float32"}
