@@ -309,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dtype != "float32":
             return 0
         agree = all(
-            row.same_generations == args.prompts and row.max_dlogprob <= LOGPROB_TOL
-            for row in rows
+            row.same_generations == args.prompts and row.max_dlogprob <= LOGPROB_TOL for row in rows
         )
         return 0 if agree else 1
     finally:
