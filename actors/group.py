@@ -2,10 +2,11 @@
 
 ``WorkerGroup.create`` refuses a layout the cluster can never hold, reserves the placement group
 (``actors.placement``: waits with a timeout that reports requested vs available resources, then
-maps bundles to ranks so that a replica sits on one node when it fits there), starts one actor per
-bundle and has every replica form its process group and load the model. A partial start is
-cleaned up: no actor or placement group outlives a failed ``create``. ``shutdown`` releases
-everything.
+maps bundles to ranks so that a replica sits on one node when it fits there), settles how replicas
+shard the model (``actors.sharding``: tensor parallelism needs a replica's ranks on one node),
+starts one actor per bundle and has every replica form its process group and load the model.
+A partial start is cleaned up: no actor or placement group outlives a failed ``create``.
+``shutdown`` releases everything.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ from actors.batches import MicroBatch, ModelSpec
 from actors.errors import EvaluationTimeoutError, ModelLoadError, RayEvalError
 from actors.layout import DeviceKind, ParallelLayout
 from actors.placement import Placement, reserve
+from actors.sharding import ShardStrategy, settle
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +58,40 @@ class Timeouts:
 
 
 class Replica:
-    """The G rank actors of one replica, in shard-rank order."""
+    """The G rank actors of one replica, in shard-rank order.
 
-    def __init__(self, index: int, workers: list[Any]) -> None:
+    Args:
+        index: The replica's number.
+        workers: Its rank actors.
+        same_batch: Whether its ranks compute one micro-batch together (tensor parallelism)
+            rather than one each (FSDP).
+    """
+
+    def __init__(self, index: int, workers: list[Any], same_batch: bool = False) -> None:
         self.index = index
         self.workers = workers
+        self.same_batch = same_batch
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches one step computes: one per rank, or one for all ranks together."""
+        return 1 if self.same_batch else len(self.workers)
 
     def submit(self, method: str, micro_batches: list[MicroBatch]) -> list[ray.ObjectRef]:
-        """Send one step: micro-batch ``i`` to shard rank ``i`` (every rank gets one)."""
-        if len(micro_batches) != len(self.workers):
+        """Send one step to every rank: micro-batch ``i`` to shard rank ``i``, or the one
+        micro-batch to all ranks when they compute it together. Returns one ref per rank."""
+        if len(micro_batches) != self.micro_batches_per_step:
             raise ValueError(
-                f"a step needs {len(self.workers)} micro-batches, got {len(micro_batches)}"
+                f"a step needs {self.micro_batches_per_step} micro-batches, got "
+                f"{len(micro_batches)}"
             )
-        return [
-            getattr(w, method).remote(mb) for w, mb in zip(self.workers, micro_batches, strict=True)
-        ]
+        per_rank = micro_batches * len(self.workers) if self.same_batch else micro_batches
+        return [getattr(w, method).remote(mb) for w, mb in zip(self.workers, per_rank, strict=True)]
+
+    def answers(self, outputs: list[Any]) -> list[Any]:
+        """The answers of one step from what its ranks returned (one per rank): one per
+        micro-batch (ranks that computed a micro-batch together all return its answer)."""
+        return outputs[:1] if self.same_batch else outputs
 
     def kill(self) -> None:
         """Kill every rank actor of this replica (pending calls fail at once)."""
@@ -93,6 +115,8 @@ class WorkerGroup:
         self.replicas = replicas
         #: Where each global rank runs (node, device) and which bundle holds it.
         self.placement = placement
+        #: How the replicas shard the model (FSDP for G = 1, where nothing is sharded).
+        self.strategy = ShardStrategy.FSDP
         self._pg: PlacementGroup | None = pg
         self._setup_refs: list[ray.ObjectRef] = []
         self._load_timeout_s = 0.0
@@ -107,13 +131,27 @@ class WorkerGroup:
         spec: ModelSpec,
         timeouts: Timeouts,
         seed: int = 1234,
+        strategy: ShardStrategy | str = ShardStrategy.FSDP,
+        tp_obstacles: Sequence[str] = (),
     ) -> WorkerGroup:
         """Reserve resources and start the rank actors; model loading starts in the background.
 
         Call :meth:`wait_ready` before sending work.
 
+        Args:
+            name: The evaluation's name (placement group, actor-name prefix).
+            layout: R x G ranks.
+            spec: The model.
+            timeouts: Every wait.
+            seed: The ranks' torch seed.
+            strategy: How replicas shard the model (``auto``: TP where it can work).
+            tp_obstacles: Why tensor parallelism cannot run this model at this G
+                (:func:`actors.sharding.tp_obstacles`; empty: it can).
+
         Raises:
-            LayoutError: if the layout is larger than the whole cluster.
+            LayoutError: if the layout is larger than the whole cluster, or ``tp`` was asked
+                and a replica was placed across nodes.
+            ConfigError: ``tp`` was asked for a model it cannot shard.
             ResourcesUnavailableError: if the placement group is not ready within the timeout.
         """
         layout.check_fits(ray.cluster_resources())
@@ -122,6 +160,14 @@ class WorkerGroup:
         group._load_timeout_s = timeouts.load_s
         group._deadline = time.monotonic() + timeouts.load_s
         try:
+            split = [
+                r
+                for r, sites in enumerate(placement.replica_sites(layout))
+                if len({site.node_id for site in sites}) > 1
+            ]
+            group.strategy = settle(strategy, layout.shard_size, list(tp_obstacles), split)
+            if layout.sharded:
+                logger.info("%s: replicas shard the model with %s", name, group.strategy.value)
             group._start_actors(placement, spec, timeouts, seed)
         except BaseException:
             group.shutdown()
@@ -155,11 +201,14 @@ class WorkerGroup:
                     self.layout.device,
                     timeouts.collective_s,
                     seed,
+                    self.strategy,
                 )
             )
         G = self.layout.shard_size
+        same_batch = self.layout.sharded and self.strategy.same_batch_on_every_rank
         self.replicas = [
-            Replica(r, workers[r * G : (r + 1) * G]) for r in range(self.layout.num_replicas)
+            Replica(r, workers[r * G : (r + 1) * G], same_batch)
+            for r in range(self.layout.num_replicas)
         ]
         # Shard rank 0 of each replica picks the rendezvous address; all ranks then join and load.
         # Nothing here blocks: Ray hands the address to `setup` once rank 0 has it, so actor
@@ -167,6 +216,13 @@ class WorkerGroup:
         for replica in self.replicas:
             rendezvous = replica.workers[0].reserve_port.remote()
             self._setup_refs += [worker.setup.remote(rendezvous) for worker in replica.workers]
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches one step of one replica computes (G under FSDP, 1 under TP)."""
+        if self.layout.sharded and self.strategy.same_batch_on_every_rank:
+            return 1
+        return self.layout.shard_size
 
     def wait_ready(self) -> list[dict[str, Any]]:
         """Wait (bounded) until every rank has loaded the model; return their load reports.

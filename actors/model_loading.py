@@ -57,18 +57,7 @@ def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -
     Raises:
         ModelLoadError: if the checkpoint cannot be found or read.
     """
-    try:
-        config = transformers.AutoConfig.from_pretrained(
-            spec.pretrained,
-            revision=spec.revision,
-            subfolder=spec.subfolder,
-            trust_remote_code=spec.trust_remote_code,
-        )
-    except OSError as exc:
-        raise ModelLoadError(
-            f"cannot load the model config of {spec.pretrained!r}: {exc}. Pass an existing local "
-            "path or a Hugging Face hub id in model_args pretrained=..."
-        ) from exc
+    config = load_config(spec)
     dtype = resolve_dtype(spec.dtype, config)
     model = (
         _load_plain(spec, dtype)
@@ -79,6 +68,26 @@ def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -
         model.to(device)
     model.eval()
     return model
+
+
+def load_config(spec: ModelSpec) -> transformers.PretrainedConfig:
+    """The model's transformers config.
+
+    Raises:
+        ModelLoadError: it cannot be found or read.
+    """
+    try:
+        return transformers.AutoConfig.from_pretrained(
+            spec.pretrained,
+            revision=spec.revision,
+            subfolder=spec.subfolder,
+            trust_remote_code=spec.trust_remote_code,
+        )
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot load the model config of {spec.pretrained!r}: {exc}. Pass an existing local "
+            "path or a Hugging Face hub id in model_args pretrained=..."
+        ) from exc
 
 
 def resolve_dtype(name: str | None, config: transformers.PretrainedConfig) -> torch.dtype:
@@ -94,7 +103,8 @@ def resolve_dtype(name: str | None, config: transformers.PretrainedConfig) -> to
     return value
 
 
-def _from_pretrained_kwargs(spec: ModelSpec) -> dict[str, Any]:
+def from_pretrained_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments of ``spec`` other than the path and the dtype."""
     return {
         "revision": spec.revision,
         "subfolder": spec.subfolder,
@@ -106,7 +116,7 @@ def _from_pretrained_kwargs(spec: ModelSpec) -> dict[str, Any]:
 def _load_plain(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(
-            spec.pretrained, dtype=dtype, **_from_pretrained_kwargs(spec)
+            spec.pretrained, dtype=dtype, **from_pretrained_kwargs(spec)
         )
     except OSError as exc:
         raise ModelLoadError(f"cannot load {spec.pretrained!r}: {exc}") from exc

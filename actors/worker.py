@@ -1,9 +1,11 @@
 """One rank: a plain class that Ray turns into an actor where the worker group creates it.
 
 A :class:`ShardWorker` joins its replica's torch process group (gloo on CPU, NCCL on GPU), loads
-the model (FSDP2-sharded when the replica has several ranks) and computes micro-batches. Every
-call that involves other ranks (forward under FSDP, ``generate`` with ``synced_gpus``) is issued by
-all ranks of the replica in the same order, because the driver sends each step to all of them.
+the model (sharded by the replica's strategy, :mod:`actors.sharding`, when the replica has several
+ranks) and computes micro-batches. Every call that involves other ranks (a forward, ``generate``
+with ``synced_gpus``) is issued by all ranks of the replica in the same order, because the driver
+sends each step to all of them: under FSDP each rank its own micro-batch, under tensor parallelism
+the same micro-batch to every rank.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from actors.batches import (
 from actors.layout import DeviceKind, RankCoord
 from actors.model_loading import load_model, release_unsharded
 from actors.placement import cuda_device_index
+from actors.sharding import ShardStrategy
+from actors.tensor_parallel import load_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +58,9 @@ class ShardWorker:
         shard_size: Ranks in this replica (G).
         device_kind: CPU or CUDA.
         collective_timeout_s: Timeout of every collective in the replica's process group.
-        seed: torch seed, for sampling generations.
+        seed: torch seed, for sampling generations (the same on every rank, so that tensor-
+            parallel ranks sample the same tokens).
+        strategy: How the replica shards the model when ``shard_size`` > 1 (FSDP or TP).
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class ShardWorker:
         device_kind: DeviceKind,
         collective_timeout_s: float,
         seed: int = 1234,
+        strategy: ShardStrategy = ShardStrategy.FSDP,
     ) -> None:
         self._spec = spec
         self._coord = coord
@@ -72,6 +79,7 @@ class ShardWorker:
         self._device_kind = DeviceKind(device_kind)
         self._collective_timeout_s = collective_timeout_s
         self._seed = seed
+        self._strategy = ShardStrategy(strategy)
         self._model: Any = None
         self._tokenizer: Any = None
         #: Keyword arguments of every scoring forward, those the model's forward accepts.
@@ -143,10 +151,14 @@ class ShardWorker:
                 world_size=self._shard_size,
                 timeout=timedelta(seconds=self._collective_timeout_s),
             )
-            from torch.distributed.device_mesh import init_device_mesh
+        if self._shard_size > 1 and self._strategy is ShardStrategy.TP:
+            self._model = load_tensor_parallel(self._spec, device, self._shard_size)
+        else:
+            if self._shard_size > 1:
+                from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(device.type, (self._shard_size,))
-        self._model = load_model(self._spec, device, mesh)
+                mesh = init_device_mesh(device.type, (self._shard_size,))
+            self._model = load_model(self._spec, device, mesh)
         accepted = inspect.signature(self._model.forward).parameters
         # No KV cache when scoring: nothing reads it, and it holds 2 x layers x hidden floats per
         # token (for a 32-block model more than all other activations of the forward together).
@@ -164,6 +176,7 @@ class ShardWorker:
         return {
             "seconds": time.monotonic() - started,
             "local_parameters": local_params,
+            "strategy": self._strategy.value if self._shard_size > 1 else None,
             "peak_rss_mib": _peak_rss_mib(),
         }
 
@@ -240,7 +253,9 @@ class ShardWorker:
                 ),
                 pad_token_id=self._spec.pad_token_id,
                 use_cache=True,
-                # Ranks of one FSDP group stop together, or the slower ones hang at a collective.
+                # Ranks of one group stop together, or the slower ones hang at a collective
+                # (FSDP ranks generate different rows; TP ranks the same, but a hang is never
+                # worth the risk: one scalar all-reduce per step).
                 synced_gpus=self._shard_size > 1,
                 **kwargs,
             )

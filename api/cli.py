@@ -12,6 +12,7 @@ Nothing heavy is imported until a command runs.
 from __future__ import annotations
 
 import argparse
+import enum
 import logging
 import sys
 import threading
@@ -129,14 +130,21 @@ def _add_config_flags(group: argparse._ArgumentGroup) -> None:
 
     for path, flag in RAYEVAL_FLAGS.items():
         info = field_info(path)
-        kind = float if path[0] == "timeouts" else int
         default = info.get_default(call_default_factory=True)
+        choices = None
+        if isinstance(info.annotation, type) and issubclass(info.annotation, enum.Enum):
+            kind: type = str
+            choices = [member.value for member in info.annotation]
+            default = default.value
+        else:
+            kind = float if path[0] == "timeouts" else int
         group.add_argument(
             flag,
             dest=_dest(path),
             type=kind,
             default=default,
-            metavar="S" if kind is float else "N",
+            choices=choices,
+            metavar="{" + ",".join(choices) + "}" if choices else "S" if kind is float else "N",
             help=info.description
             if "default" in info.description
             else f"{info.description.rstrip('.')} (default {default}).",

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from actors.errors import ConfigError
 from actors.group import Timeouts
 from actors.layout import DeviceKind, ParallelLayout
+from actors.sharding import ShardStrategy
 
 #: lm-eval's default seeds for random, numpy, torch and few-shot sampling (its ``DEFAULT_SEED``).
 DEFAULT_SEED: tuple[int, int, int, int] = (0, 1234, 1234, 1234)
@@ -46,7 +47,8 @@ UNSUPPORTED_MODEL_ARGS = {
     "max_memory_per_gpu": "rayeval places the model itself: use --shard_size instead",
     "max_cpu_memory": "rayeval places the model itself: use --shard_size instead",
     "offload_folder": "CPU offload is not supported: use a larger --shard_size",
-    "tp_plan": "tensor parallelism is not supported: use --shard_size (FSDP2) instead",
+    "tp_plan": "rayeval applies the model's tensor-parallel plan itself: use --shard_size with "
+    "--shard_strategy tp (or auto)",
     "peft": "PEFT adapters are not supported yet: merge the adapter into the model first",
     "delta": "delta weights are not supported yet: merge them into the model first",
     "autogptq": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
@@ -105,6 +107,7 @@ HOST_ONLY_OPTIONS = {
     "num_replicas": 'put it under "parallelism": {"num_replicas": R, "shard_size": G}',
     "shard_size": 'put it under "parallelism": {"num_replicas": R, "shard_size": G}',
     "cpus_per_rank": 'put it under "parallelism": {"cpus_per_rank": N}',
+    "shard_strategy": 'put it under "parallelism": {"shard_strategy": "auto"}',
     "address": "the server's Ray cluster is fixed by its --ray-address",
     "placement_timeout": 'put it under "timeouts": {"placement_s": ...}',
     "load_timeout": 'put it under "timeouts": {"load_s": ...}',
@@ -139,7 +142,14 @@ class Parallelism(_Frozen):
         default=1, ge=1, le=4096, description="R: data-parallel replicas of the model."
     )
     shard_size: int = Field(
-        default=1, ge=1, le=4096, description="G: ranks per replica; FSDP2 over them if > 1."
+        default=1, ge=1, le=4096, description="G: ranks per replica; the model sharded if > 1."
+    )
+    shard_strategy: ShardStrategy = Field(
+        default=ShardStrategy.AUTO,
+        description="How a replica of G > 1 ranks shards the model: fsdp (FSDP2: any model, "
+        "bit-identical for every G, slow to generate), tp (tensor parallelism: fast generation; "
+        "needs a TP plan, heads divisible by G, a replica on one node), or auto (tp where it can "
+        "work, else fsdp).",
     )
     cpus_per_rank: int = Field(
         default=1,
@@ -510,6 +520,7 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("parallelism", "num_replicas"): "--num_replicas",
     ("parallelism", "shard_size"): "--shard_size",
     ("parallelism", "cpus_per_rank"): "--cpus_per_rank",
+    ("parallelism", "shard_strategy"): "--shard_strategy",
     ("max_batch_tokens",): "--max_batch_tokens",
     ("timeouts", "placement_s"): "--placement_timeout",
     ("timeouts", "load_s"): "--load_timeout",

@@ -58,7 +58,11 @@ def test_uneven_work_over_2x2_finishes_and_matches(demo: Any, ray_session: None)
 
     started = time.monotonic()
     with RayEvalLM(
-        pretrained=str(demo.model_dir), num_replicas=2, shard_size=2, batch_size=1
+        pretrained=str(demo.model_dir),
+        num_replicas=2,
+        shard_size=2,
+        shard_strategy="fsdp",  # each rank its own micro-batch: dummies fill the last steps
+        batch_size=1,
     ) as lm:
         text = lm.generate_until(_generate_requests())
         ll = lm.loglikelihood(_loglikelihood_requests())

@@ -33,3 +33,32 @@ def test_fits_names_requested_and_available() -> None:
     with pytest.raises(LayoutError, match=r"8 GPU requested, 4 in the cluster.*--num_replicas"):
         gpu.check_fits({"GPU": 4, "CPU": 64})
     ParallelLayout(2, 2).check_fits({"CPU": 4})
+
+
+def test_shard_strategy_is_settled_from_the_model_and_the_placement() -> None:
+    """auto: TP where it can work, else FSDP; tp that cannot work is refused naming why."""
+    import transformers
+
+    from actors.errors import ConfigError
+    from actors.sharding import ShardStrategy, settle, tp_obstacles, tp_obstacles_from_json
+
+    llama = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+    )
+    assert tp_obstacles(llama, 2) == []
+    assert tp_obstacles(llama, 4) == ["num_key_value_heads=2 is not divisible by shard_size 4"]
+    gpt2 = transformers.GPT2Config(n_embd=64, n_head=4)
+    assert tp_obstacles(gpt2, 2) == [
+        "transformers has no tensor-parallel plan for the gpt2 architecture"
+    ]
+    assert tp_obstacles_from_json(llama.to_dict(), 4) == tp_obstacles(llama, 4)
+
+    assert settle("auto", 2, [], []) is ShardStrategy.TP
+    assert settle("auto", 1, [], []) is ShardStrategy.FSDP
+    assert settle("auto", 4, ["heads"], []) is ShardStrategy.FSDP
+    assert settle("auto", 2, [], [0]) is ShardStrategy.FSDP  # a replica across nodes
+    assert settle("fsdp", 2, [], []) is ShardStrategy.FSDP
+    with pytest.raises(ConfigError, match="num_key_value_heads=2 is not divisible"):
+        settle("tp", 4, tp_obstacles(llama, 4), [])
+    with pytest.raises(LayoutError, match=r"replica\(s\) \[1\] were placed across nodes"):
+        settle("tp", 2, [], [1])

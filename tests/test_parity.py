@@ -4,7 +4,9 @@ The bundled ``demo`` group covers multiple choice, loglikelihood, loglikelihood_
 documents longer than the context window, and two generate_until tasks with different
 gen_kwargs; it runs with ``num_fewshot`` and ``limit``. Each layout's per-sample results must match
 lm-eval's ``hf`` backend (|delta logprob| <= 1e-4, identical is_greedy, generations, metrics) and
-be bit-identical to the 1x1 layout, since micro-batches never depend on the layout.
+be bit-identical to the 1x1 layout, since micro-batches never depend on the layout. Sharded
+layouts run FSDP, the bit-exact strategy; tensor parallelism reduces partial sums, so its results
+match lm-eval within the tolerance but not bit for bit (tests/test_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def layout_runs(demo: Any, task_manager: Any, ray_session: None) -> Any:
                 pretrained=str(demo.model_dir),
                 num_replicas=layout[0],
                 shard_size=layout[1],
+                shard_strategy="fsdp",  # the bit-exact strategy (TP: tests/test_tensor_parallel)
                 dtype="float32",
                 batch_size="auto",
                 max_batch_tokens=256,  # small, so every run has many micro-batches and steps

@@ -564,6 +564,12 @@ BAD_BODIES = [
     ({"tasks": ["demo_nope"]}, "tasks: unknown tasks: 'demo_nope'"),
     ({"parallelism": {"num_replicas": 3, "shard_size": 2}}, "6 CPU requested, 4 in the cluster"),
     ({"parallelism": {"num_replicas": 0}}, "parallelism.num_replicas"),
+    (
+        {"parallelism": {"shard_size": 3, "shard_strategy": "tp"}},
+        "shard_strategy tp cannot shard this model: num_attention_heads=4 is not divisible by "
+        "shard_size 3",
+    ),
+    ({"parallelism": {"shard_strategy": "megatron"}}, "parallelism.shard_strategy"),
     ({"parallelism": {"replicas": 2}}, "unknown field 'parallelism.replicas'"),
     ({"batch_size": "big"}, "is not a batch size"),
     ({"limit": -1}, "limit"),

@@ -1,10 +1,12 @@
 """Dynamic hand-out of steps to replicas, with bounded waits and failover.
 
-A *step* is G micro-batches, one per rank of a replica (dummies fill a short last step so every
-rank issues the same collectives). Each replica keeps ``depth`` steps queued on its actors so it
-never idles between steps; a replica that finishes pulls the next step. A replica whose actor dies
-is dropped and its unfinished steps go back to the front of the queue for the others; a step that
-runs past the step timeout is an error, never a silent stall.
+A *step* is what one replica computes at once: G micro-batches, one per rank, when its ranks
+compute their own (FSDP; dummies fill a short last step so every rank issues the same
+collectives), or one micro-batch that all its ranks compute together (tensor parallelism).
+Each replica keeps ``depth`` steps queued on its actors so it never idles between steps; a
+replica that finishes pulls the next step. A replica whose actor dies is dropped and its
+unfinished steps go back to the front of the queue for the others; a step that runs past the
+step timeout is an error, never a silent stall.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def run_steps(
     """
     if not micro_batches:
         return []
-    width = group.layout.shard_size
+    width = group.micro_batches_per_step
     method = "score" if isinstance(micro_batches[0], ScoreMicroBatch) else "generate"
     dummy: MicroBatch = ScoreMicroBatch() if method == "score" else GenerateMicroBatch()
     steps = [
@@ -110,7 +112,7 @@ def run_steps(
                             " the batch size"
                         )
                     continue
-                outputs = ray.get(refs, timeout=step_timeout_s)
+                outputs = alive[index].answers(ray.get(refs, timeout=step_timeout_s))
             except ray.exceptions.RayActorError as exc:
                 _drop_replica(index, alive, inflight, pending, head_since, exc)
                 continue

@@ -43,6 +43,7 @@ from actors.errors import ConfigError, RayEvalError, ResultIntegrityError
 from actors.group import WorkerGroup
 from actors.layout import DeviceKind
 from actors.model_loading import resolve_dtype
+from actors.sharding import ShardStrategy, refusal, tp_obstacles
 from service.config import (
     DEFAULT_MAX_BATCH_ROWS,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -203,6 +204,10 @@ class RayEvalLM(TemplateLM):
         model_args = {k: v for k, v in config.model_args.items() if k != "pretrained"}
         self._encoder, self._dtype = _build_encoder(self.pretrained, model_args)
         self.tokenizer = self._encoder.tokenizer
+        shard_size = config.parallelism.shard_size
+        obstacles = tp_obstacles(self._encoder.model.config, shard_size) if shard_size > 1 else []
+        if config.parallelism.shard_strategy is ShardStrategy.TP and obstacles:
+            raise ConfigError(refusal(obstacles))  # before anything starts
         self._cache = open_cache(host.lm_eval.get("use_cache"), config.model_args)
 
         self.connection = connect(host.address, config.layout(DeviceKind.CPU))
@@ -226,8 +231,15 @@ class RayEvalLM(TemplateLM):
             replicas.reused = kept is not None
         self._begun = self._reused = kept is not None
         self._group: WorkerGroup | None = kept or WorkerGroup.create(
-            self.name, self.layout, spec, self._timeouts, seed=self._seed
+            self.name,
+            self.layout,
+            spec,
+            self._timeouts,
+            seed=self._seed,
+            strategy=config.parallelism.shard_strategy,
+            tp_obstacles=obstacles,
         )
+        self._strategy = self._group.strategy
 
     @classmethod
     def from_config(
@@ -258,6 +270,11 @@ class RayEvalLM(TemplateLM):
         if self._group is None:
             return []
         return self._group.wait_ready()
+
+    @property
+    def shard_strategy(self) -> ShardStrategy:
+        """How the replicas shard the model (settled when the ranks were placed)."""
+        return self._strategy
 
     def close(self, keep: bool = False) -> None:
         """Release the actors and the placement group. Safe to call more than once.
@@ -322,6 +339,7 @@ class RayEvalLM(TemplateLM):
                 "num_replicas": self.layout.num_replicas,
                 "shard_size": self.layout.shard_size,
                 "device": self.layout.device.value,
+                "shard_strategy": self.shard_strategy.value,
             },
         }
 

@@ -160,6 +160,7 @@ class EvaluationManager:
             ray.cluster_resources(),
             self._options.task_index_wait_s,
             self._options.policy,
+            node_totals=[node["Resources"] for node in ray.nodes() if node["Alive"]],
         )
         layout = config.layout()
         record = self._store.create(config.to_json(), layout.total_resources())

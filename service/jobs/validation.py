@@ -8,21 +8,27 @@ only the server can judge, so that what is accepted with 202 can run:
   tokenizers only under the operator's model roots, with one answer for a path that is missing and
   one that is forbidden (no file oracle);
 - task names (never paths) that its catalog knows, in ``tasks`` and in ``samples``;
-- options lm-eval accepts together, and a layout the cluster can ever hold.
+- options lm-eval accepts together, and a layout the cluster can ever hold;
+- a ``tp`` shard strategy that can work: heads that G divides (read from a local model's
+  ``config.json``) and a node that can hold a replica's G ranks. Whether transformers has a
+  tensor-parallel plan for the architecture needs its config classes (and torch), so that last
+  check is the engine's, before any rank starts.
 
 Every problem is collected into one message. No torch here.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from actors.errors import ConfigError, LayoutError, ServiceNotReadyError
+from actors.sharding import ShardStrategy, refusal, tp_obstacles_from_json
 from service.config import ENCODER_MODEL_ARGS, EvaluationConfig, HostOptions
 from service.jobs.tasks import TaskCatalog
 
@@ -83,6 +89,7 @@ def check_submission(
     cluster_total: Mapping[str, float],
     task_index_wait_s: float,
     policy: ServerPolicy = ServerPolicy(),
+    node_totals: Sequence[Mapping[str, float]] = (),
 ) -> None:
     """Refuse an evaluation that could not run here, naming every problem at once.
 
@@ -92,6 +99,8 @@ def check_submission(
         cluster_total: Ray's ``cluster_resources()``.
         task_index_wait_s: How long to wait for lm-eval's task index if a name is not local.
         policy: What the operator allows.
+        node_totals: Each live node's total resources (for ``shard_strategy tp``: a node must
+            hold a whole replica); empty: not checked.
 
     Raises:
         ConfigError: bad model, tasks or options.
@@ -100,6 +109,8 @@ def check_submission(
         ServiceNotReadyError: the task index is not ready yet and nothing else is wrong.
     """
     problems = policy_problems(config, policy) + task_problems(config)
+    if not problems:  # a model path is read only once the policy allows it (no file oracle)
+        problems += strategy_problems(config, node_totals)
     try:
         config.evaluator_config(
             HostOptions(output_path="unused", include_paths=catalog.include_paths)
@@ -124,6 +135,41 @@ def check_submission(
         problems.append(str(exc))
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def strategy_problems(
+    config: EvaluationConfig, node_totals: Sequence[Mapping[str, float]] = ()
+) -> list[str]:
+    """Why ``shard_strategy tp`` cannot work for this evaluation (``auto`` and ``fsdp`` always
+    can: ``auto`` falls back to FSDP)."""
+    parallelism = config.parallelism
+    if parallelism.shard_strategy is not ShardStrategy.TP or parallelism.shard_size == 1:
+        return []
+    problems = []
+    args = config.model_args
+    model_dir = Path(str(args["pretrained"])).expanduser() / str(args.get("subfolder") or "")
+    config_file = model_dir / "config.json"
+    if config_file.is_file():
+        try:
+            obstacles = tp_obstacles_from_json(
+                json.loads(config_file.read_text()), parallelism.shard_size
+            )
+        except (OSError, ValueError):
+            obstacles = []  # the engine reads it again and names the problem
+        if obstacles:
+            problems.append(refusal(obstacles))
+    bundle = config.layout().bundle()
+    holds = [
+        min(int(node.get(key, 0.0) // amount) for key, amount in bundle.items())
+        for node in node_totals
+    ]
+    if holds and max(holds) < parallelism.shard_size:
+        problems.append(
+            f"shard_strategy tp needs a replica's {parallelism.shard_size} ranks on one node, and "
+            f"no node of the cluster holds more than {max(holds)}: lower --shard_size or use "
+            "--shard_strategy auto (FSDP across nodes)"
+        )
+    return problems
 
 
 def task_problems(config: EvaluationConfig) -> list[str]:

@@ -1,0 +1,102 @@
+"""Tensor parallelism: a replica's ranks compute one batch together with transformers' TP plan.
+
+Per sample against lm-eval's own hf backend (|delta logprob| <= 1e-4, identical is_greedy,
+greedy generations and metrics) on the demo group (loglikelihood, loglikelihood_rolling,
+generate_until), at 1x2 (the default strategy picks TP for the demo Llama) and 2x2 (``tp`` asked).
+A model whose heads G does not divide falls back to FSDP under ``auto`` (still matching lm-eval),
+and ``tp`` is refused before anything starts, naming the reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import assert_same_results, evaluate, hf_reference
+
+pytestmark = pytest.mark.slow
+
+RUN = {"num_fewshot": 1, "limit": 4, "bootstrap_iters": 0}
+
+
+@pytest.fixture(scope="module")
+def reference(demo: Any, task_manager: Any) -> dict[str, Any]:
+    return hf_reference(demo.model_dir, task_manager, ["demo"], **RUN)
+
+
+@pytest.mark.parametrize(
+    ("layout", "strategy"), [((1, 2), "auto"), ((2, 2), "tp")], ids=["1x2-auto", "2x2-tp"]
+)
+def test_tp_matches_lm_eval_hf(
+    layout: tuple[int, int],
+    strategy: str,
+    demo: Any,
+    task_manager: Any,
+    reference: dict[str, Any],
+    ray_session: None,
+) -> None:
+    import transformers
+
+    from actors.sharding import ShardStrategy
+    from service.engine.lm import RayEvalLM
+
+    with RayEvalLM(
+        pretrained=str(demo.model_dir),
+        num_replicas=layout[0],
+        shard_size=layout[1],
+        shard_strategy=strategy,
+        dtype="float32",
+        max_batch_tokens=256,  # several micro-batches, so replicas share the work
+    ) as lm:
+        ours = evaluate(lm, task_manager, ["demo"], **RUN)
+        reports = lm.load_reports
+        assert lm.shard_strategy is ShardStrategy.TP
+    assert_same_results(reference, ours)
+    assert {"demo_mc", "demo_rolling", "demo_gen_short", "demo_gen_long"} <= set(ours["samples"])
+    # Every rank holds its slices of the sharded projections, not the whole model.
+    total = transformers.AutoModelForCausalLM.from_pretrained(demo.model_dir).num_parameters()
+    assert {report["strategy"] for report in reports} == {"tp"}
+    assert max(report["local_parameters"] for report in reports) < total
+
+
+def _odd_heads_llama(out_dir: Path, demo_dir: Path) -> Path:
+    """A small random Llama with 3 attention heads: G = 2 divides neither head count."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(demo_dir)
+    config.hidden_size, config.intermediate_size = 48, 96
+    config.num_attention_heads = config.num_key_value_heads = 3
+    config.head_dim = 16
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out_dir)
+    transformers.AutoTokenizer.from_pretrained(demo_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+def test_heads_g_does_not_divide_fall_back_to_fsdp_or_are_refused(
+    tmp_path: Path, demo: Any, task_manager: Any, ray_session: None
+) -> None:
+    import ray
+
+    from actors.errors import ConfigError
+    from actors.sharding import ShardStrategy
+    from service.engine.lm import RayEvalLM
+
+    model_dir = _odd_heads_llama(tmp_path / "odd", demo.model_dir)
+    pgs_before = len(ray.util.placement_group_table())
+    with pytest.raises(ConfigError, match="num_attention_heads=3 is not divisible by shard_size 2"):
+        RayEvalLM(pretrained=str(model_dir), shard_size=2, shard_strategy="tp")
+    assert len(ray.util.placement_group_table()) == pgs_before, "tp refused after it started"
+
+    run = {"limit": 3, "bootstrap_iters": 0}
+    tasks = ["demo_cloze", "demo_gen_short"]
+    reference = hf_reference(model_dir, task_manager, tasks, **run)
+    with RayEvalLM(pretrained=str(model_dir), shard_size=2, dtype="float32") as lm:
+        ours = evaluate(lm, task_manager, tasks, **run)
+        assert lm.shard_strategy is ShardStrategy.FSDP
+        assert lm.get_model_info()["rayeval_layout"]["shard_strategy"] == "fsdp"
+    assert_same_results(reference, ours)
