@@ -403,31 +403,17 @@ def _run(args: argparse.Namespace) -> int:
     # lm-eval's bootstrap would fork a pool from this Ray driver's threads; single-process gives
     # the same numbers (see service.jobs.manager).
     os.environ.setdefault("DISABLE_MULTIPROC", "1")
-    import importlib
+    from lm_eval.utils import make_table
 
     from actors.errors import RayEvalError
-    from actors.layout import DeviceKind
-    from service.engine.cluster import connect
+    from service.engine.runner import run_evaluation
 
     try:
         config, host = _config_from_args(args)
-        # Start-up overlap: the engine's imports (torch, transformers, lm-eval's evaluator) take
-        # seconds of one core, and so does starting or joining Ray, mostly in other processes.
-        importer = threading.Thread(
-            target=importlib.import_module, args=("service.engine.runner",), daemon=True
-        )
-        importer.start()
-        try:
-            connect(host.address, config.layout(DeviceKind.CPU))
-        finally:
-            importer.join()
-        from service.engine.runner import run_evaluation
-
         output = run_evaluation(config, host)
     except (RayEvalError, ValueError, TypeError, FileNotFoundError) as exc:
         print(f"rayeval run: error: {exc}", file=sys.stderr)
         return 2
-    from lm_eval.utils import make_table
 
     if output is None:
         return 0
