@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -49,18 +49,30 @@ def _add_config_flags(group: argparse._ArgumentGroup) -> None:
 
     for path, flag in RAYEVAL_FLAGS.items():
         info = field_info(path)
-        kind = float if path[0] == "timeouts" else int
         default = info.get_default(call_default_factory=True)
+        kind: Callable[[str], Any] = (
+            _parse_bool if isinstance(default, bool) else float if path[0] == "timeouts" else int
+        )
         group.add_argument(
             flag,
             dest=_dest(path),
             type=kind,
             default=default,
-            metavar="S" if kind is float else "N",
+            metavar={float: "S", int: "N"}.get(kind, "BOOL"),
             help=info.description
             if "default" in info.description
             else f"{info.description.rstrip('.')} (default {default}).",
         )
+
+
+def _parse_bool(text: str) -> bool:
+    """A boolean flag's value: true/false (also 1/0, yes/no)."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _dest(path: Sequence[str]) -> str:

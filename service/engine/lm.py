@@ -43,6 +43,7 @@ from actors.errors import ConfigError, ResultIntegrityError
 from actors.group import WorkerGroup
 from actors.layout import DeviceKind
 from actors.model_loading import resolve_dtype
+from actors.packing import packing_unsupported
 from service.config import (
     DEFAULT_MAX_BATCH_ROWS,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -188,6 +189,7 @@ class RayEvalLM(TemplateLM):
         self.layout = config.layout(pick_device(config.device))
         self.name = host.name or f"rayeval-{uuid.uuid4().hex[:8]}"
         spec = _model_spec(self.pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id)
+        self.share_prefixes = config.share_prefixes and self._packing_supported(model_args)
         logger.info("starting %s on %s (%s)", self.name, self.layout.describe(), self.connection)
         torch_seed = config.seeds[2]
         self._group: WorkerGroup | None = WorkerGroup.create(
@@ -423,6 +425,17 @@ class RayEvalLM(TemplateLM):
         return texts
 
     # ------------------------------------------------------------------------ internals
+    def _packing_supported(self, model_args: dict[str, Any]) -> bool:
+        """Whether the ranks' model scores packed rows exactly (else: one row per input)."""
+        shell = self._encoder.model
+        implementation = model_args.get("attn_implementation") or getattr(
+            shell.config, "_attn_implementation", None
+        )
+        reason = packing_unsupported(shell.config, implementation)
+        if reason is not None:
+            logger.info("shared prefixes are computed once per request (not packed): %s", reason)
+        return reason is None
+
     def _generate_request(
         self, context: str, gen_kwargs: dict[str, Any], eos: str
     ) -> GenerateRequest:
@@ -458,7 +471,9 @@ class RayEvalLM(TemplateLM):
             score_key(context, continuation, self.max_length) for context, continuation in pairs
         ]
         cached, todo = self._cached(keys, phase)
-        plan = plan_score([pairs[i] for i in todo], self.max_length, self._budget)
+        plan = plan_score(
+            [pairs[i] for i in todo], self.max_length, self._budget, self.share_prefixes
+        )
         located = [
             (keys[i], loc.micro_batch, (loc.row, loc.target))
             for i, loc in zip(todo, plan.locations, strict=True)
