@@ -55,7 +55,8 @@ class ScoreRow:
     computed as if its input were a row of its own (see :mod:`actors.packing`).
 
     Args:
-        tokens: Plain: the model input, already truncated: ``(context + continuation)[-(L+1):][:-1]``.
+        tokens: Plain: the model input, already truncated:
+            ``(context + continuation)[-(L+1):][:-1]``.
             Packed: the tree's tokens, every parent before its children.
         targets: Each continuation's tokens. Plain: continuation ``c`` is scored at the last
             ``len(c)`` positions of ``tokens``.

@@ -152,5 +152,7 @@ def write_shaped_tasks(out_dir: Path, seed: int = 0, docs: int = 40) -> Path:
     }
     for name, config in configs.items():
         config = {"task": name, **config, "metadata": {"version": 1.0}}
+        if name in SHAPED_FEWSHOT:
+            config["num_fewshot"] = SHAPED_FEWSHOT[name]
         (out_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return out_dir

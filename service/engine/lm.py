@@ -219,6 +219,25 @@ class RayEvalLM(TemplateLM):
             return []
         return self._group.wait_ready()
 
+    def input_token_counts(self) -> dict[str, int]:
+        """Tokens the ranks' models were fed so far, counted at their input embeddings and
+        summed over ranks (``fed``: padding and dummy micro-batches included; ``real``: not
+        the padding id; ``calls``). For benchmarks: model work measured, not estimated."""
+        import ray
+
+        if self._group is None:
+            raise ConfigError("this RayEvalLM was closed: read its token counts before close()")
+        self._group.wait_ready()
+        refs = [
+            worker.input_token_counts.remote()
+            for replica in self._group.replicas
+            for worker in replica.workers
+        ]
+        totals: Counter[str] = Counter()
+        for counts in ray.get(refs, timeout=self._timeouts.step_s):
+            totals.update(counts)
+        return dict(totals)
+
     def close(self) -> None:
         """Release the actors and the placement group. Safe to call more than once."""
         if self._group is not None:
