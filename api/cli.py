@@ -58,7 +58,7 @@ def _add_config_flags(group: argparse._ArgumentGroup) -> None:
             dest=_dest(path),
             type=kind,
             default=default,
-            metavar={float: "S", int: "N"}.get(kind, "BOOL"),
+            metavar="BOOL" if kind is _parse_bool else "S" if kind is float else "N",
             help=info.description
             if "default" in info.description
             else f"{info.description.rstrip('.')} (default {default}).",

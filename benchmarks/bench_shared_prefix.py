@@ -35,7 +35,6 @@ import platform
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--model", default=None, help="model (default: tiny Llama, 2048 window)")
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help="instead: a randomly initialised Llama of this width with the demo tokenizer "
+        "(compute-bound timings; log-probs still compared with hf)",
+    )
+    parser.add_argument("--layers", type=int, default=4, help="layers of the --hidden model")
     parser.add_argument("--batch_size", type=int, default=16, help="hf rows per batch")
     parser.add_argument("--max_batch_tokens", type=int, default=None)
     parser.add_argument("--hf_threads", type=int, default=None, help="torch threads of hf")
@@ -95,12 +102,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def wide_demo_model(out: Path) -> str:
-    """The bundled tiny Llama with ``max_position_embeddings`` raised to ``WINDOW``."""
+def wide_demo_model(out: Path, hidden: int | None, layers: int) -> str:
+    """The bundled tiny Llama (or a random one ``hidden`` wide) with a ``WINDOW`` window."""
+    import torch
+    import transformers
+
     from service.demo import ensure_demo_assets
 
     model_dir = out / "model"
     shutil.copytree(ensure_demo_assets().model_dir, model_dir)
+    if hidden is not None:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        config.hidden_size, config.intermediate_size = hidden, 4 * hidden
+        config.num_hidden_layers, config.num_attention_heads = layers, max(1, hidden // 64)
+        config.num_key_value_heads = config.num_attention_heads
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     config_path = model_dir / "config.json"
     config = json.loads(config_path.read_text())
     config["max_position_embeddings"] = WINDOW
@@ -145,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-shared-"))
     try:
-        model_dir = args.model or wide_demo_model(work)
+        model_dir = args.model or wide_demo_model(work, args.hidden, args.layers)
         tasks_dir = write_shaped_tasks(work / "tasks", docs=args.docs)
         shapes = list(SHAPED_TASKS)
         task_manager = make_task_manager(shapes, str(tasks_dir))

@@ -117,6 +117,9 @@ def model_input(
 #: this share of its tokens is already there. Packing unrelated sequences saves no model work and
 #: widens the row, and attention over a row grows with the square of its width.
 MIN_SHARED_FRACTION = 0.25
+#: With shared prefixes, a row narrower than this share of its micro-batch's widest row starts a
+#: new micro-batch (real tokens stay at least this share of what the model is fed).
+PACKED_MIN_FILL = 0.75
 
 
 def plan_score(
@@ -156,7 +159,11 @@ def plan_score(
     ordered = sorted(packed, key=lambda p: (-len(p.row.tokens), p.row.tokens))
     micro_batches: list[ScoreMicroBatch] = []
     row_at: dict[tuple[int, ...], tuple[int, int, int]] = {}
-    for chunk in _cut(ordered, budget, width=lambda p: len(p.row.tokens)):
+    # Packed rows differ in width far more than single inputs (one holds a question and its
+    # choices, another the questions behind shared few-shot examples): cut before padding
+    # would fill more than a quarter of a micro-batch.
+    fill = PACKED_MIN_FILL if share_prefixes else 0.0
+    for chunk in _cut(ordered, budget, width=lambda p: len(p.row.tokens), min_fill=fill):
         for position, item in enumerate(chunk):
             for tokens, offset in item.offsets.items():
                 row_at[tokens] = (len(micro_batches), position, offset)
@@ -278,12 +285,22 @@ def plan_generate(requests: Sequence[GenerateRequest], budget: TokenBudget) -> G
     return GeneratePlan(micro_batches, locations)
 
 
-def _cut(items: Sequence[Any], budget: TokenBudget, width: Any) -> list[list[Any]]:
-    """Cut length-sorted items (longest first) into chunks whose padded size fits the budget."""
+def _cut(
+    items: Sequence[Any], budget: TokenBudget, width: Any, min_fill: float = 0.0
+) -> list[list[Any]]:
+    """Cut length-sorted items (longest first) into chunks whose padded size fits the budget.
+
+    ``min_fill``: an item narrower than that share of its chunk's width starts a new chunk.
+    """
     chunks: list[list[Any]] = []
     for item in items:
         # The first item of a chunk is its longest, so it sets the padded width.
-        if chunks and budget.fits(len(chunks[-1]) + 1, width(chunks[-1][0])):
+        widest = width(chunks[-1][0]) if chunks else 0
+        if (
+            chunks
+            and budget.fits(len(chunks[-1]) + 1, widest)
+            and width(item) >= min_fill * widest
+        ):
             chunks[-1].append(item)
         else:
             chunks.append([item])
