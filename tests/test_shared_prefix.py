@@ -58,6 +58,15 @@ def test_pack_prefixes_shares_contexts_and_leaves_truncated_inputs_apart() -> No
     assert all(row.parents is None for row in rows)
 
 
+def test_packed_micro_batches_are_cut_before_padding_dominates() -> None:
+    # Two questions whose four choices part after one token pack into rows of 4 + 1 + 4 = 9
+    # tokens; one with one-token choices is a 4-token row: not padded to 9 beside them.
+    requests = [([n] * 4, [n + 1, 40 + c, n + 2]) for n in (10, 20) for c in range(4)]
+    requests += [([30] * 4, [c]) for c in range(4)]
+    plan = plan_score(requests, 64, TokenBudget(max_tokens=1000), share_prefixes=True)
+    assert [[len(r.tokens) for r in mb.rows] for mb in plan.micro_batches] == [[9, 9], [4]]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
 def test_packed_rows_score_like_plain_rows(arch: str, demo: Any, tmp_path: Path) -> None:
     import torch
