@@ -222,3 +222,17 @@ def test_bos_tokenizer_and_chat_template(
     reference, _ = _hf(bos_chat_model, shaped, WIDE, **options)
     ours, _ = _ours(bos_chat_model, shaped, (1, 1), WIDE, **options)
     assert_same_results(reference, ours)
+
+
+@pytest.mark.parametrize("value", ["false", "true"])
+def test_share_prefixes_flag_reaches_the_config(value: str, demo: Any) -> None:
+    from api.cli import _config_from_args, build_parser
+
+    args = build_parser().parse_args(
+        ["run", "--model", "hf", "--model_args", f"pretrained={demo.model_dir}", "--tasks", "x"]
+        + ["--share_prefixes", value]
+    )
+    config, _ = _config_from_args(args)
+    assert config.share_prefixes is (value == "true")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--share_prefixes", "maybe"])
