@@ -228,9 +228,9 @@ def test_bos_tokenizer_and_chat_template(
 def test_share_prefixes_flag_reaches_the_config(value: str, demo: Any) -> None:
     from api.cli import _config_from_args, build_parser
 
+    model = f"pretrained={demo.model_dir}"
     args = build_parser().parse_args(
-        ["run", "--model", "hf", "--model_args", f"pretrained={demo.model_dir}", "--tasks", "x"]
-        + ["--share_prefixes", value]
+        ["run", "--model", "hf", "--model_args", model, "--tasks", "x", "--share_prefixes", value]
     )
     config, _ = _config_from_args(args)
     assert config.share_prefixes is (value == "true")
