@@ -135,7 +135,7 @@ def plan_score(
         max_length: The model's context window (lm-eval's ``max_length``).
         budget: Micro-batch size limits.
         share_prefixes: Pack inputs that share a prefix into token-tree rows (the ranks'
-            model must support custom attention masks: :func:`actors.packing.supports_packing`).
+            model must take custom attention masks: :func:`actors.packing.packing_unsupported`).
 
     Returns:
         The plan; ``locations[i]`` tells where request ``i``'s (logprob, is_greedy) will be.
