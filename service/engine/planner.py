@@ -296,11 +296,7 @@ def _cut(
     for item in items:
         # The first item of a chunk is its longest, so it sets the padded width.
         widest = width(chunks[-1][0]) if chunks else 0
-        if (
-            chunks
-            and budget.fits(len(chunks[-1]) + 1, widest)
-            and width(item) >= min_fill * widest
-        ):
+        if chunks and budget.fits(len(chunks[-1]) + 1, widest) and width(item) >= min_fill * widest:
             chunks[-1].append(item)
         else:
             chunks.append([item])
