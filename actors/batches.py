@@ -43,19 +43,38 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ScoreRow:
-    """One model input and the continuations scored against its last positions.
+    """One model input and the continuations scored against it.
 
-    Several requests share a row when their inputs are token-identical (for example the
-    one-token answers of a multiple-choice question), so the context is computed once.
+    A *plain* row is one sequence: several requests share it when their inputs are
+    token-identical (for example the one-token answers of a multiple-choice question).
+
+    A *packed* row (``parents`` set) is a token tree: the inputs of several requests that share a
+    prefix (the choices of one question, or questions behind the same few-shot examples), the
+    shared tokens stored once. Token ``i`` sees exactly its ancestors (``parents[i]``,
+    ``parents[parents[i]]``, ...) and sits at position id = its depth, so each request's tokens are
+    computed as if its input were a row of its own (see :mod:`actors.packing`).
 
     Args:
-        tokens: The model input, already truncated: ``(context + continuation)[-(L+1):][:-1]``.
-        targets: Each continuation's tokens; continuation ``c`` is scored at the last
+        tokens: Plain: the model input, already truncated:
+            ``(context + continuation)[-(L+1):][:-1]``.
+            Packed: the tree's tokens, every parent before its children.
+        targets: Each continuation's tokens. Plain: continuation ``c`` is scored at the last
             ``len(c)`` positions of ``tokens``.
+        parents: Packed only: per token, the index of its parent token (-1 for a root).
+        positions: Packed only: per target, the row positions whose logits predict its tokens.
     """
 
     tokens: tuple[int, ...]
     targets: tuple[tuple[int, ...], ...]
+    parents: tuple[int, ...] | None = None
+    positions: tuple[tuple[int, ...], ...] | None = None
+
+    def scored_positions(self) -> tuple[tuple[int, ...], ...]:
+        """Per target, the row positions whose logits predict its tokens."""
+        if self.positions is not None:
+            return self.positions
+        width = len(self.tokens)
+        return tuple(tuple(range(width - len(t), width)) for t in self.targets)
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,13 @@ from actors.batches import (
     ModelSpec,
     ScoreMicroBatch,
     ScoreResult,
+    ScoreRow,
     StepStats,
 )
+from actors.errors import ConfigError
 from actors.layout import DeviceKind, RankCoord
 from actors.model_loading import load_model, release_unsharded
+from actors.packing import packed_inputs
 from actors.placement import cuda_device_index
 from actors.sharding import ShardStrategy
 from actors.tensor_parallel import load_tensor_parallel
@@ -85,6 +88,8 @@ class ShardWorker:
         #: Keyword arguments of every scoring forward, those the model's forward accepts.
         self._score_kwargs: dict[str, Any] = {}
         self._keeps_logits = False
+        #: Tokens fed to the model's input embeddings (see input_token_counts).
+        self._fed = {"fed": 0, "real": 0, "calls": 0}
         self._cuda_index: int | None = None
         self._torch_device = torch.device("cpu")  # chosen once, in setup()
         _return_large_frees_to_os()
@@ -164,6 +169,7 @@ class ShardWorker:
         # token (for a 32-block model more than all other activations of the forward together).
         self._score_kwargs = {"use_cache": False} if "use_cache" in accepted else {}
         self._keeps_logits = "logits_to_keep" in accepted
+        self._model.get_input_embeddings().register_forward_pre_hook(self._count_input)
         self._tokenizer = transformers.AutoTokenizer.from_pretrained(
             self._spec.tokenizer or self._spec.pretrained,
             revision=self._spec.revision,
@@ -190,37 +196,60 @@ class ShardWorker:
     def score(self, batch: ScoreMicroBatch) -> tuple[ScoreResult, StepStats]:
         """Log-likelihood of each target continuation, computed only at continuation positions.
 
-        Mirrors lm-eval's HF backend: right padding, no attention mask, log-softmax then gather,
-        ``is_greedy`` when every continuation token is the argmax.
+        Mirrors lm-eval's HF backend: right padding, log-softmax then gather, ``is_greedy`` when
+        every continuation token is the argmax. Plain rows run as lm-eval runs them (no attention
+        mask); a micro-batch with a packed row (a token tree, :mod:`actors.packing`) runs with a
+        4D attention mask and position ids that give every token exactly its own request's view.
         """
         started = time.monotonic()
         rows = batch.rows or ()
-        sequences = [list(row.tokens) for row in rows] or [[self._spec.pad_token_id]]
-        width = max(len(seq) for seq in sequences)
-        inputs = torch.full((len(sequences), width), self._spec.pad_token_id, dtype=torch.long)
-        for i, seq in enumerate(sequences):
-            inputs[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        # Row i's continuations are scored at its last max-target-length positions: the only
-        # logits computed (a dummy micro-batch computes one, so that collectives line up).
-        spans = [
-            (len(row.tokens) - max(len(t) for t in row.targets), len(row.tokens)) for row in rows
-        ] or [(0, 1)]
-        logits = self._scored_logits(inputs.to(self._torch_device), spans)
+        # A dummy micro-batch scores one padding token, so that collectives line up.
+        model_rows = rows or (ScoreRow((self._spec.pad_token_id,), ()),)
+        width = max(len(row.tokens) for row in model_rows)
+        extra: dict[str, torch.Tensor] = {}
+        if any(row.parents is not None for row in model_rows):
+            inputs, mask, position_ids = packed_inputs(
+                model_rows, self._spec.pad_token_id, self._additive_mask_dtype()
+            )
+            extra = {
+                "attention_mask": mask.to(self._torch_device),
+                "position_ids": position_ids.to(self._torch_device),
+            }
+        else:
+            inputs = torch.full((len(model_rows), width), self._spec.pad_token_id, dtype=torch.long)
+            for i, row in enumerate(model_rows):
+                inputs[i, : len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.long)
+        # The only logits computed: every position a target token is scored at, row by row.
+        wanted = sorted(
+            {(i, p) for i, row in enumerate(rows) for ps in row.scored_positions() for p in ps}
+        ) or [(0, 0)]
+        index = {pick: k for k, pick in enumerate(wanted)}
+        logits = self._scored_logits(inputs.to(self._torch_device), wanted, extra)
         results: ScoreResult = []
-        start = 0
-        for row, (first, end) in zip(rows, spans, strict=False):
+        for i, row in enumerate(rows):
             row_results = []
-            for target in row.targets:
-                selected = logits[start + end - first - len(target) : start + end - first]
-                logprobs = F.log_softmax(selected, dim=-1, dtype=_dtype(self._spec.softmax_dtype))
+            for target, positions in zip(row.targets, row.scored_positions(), strict=True):
+                picks = torch.tensor([index[(i, p)] for p in positions], device=logits.device)
+                logprobs = F.log_softmax(
+                    logits[picks], dim=-1, dtype=_dtype(self._spec.softmax_dtype)
+                )
                 target_ids = torch.tensor(target, dtype=torch.long, device=logprobs.device)
                 is_greedy = bool((logprobs.argmax(dim=-1) == target_ids).all())
                 total = float(logprobs.gather(1, target_ids.unsqueeze(-1)).sum())
                 row_results.append((total, is_greedy))
             results.append(row_results)
-            start += end - first
         real = sum(len(row.tokens) for row in rows)
         return results, self._step_stats(real, len(rows) * width, started)
+
+    def input_token_counts(self) -> dict[str, int]:
+        """Tokens this rank's model was fed since it loaded, counted at its input embeddings.
+
+        Returns:
+            ``fed``: every input position of every forward and ``generate`` step, padding and
+            dummy micro-batches included; ``real``: those whose id is not the padding id;
+            ``calls``: the embedding's calls.
+        """
+        return dict(self._fed)
 
     def generate(self, batch: GenerateMicroBatch) -> tuple[GenerateResult, StepStats]:
         """Greedy or sampled continuations, exactly as lm-eval's HF backend calls ``generate``."""
@@ -277,6 +306,12 @@ class ShardWorker:
             real, padded, time.monotonic() - started, rss_mib=_rss_mib(), device_mib=device_mib
         )
 
+    def _count_input(self, module: Any, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            self._fed["fed"] += args[0].numel()
+            self._fed["real"] += int((args[0] != self._spec.pad_token_id).sum())
+            self._fed["calls"] += 1
+
     def _select_device(self) -> torch.device:
         """This rank's device; for CUDA also makes it the current device of the process."""
         if self._device_kind is DeviceKind.CUDA:
@@ -301,26 +336,31 @@ class ShardWorker:
             device_type=self._torch_device.type, dtype=dtype, enabled=dtype is not None
         )
 
-    def _scored_logits(self, inputs: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        """Logits at positions ``first..end-1`` of each row, for every ``(first, end)`` in
-        ``spans``, concatenated in row order: shape (sum of span lengths, vocabulary).
+    def _scored_logits(
+        self,
+        inputs: torch.Tensor,
+        wanted: list[tuple[int, int]],
+        extra: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """Logits at each ``(row, position)`` of ``wanted``, in that order: shape
+        (len(wanted), vocabulary). ``extra``: more forward arguments (mask, position ids).
 
         The output head runs on those positions only (a forward pre-hook hands it just their
         hidden states), never on every position of every row: logits are batch x positions x
         vocabulary, the largest activation of a forward (DESIGN "Known pitfalls").
         """
         width = inputs.shape[1]
-        keep = width - min(first for first, _ in spans)
-        rows = torch.tensor([i for i, (first, end) in enumerate(spans) for _ in range(first, end)])
-        positions = torch.tensor([p for first, end in spans for p in range(first, end)])
-        wanted = len(positions)
+        keep = width - min(position for _, position in wanted)
+        rows = torch.tensor([row for row, _ in wanted])
+        positions = torch.tensor([position for _, position in wanted])
+        count = len(wanted)
         # The head used to run on every row's last `keep` positions, and BLAS rounds a matmul
         # with fewer rows differently (MKL on x86: 1, 2-3 and 4+ rows per matrix are three
         # kernels). With fewer than _SMALL_GEMM_ROWS kept positions the head still runs on them
         # all (at most 3 per row); from there on on the scored positions only, padded to at
         # least _SMALL_GEMM_ROWS rows. Either way every log-prob is bit-identical to before.
         select = keep >= _SMALL_GEMM_ROWS
-        padding = max(0, _SMALL_GEMM_ROWS - wanted) if select else 0
+        padding = max(0, _SMALL_GEMM_ROWS - count) if select else 0
         rows = torch.cat([rows, rows[:1].expand(padding)]).to(inputs.device)
         positions = torch.cat([positions, positions[:1].expand(padding)]).to(inputs.device)
         head = self._model.get_output_embeddings() if select else None
@@ -338,14 +378,30 @@ class ShardWorker:
         try:
             with torch.no_grad(), self._autocast(), _releasing(self._model):
                 kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
-                logits = self._model(inputs, **self._score_kwargs, **kwargs).logits
+                logits = self._model(inputs, **self._score_kwargs, **kwargs, **extra).logits
         finally:
             if handle is not None:
                 handle.remove()
         if picked:
-            return logits[0, :wanted]
+            return logits[0, :count]
         # A model whose forward does not call its output embeddings module: pick afterwards.
-        return logits[rows[:wanted], positions[:wanted] - (width - logits.shape[1])]
+        return logits[rows[:count], positions[:count] - (width - logits.shape[1])]
+
+    def _additive_mask_dtype(self) -> torch.dtype | None:
+        """How this model takes a custom 4D mask: boolean (sdpa) or added to the scores (eager).
+
+        Raises:
+            ConfigError: an attention implementation that takes no custom mask.
+        """
+        implementation = getattr(self._model.config, "_attn_implementation", None)
+        if implementation == "sdpa":
+            return None
+        if implementation == "eager":
+            return self._model.dtype
+        raise ConfigError(
+            f"packed rows need sdpa or eager attention, this model runs {implementation!r}: "
+            "run with --share_prefixes false, or load it with attn_implementation=sdpa"
+        )
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import enum
 import logging
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -132,23 +132,46 @@ def _add_config_flags(group: argparse._ArgumentGroup) -> None:
         info = field_info(path)
         default = info.get_default(call_default_factory=True)
         choices = None
+        kind: Callable[[str], Any]
         if isinstance(info.annotation, type) and issubclass(info.annotation, enum.Enum):
-            kind: type = str
+            kind = str
             choices = [member.value for member in info.annotation]
             default = default.value
         else:
-            kind = float if path[0] == "timeouts" else int
+            kind = (
+                _parse_bool
+                if isinstance(default, bool)
+                else float
+                if path[0] == "timeouts"
+                else int
+            )
         group.add_argument(
             flag,
             dest=_dest(path),
             type=kind,
             default=default,
             choices=choices,
-            metavar="{" + ",".join(choices) + "}" if choices else "S" if kind is float else "N",
+            metavar="{" + ",".join(choices) + "}"
+            if choices
+            else "BOOL"
+            if kind is _parse_bool
+            else "S"
+            if kind is float
+            else "N",
             help=info.description
             if "default" in info.description
             else f"{info.description.rstrip('.')} (default {default}).",
         )
+
+
+def _parse_bool(text: str) -> bool:
+    """A boolean flag's value: true/false (also 1/0, yes/no)."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def _dest(path: Sequence[str]) -> str:

@@ -210,6 +210,13 @@ class EngineConfig(_Frozen):
         description=f"Padded tokens per micro-batch with batch_size auto "
         f"(default {DEFAULT_MAX_BATCH_TOKENS}).",
     )
+    share_prefixes: bool = Field(
+        default=True,
+        description="Feed the model the tokens that loglikelihood requests share (a question's "
+        "context before its choices, common few-shot examples) once per micro-batch, with "
+        "results equal to scoring each request alone; false: one row per distinct input, as "
+        "lm-eval. Models that cannot take a custom attention mask always use one row per input.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="What a rank holds; auto: GPUs when the cluster has any."
     )
@@ -522,6 +529,7 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("parallelism", "cpus_per_rank"): "--cpus_per_rank",
     ("parallelism", "shard_strategy"): "--shard_strategy",
     ("max_batch_tokens",): "--max_batch_tokens",
+    ("share_prefixes",): "--share_prefixes",
     ("timeouts", "placement_s"): "--placement_timeout",
     ("timeouts", "load_s"): "--load_timeout",
     ("timeouts", "step_s"): "--step_timeout",

@@ -43,6 +43,7 @@ from actors.errors import ConfigError, RayEvalError, ResultIntegrityError
 from actors.group import WorkerGroup
 from actors.layout import DeviceKind
 from actors.model_loading import resolve_dtype
+from actors.packing import packing_unsupported
 from actors.sharding import ShardStrategy, refusal, tp_obstacles
 from service.config import (
     DEFAULT_MAX_BATCH_ROWS,
@@ -214,6 +215,7 @@ class RayEvalLM(TemplateLM):
         self.layout = config.layout(pick_device(config.device))
         self.name = host.name or f"rayeval-{uuid.uuid4().hex[:8]}"
         spec = _model_spec(self.pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id)
+        self.share_prefixes = config.share_prefixes and self._packing_supported(model_args)
         logger.info("starting %s on %s (%s)", self.name, self.layout.describe(), self.connection)
         torch_seed = config.seeds[2]
         self._seed = torch_seed if torch_seed is not None else DEFAULT_SEED[2]
@@ -270,6 +272,25 @@ class RayEvalLM(TemplateLM):
         if self._group is None:
             return []
         return self._group.wait_ready()
+
+    def input_token_counts(self) -> dict[str, int]:
+        """Tokens the ranks' models were fed so far, counted at their input embeddings and
+        summed over ranks (``fed``: padding and dummy micro-batches included; ``real``: not
+        the padding id; ``calls``). For benchmarks: model work measured, not estimated."""
+        import ray
+
+        if self._group is None:
+            raise ConfigError("this RayEvalLM was closed: read its token counts before close()")
+        self._group.wait_ready()
+        refs = [
+            worker.input_token_counts.remote()
+            for replica in self._group.replicas
+            for worker in replica.workers
+        ]
+        totals: Counter[str] = Counter()
+        for counts in ray.get(refs, timeout=self._timeouts.step_s):
+            totals.update(counts)
+        return dict(totals)
 
     @property
     def shard_strategy(self) -> ShardStrategy:
@@ -491,6 +512,17 @@ class RayEvalLM(TemplateLM):
         return texts
 
     # ------------------------------------------------------------------------ internals
+    def _packing_supported(self, model_args: dict[str, Any]) -> bool:
+        """Whether the ranks' model scores packed rows exactly (else: one row per input)."""
+        shell = self._encoder.model
+        implementation = model_args.get("attn_implementation") or getattr(
+            shell.config, "_attn_implementation", None
+        )
+        reason = packing_unsupported(shell.config, implementation)
+        if reason is not None:
+            logger.info("shared prefixes are computed once per request (not packed): %s", reason)
+        return reason is None
+
     def _generate_request(
         self, context: str, gen_kwargs: dict[str, Any], eos: str
     ) -> GenerateRequest:
@@ -526,7 +558,9 @@ class RayEvalLM(TemplateLM):
             score_key(context, continuation, self.max_length) for context, continuation in pairs
         ]
         cached, todo = self._cached(keys, phase)
-        plan = plan_score([pairs[i] for i in todo], self.max_length, self._budget)
+        plan = plan_score(
+            [pairs[i] for i in todo], self.max_length, self._budget, self.share_prefixes
+        )
         located = [
             (keys[i], loc.micro_batch, (loc.row, loc.target))
             for i, loc in zip(todo, plan.locations, strict=True)

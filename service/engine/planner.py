@@ -7,7 +7,11 @@ layout: the same micro-batch is computed the same way whichever rank gets it.
 
 Score requests whose model inputs are token-identical (the one-token answers of a multiple-choice
 question share ``context + continuation[:-1]``) become one row with several targets, so that
-context is computed once.
+context is computed once. With ``share_prefixes``, inputs that share a prefix (the multi-token
+choices of one question, questions behind the same few-shot examples) are packed into one token
+tree per row, the shared tokens fed to the model once (:func:`pack_prefixes`). Each request's
+input is still exactly lm-eval's (left truncation included), so where truncation cuts into a
+shared context the inputs simply stop sharing and go their own way.
 """
 
 from __future__ import annotations
@@ -109,8 +113,20 @@ def model_input(
     return tuple((list(context) + list(continuation))[-(max_length + 1) :][:-1])
 
 
+#: A sequence joins the packed row of the sequences before it (in sorted order) only when at least
+#: this share of its tokens is already there. Packing unrelated sequences saves no model work and
+#: widens the row, and attention over a row grows with the square of its width.
+MIN_SHARED_FRACTION = 0.25
+#: With shared prefixes, a row narrower than this share of its micro-batch's widest row starts a
+#: new micro-batch (real tokens stay at least this share of what the model is fed).
+PACKED_MIN_FILL = 0.75
+
+
 def plan_score(
-    requests: Sequence[tuple[Sequence[int], Sequence[int]]], max_length: int, budget: TokenBudget
+    requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+    max_length: int,
+    budget: TokenBudget,
+    share_prefixes: bool = False,
 ) -> ScorePlan:
     """Group, sort and cut (context, continuation) token pairs into score micro-batches.
 
@@ -118,29 +134,125 @@ def plan_score(
         requests: Token pairs in request order.
         max_length: The model's context window (lm-eval's ``max_length``).
         budget: Micro-batch size limits.
+        share_prefixes: Pack inputs that share a prefix into token-tree rows (the ranks'
+            model must take custom attention masks: :func:`actors.packing.packing_unsupported`).
 
     Returns:
         The plan; ``locations[i]`` tells where request ``i``'s (logprob, is_greedy) will be.
     """
-    rows: dict[tuple[int, ...], dict[tuple[int, ...], int]] = {}
+    inputs: dict[tuple[int, ...], dict[tuple[int, ...], int]] = {}
     request_keys = []
     for context, continuation in requests:
         tokens = model_input(context, continuation, max_length)
-        targets = rows.setdefault(tokens, {})
+        targets = inputs.setdefault(tokens, {})
         target = targets.setdefault(tuple(continuation), len(targets))
         request_keys.append((tokens, target))
 
-    ordered = sorted(rows, key=lambda tokens: (-len(tokens), tokens))
+    if share_prefixes:
+        # The row's width bounds its attention like one of lm-eval's rows (and the budget's).
+        packed = pack_prefixes(inputs, max_width=min(max_length, budget.max_tokens))
+    else:
+        packed = [
+            _Packed(ScoreRow(tokens, tuple(targets)), {tokens: 0})
+            for tokens, targets in inputs.items()
+        ]
+    ordered = sorted(packed, key=lambda p: (-len(p.row.tokens), p.row.tokens))
     micro_batches: list[ScoreMicroBatch] = []
-    row_at: dict[tuple[int, ...], tuple[int, int]] = {}
-    for chunk in _cut(ordered, budget, width=len):
-        for position, tokens in enumerate(chunk):
-            row_at[tokens] = (len(micro_batches), position)
-        micro_batches.append(
-            ScoreMicroBatch(rows=tuple(ScoreRow(tokens, tuple(rows[tokens])) for tokens in chunk))
-        )
-    locations = [ScoreLocation(*row_at[tokens], target) for tokens, target in request_keys]
+    row_at: dict[tuple[int, ...], tuple[int, int, int]] = {}
+    # Packed rows differ in width far more than single inputs (one holds a question and its
+    # choices, another the questions behind shared few-shot examples): cut before padding
+    # would fill more than a quarter of a micro-batch.
+    fill = PACKED_MIN_FILL if share_prefixes else 0.0
+    for chunk in _cut(ordered, budget, width=lambda p: len(p.row.tokens), min_fill=fill):
+        for position, item in enumerate(chunk):
+            for tokens, offset in item.offsets.items():
+                row_at[tokens] = (len(micro_batches), position, offset)
+        micro_batches.append(ScoreMicroBatch(rows=tuple(item.row for item in chunk)))
+    locations = []
+    for tokens, target in request_keys:
+        micro_batch, row, offset = row_at[tokens]
+        locations.append(ScoreLocation(micro_batch, row, offset + target))
     return ScorePlan(micro_batches, locations)
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """One row, and where each input's targets start among the row's targets."""
+
+    row: ScoreRow
+    offsets: dict[tuple[int, ...], int]
+
+
+def pack_prefixes(
+    inputs: dict[tuple[int, ...], dict[tuple[int, ...], int]], max_width: int
+) -> list[_Packed]:
+    """Pack model inputs that share prefixes into token-tree rows of at most ``max_width`` tokens.
+
+    Inputs are sorted, so each one shares its longest prefix with the one before it; it joins that
+    one's row when the row stays within ``max_width`` and at least ``MIN_SHARED_FRACTION`` of it
+    is shared, adding only its tokens past the shared prefix. A row holding one input is a plain
+    row, exactly as without sharing.
+
+    Args:
+        inputs: Per distinct model input, its targets (continuation -> index).
+        max_width: Most tokens in one packed row (an input longer than that gets a row alone).
+
+    Returns:
+        The rows, each with the offset of every input's first target among the row's targets.
+    """
+    groups: list[list[tuple[int, ...]]] = []
+    width = 0
+    previous: tuple[int, ...] = ()
+    for tokens in sorted(inputs):
+        shared = _common_prefix(previous, tokens) if groups else 0
+        added = len(tokens) - shared
+        if groups and shared >= MIN_SHARED_FRACTION * len(tokens) and width + added <= max_width:
+            groups[-1].append(tokens)
+            width += added
+        else:
+            groups.append([tokens])
+            width = len(tokens)
+        previous = tokens
+    return [_pack(group, inputs) for group in groups]
+
+
+def _pack(
+    group: list[tuple[int, ...]], inputs: dict[tuple[int, ...], dict[tuple[int, ...], int]]
+) -> _Packed:
+    """One row from sorted inputs: a plain row for one input, else their token tree."""
+    if len(group) == 1:
+        (tokens,) = group
+        return _Packed(ScoreRow(tokens, tuple(inputs[tokens])), {tokens: 0})
+    row_tokens: list[int] = []
+    parents: list[int] = []
+    targets: list[tuple[int, ...]] = []
+    positions: list[tuple[int, ...]] = []
+    offsets: dict[tuple[int, ...], int] = {}
+    path: list[int] = []  # row index of each token of the previous input
+    previous: tuple[int, ...] = ()
+    for tokens in group:
+        path = path[: _common_prefix(previous, tokens)]
+        for token in tokens[len(path) :]:
+            parents.append(path[-1] if path else -1)
+            path.append(len(row_tokens))
+            row_tokens.append(token)
+        offsets[tokens] = len(targets)
+        for target in inputs[tokens]:
+            targets.append(target)
+            positions.append(tuple(path[len(tokens) - len(target) :]))
+        previous = tokens
+    return _Packed(
+        ScoreRow(tuple(row_tokens), tuple(targets), tuple(parents), tuple(positions)), offsets
+    )
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def plan_generate(requests: Sequence[GenerateRequest], budget: TokenBudget) -> GeneratePlan:
@@ -173,12 +285,18 @@ def plan_generate(requests: Sequence[GenerateRequest], budget: TokenBudget) -> G
     return GeneratePlan(micro_batches, locations)
 
 
-def _cut(items: Sequence[Any], budget: TokenBudget, width: Any) -> list[list[Any]]:
-    """Cut length-sorted items (longest first) into chunks whose padded size fits the budget."""
+def _cut(
+    items: Sequence[Any], budget: TokenBudget, width: Any, min_fill: float = 0.0
+) -> list[list[Any]]:
+    """Cut length-sorted items (longest first) into chunks whose padded size fits the budget.
+
+    ``min_fill``: an item narrower than that share of its chunk's width starts a new chunk.
+    """
     chunks: list[list[Any]] = []
     for item in items:
         # The first item of a chunk is its longest, so it sets the padded width.
-        if chunks and budget.fits(len(chunks[-1]) + 1, width(chunks[-1][0])):
+        widest = width(chunks[-1][0]) if chunks else 0
+        if chunks and budget.fits(len(chunks[-1]) + 1, widest) and width(item) >= min_fill * widest:
             chunks[-1].append(item)
         else:
             chunks.append([item])

@@ -1,0 +1,111 @@
+"""Model inputs for packed score rows: token trees fed once, each token seeing only its ancestors.
+
+A packed :class:`actors.batches.ScoreRow` holds the inputs of several requests that share a
+prefix, the shared tokens once (the planner builds it: ``service.engine.planner.pack_prefixes``).
+Scoring it exactly as lm-eval scores each request on a row of its own takes two things the model
+already accepts:
+
+- a custom 4D attention mask in which token ``i`` attends to itself and its ancestors only (never
+  to a sibling branch: the other choices of the same question), and
+- position ids equal to each token's depth in the tree, i.e. its position in its own request's
+  input, so rotary (Llama, Qwen2) and learned (GPT-2) positions are the ones lm-eval uses.
+
+Then each token's hidden states are those of the same token in the unpacked input; only the order
+of floating-point sums inside attention changes (fp32: far below lm-eval's 1e-4 tolerance).
+
+transformers passes a 4D mask through unchanged (``masking_utils._preprocess_mask_arguments``);
+``sdpa`` takes it as a boolean mask, ``eager`` adds it to the scores, so it gets 0 / -inf-like
+floats. Other attention implementations (flash attention: no arbitrary masks) and models whose
+masks are not plain causal (sliding windows, attention sinks, ALiBi) are not packed: the driver
+asks :func:`packing_unsupported` before it plans, and those models use plain rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from actors.batches import ScoreRow
+
+#: Model types whose attention is plain causal attention over position ids, built by
+#: transformers' ``create_causal_mask`` (which passes a custom 4D mask through unchanged).
+PACKABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
+#: Attention implementations that apply an arbitrary 4D mask.
+PACKABLE_ATTENTION = frozenset({"sdpa", "eager"})
+
+
+def packing_unsupported(config: Any, attn_implementation: str | None) -> str | None:
+    """Why packed rows cannot be scored exactly with this model, or None when they can.
+
+    Args:
+        config: The model's ``transformers`` config.
+        attn_implementation: The attention implementation the ranks load the model with.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in PACKABLE_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {sorted(PACKABLE_MODEL_TYPES)}"
+    if attn_implementation not in PACKABLE_ATTENTION:
+        return f"attention implementation {attn_implementation!r} takes no custom 4D mask"
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        return "the model has sliding-window or other non-causal attention layers"
+    if model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return "the model uses sliding-window attention"
+    return None
+
+
+def packed_inputs(
+    rows: Sequence[ScoreRow], pad_token_id: int, additive_mask_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, a 4D attention mask and position ids for rows of any kind.
+
+    Args:
+        rows: Plain and packed rows of one micro-batch.
+        pad_token_id: Token id of the padding.
+        additive_mask_dtype: None for a boolean mask (True: attend; ``sdpa``); a float dtype for
+            an additive mask (0 or that dtype's minimum; ``eager``).
+
+    Returns:
+        ``input_ids`` (B, W), ``attention_mask`` (B, 1, W, W), ``position_ids`` (B, W). A padding
+        position attends to itself only, so no softmax row is empty; nothing reads its output.
+    """
+    width = max(len(row.tokens) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    allowed = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)
+    for i, row in enumerate(rows):
+        n = len(row.tokens)
+        input_ids[i, :n] = torch.tensor(row.tokens, dtype=torch.long)
+        if row.parents is None:
+            position_ids[i, :n] = torch.arange(n)
+            allowed[i, :n, :n] = torch.ones((n, n), dtype=torch.bool).tril()
+        else:
+            depth, ancestors = _tree(row.parents)
+            position_ids[i, :n] = depth
+            allowed[i, :n, :n] = ancestors
+    mask = allowed.unsqueeze(1)
+    if additive_mask_dtype is not None:
+        blocked = torch.finfo(additive_mask_dtype).min
+        mask = torch.zeros(mask.shape, dtype=additive_mask_dtype).masked_fill(~mask, blocked)
+    return input_ids, mask, position_ids
+
+
+def _tree(parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's depth, and which tokens it sees (itself and its ancestors), from parents.
+
+    Raises:
+        ValueError: a parent that does not come before its child (not a tree in row order).
+    """
+    n = len(parents)
+    depth = torch.zeros(n, dtype=torch.long)
+    ancestors = torch.zeros((n, n), dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= i:
+            raise ValueError(f"token {i}'s parent {parent} does not come before it")
+        if parent >= 0:
+            ancestors[i] = ancestors[parent]
+            depth[i] = depth[parent] + 1
+        ancestors[i, i] = True
+    return depth, ancestors

@@ -1,0 +1,268 @@
+"""Model work per task shape: tokens fed to the model and LM time, lm-eval hf vs rayeval, one run.
+
+Each task shape of :mod:`service.demo.shaped` (hellaswag-, 10-shot ARC-, 5-shot MMLU-,
+wikitext- and generation-shaped) is evaluated on its own, by lm-eval's own ``hf`` backend
+(``batch_size`` 16, as ``lm_eval --model hf --batch_size 16``) and by rayeval (``batch_size
+auto``, shared prefixes on; ``--no_share`` for off) in each layout asked for, one after the other
+in this process. Per shape and backend it prints:
+
+* ``fed`` -- tokens at the model's input, counted by a forward pre-hook on the input embeddings
+  (every call: every forward, every ``generate`` step, padding and rayeval's dummy micro-batches
+  included; for rayeval summed over every rank, read from the ranks after each shape);
+* ``real`` -- those tokens that are not padding. rayeval pads with the tokenizer's pad id;
+  lm-eval pads score rows on the right with id 0 and generation rows on the left with the pad id.
+  The demo tokenizer never produces either id from text, so ``real`` = positions whose id is not
+  the pad id, minus each lm-eval score row's trailing zeros;
+* ``LM s`` -- seconds inside the LM's request methods for that shape (tokenisation, batching,
+  dispatch, compute), as bench_engine.py times them;
+* the ratios rayeval / hf for ``fed`` and hf / rayeval for ``LM s``; and whether every sample
+  agrees with hf (|dlogprob| <= 1e-4, same ``is_greedy`` and generations).
+
+The ``mix`` line sums every shape. The default model is the bundled tiny Llama with its window
+raised to 2048 positions (rotary positions: the weights are unchanged), so that few-shot prompts
+fit as they do on real models. Usage::
+
+    .venv/bin/python benchmarks/bench_shared_prefix.py --hf_threads 1
+    .venv/bin/python benchmarks/bench_shared_prefix.py --device cuda --model /path/to/model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+for path in (REPO_ROOT, Path(__file__).resolve().parent):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from bench_engine import (  # noqa: E402
+    LOGPROB_TOL,
+    PhaseTimer,
+    _parse_layout,
+    _table,
+    compare,
+    make_task_manager,
+    set_environment,
+)
+
+WINDOW = 2048
+
+
+class HfTokenCounter:
+    """Counts what lm-eval's hf model is fed, at its input embeddings."""
+
+    def __init__(self, model: Any, pad_token_id: int) -> None:
+        self.fed = 0
+        self.real = 0
+        self._pad = pad_token_id
+        model.get_input_embeddings().register_forward_pre_hook(self._count)
+
+    def _count(self, _module: Any, args: tuple[Any, ...]) -> None:
+        ids = args[0]
+        self.fed += ids.numel()
+        for row in ids.tolist():
+            while row and row[-1] == 0:  # lm-eval's right padding of score rows
+                row.pop()
+            self.real += sum(1 for token in row if token != self._pad)
+
+    def snapshot(self) -> dict[str, int]:
+        return {"fed": self.fed, "real": self.real}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layouts", default="1x1", help="rayeval layouts RxG (default 1x1)")
+    parser.add_argument("--docs", type=int, default=40, help="documents per shape (default 40)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", default=None, help="model (default: tiny Llama, 2048 window)")
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help="instead: a randomly initialised Llama of this width with the demo tokenizer "
+        "(compute-bound timings; log-probs still compared with hf)",
+    )
+    parser.add_argument("--layers", type=int, default=4, help="layers of the --hidden model")
+    parser.add_argument("--batch_size", type=int, default=16, help="hf rows per batch")
+    parser.add_argument("--max_batch_tokens", type=int, default=None)
+    parser.add_argument("--hf_threads", type=int, default=None, help="torch threads of hf")
+    parser.add_argument("--no_share", action="store_true", help="rayeval without sharing")
+    parser.add_argument("--json", dest="json_out", default=None, metavar="OUT")
+    args = parser.parse_args(argv)
+    args.layouts = [_parse_layout(item) for item in args.layouts.split(",") if item.strip()]
+    return args
+
+
+def wide_demo_model(out: Path, hidden: int | None, layers: int) -> str:
+    """The bundled tiny Llama (or a random one ``hidden`` wide) with a ``WINDOW`` window."""
+    import torch
+    import transformers
+
+    from service.demo import ensure_demo_assets
+
+    model_dir = out / "model"
+    shutil.copytree(ensure_demo_assets().model_dir, model_dir)
+    if hidden is not None:
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        config.hidden_size, config.intermediate_size = hidden, 4 * hidden
+        config.num_hidden_layers, config.num_attention_heads = layers, max(1, hidden // 64)
+        config.num_key_value_heads = config.num_attention_heads
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = WINDOW
+    config_path.write_text(json.dumps(config, indent=2))
+    return str(model_dir)
+
+
+def run_shapes(
+    lm: Any, counts: Any, shapes: list[str], task_manager: Any
+) -> dict[str, dict[str, Any]]:
+    """Evaluate each shape alone; per shape: results, token counts and LM seconds."""
+    import lm_eval
+
+    timer = PhaseTimer(lm)
+    figures = {}
+    for shape in shapes:
+        before = dict(counts())
+        seconds = sum(p.seconds for p in timer.phases.values())
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=[shape], task_manager=task_manager, log_samples=True, bootstrap_iters=0
+        )
+        after = counts()
+        figures[shape] = {
+            "results": results,
+            "fed": after["fed"] - before.get("fed", 0),
+            "real": after["real"] - before.get("real", 0),
+            "lm_s": sum(p.seconds for p in timer.phases.values()) - seconds,
+        }
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_environment(local_ray=not os.environ.get("RAY_ADDRESS"))
+    import lm_eval
+    import ray
+    import torch
+    from lm_eval.api.registry import get_model
+
+    from service.demo.shaped import SHAPED_TASKS, write_shaped_tasks
+    from service.engine.lm import RayEvalLM
+
+    work = Path(tempfile.mkdtemp(prefix="bench-shared-"))
+    try:
+        model_dir = args.model or wide_demo_model(work, args.hidden, args.layers)
+        tasks_dir = write_shaped_tasks(work / "tasks", docs=args.docs)
+        shapes = list(SHAPED_TASKS)
+        task_manager = make_task_manager(shapes, str(tasks_dir))
+        from lm_eval.tasks import get_task_dict
+
+        get_task_dict(shapes, task_manager)  # datasets prepared before any row
+        if args.hf_threads:
+            torch.set_num_threads(args.hf_threads)
+
+        rows: dict[str, dict[str, dict[str, Any]]] = {}
+        hf = get_model("hf").create_from_arg_obj(
+            {"pretrained": model_dir, "dtype": args.dtype},
+            {"batch_size": args.batch_size, "max_batch_size": None, "device": args.device},
+        )
+        counter = HfTokenCounter(hf.model, hf.tokenizer.pad_token_id)
+        print("running lm-eval hf ...", file=sys.stderr, flush=True)
+        rows["lm-eval hf"] = run_shapes(hf, counter.snapshot, shapes, task_manager)
+        del hf
+
+        largest = max(r * g for r, g in args.layouts)
+        ray.init(num_cpus=max(os.cpu_count() or 1, largest), log_to_driver=False)
+        try:
+            for replicas, shards in args.layouts:
+                name = f"rayeval {replicas}x{shards}"
+                print(f"running {name} ...", file=sys.stderr, flush=True)
+                with RayEvalLM(
+                    pretrained=model_dir,
+                    num_replicas=replicas,
+                    shard_size=shards,
+                    batch_size="auto",
+                    max_batch_tokens=args.max_batch_tokens,
+                    device=args.device,
+                    dtype=args.dtype,
+                    share_prefixes=not args.no_share,
+                ) as lm:
+                    lm.load_reports  # noqa: B018 -- loading stays out of every shape's time
+                    rows[name] = run_shapes(lm, lm.input_token_counts, shapes, task_manager)
+        finally:
+            ray.shutdown()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    return report(args, rows, shapes, model_dir, lm_eval.__version__, torch.__version__)
+
+
+def report(
+    args: argparse.Namespace,
+    rows: dict[str, dict[str, dict[str, Any]]],
+    shapes: list[str],
+    model_dir: str,
+    lm_eval_version: str,
+    torch_version: str,
+) -> int:
+    hf = rows["lm-eval hf"]
+    print(f"\nmodel {model_dir} ({args.dtype}, {args.device}); {args.docs} docs per shape")
+    print(
+        f"machine: {os.cpu_count()} CPU cores, {platform.platform()}; hf torch threads "
+        f"{args.hf_threads or 'default'}; torch {torch_version}, lm-eval {lm_eval_version}"
+    )
+    print("load average: {:.1f} {:.1f} {:.1f}\n".format(*os.getloadavg()))
+    table = []
+    failed = []
+    summary: dict[str, Any] = {}
+    for name, figures in rows.items():
+        totals = {"fed": 0, "real": 0, "lm_s": 0.0}
+        hf_totals = {"fed": 0, "real": 0, "lm_s": 0.0}
+        for shape in [*shapes, "mix"]:
+            if shape == "mix":
+                mine, base, agree = totals, hf_totals, ""
+            else:
+                mine, base = figures[shape], hf[shape]
+                for key in totals:
+                    totals[key] += mine[key]
+                    hf_totals[key] += base[key]
+                agree = ""
+                if name != "lm-eval hf":
+                    agreement = compare(base["results"], mine["results"])
+                    agree = "yes" if agreement.ok(LOGPROB_TOL) else "NO"
+                    if agree == "NO":
+                        failed.append(f"{name}/{shape}")
+            table.append([
+                shape, name, f"{mine['fed']:,}", f"{mine['real']:,}",
+                f"{mine['fed'] / base['fed']:.2f}x" if base["fed"] else "n/a",
+                f"{mine['lm_s']:.2f}",
+                f"{base['lm_s'] / mine['lm_s']:.2f}x" if mine["lm_s"] else "n/a",
+                agree,
+            ])  # fmt: skip
+            summary.setdefault(name, {})[shape] = {
+                k: v for k, v in mine.items() if k in ("fed", "real", "lm_s")
+            }
+    table.sort(key=lambda r: ([*shapes, "mix"].index(r[0]), r[1] != "lm-eval hf"))
+    print(_table(
+        ["shape", "row", "fed", "real", "fed vs hf", "LM s", "LM vs hf", "agrees"], table
+    ))  # fmt: skip
+    verdict = f"DIFFER from hf: {', '.join(failed)}" if failed else "every shape agrees with hf"
+    print(f"\n{verdict}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"rows": summary, "verdict": verdict}, indent=2))
+    return 1 if failed and args.dtype == "float32" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
