@@ -7,7 +7,10 @@ so every evaluation computes), then:
 2. runs it again while 100 closed-loop pollers (each sends its next request as soon as the last
    one is answered) and 20 event-stream clients hit the server, and reports the pollers' latency
    percentiles, their request rate, and the evaluation's duration against (1);
-3. the same with pollers that poll every second (what a dashboard does).
+3. the same with pollers that poll every second (what a dashboard does), each starting at a
+   random phase within the second;
+4. the same with all pollers started together: they stay in lockstep and hit the server as one
+   burst of 100 requests every second (the worst case for the tail).
 
 Usage: ``python benchmarks/bench_status.py [--pollers 100] [--streams 20] [--json out.json]``.
 The load generator runs on the same machine as the server and the ranks (this is what a user on
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -61,9 +65,13 @@ def main() -> int:
             alone = _run(base, body)
             print(f"evaluation alone: {alone['duration_s']:.1f}s")
             rows = {"alone": alone}
-            for name, interval in (("closed_loop", 0.0), ("every_1s", 1.0)):
+            for name, interval, spread in (
+                ("closed_loop", 0.0, False),
+                ("every_1s", 1.0, True),
+                ("every_1s_lockstep", 1.0, False),
+            ):
                 loaded = asyncio.run(
-                    _run_under_load(base, body, args.pollers, args.streams, interval)
+                    _run_under_load(base, body, args.pollers, args.streams, interval, spread)
                 )
                 loaded["slowdown"] = loaded["duration_s"] / alone["duration_s"]
                 rows[name] = loaded
@@ -90,7 +98,12 @@ def _duration(state: dict[str, Any]) -> float:
 
 
 async def _run_under_load(
-    base: str, body: dict[str, Any], pollers: int, streams: int, interval_s: float
+    base: str,
+    body: dict[str, Any],
+    pollers: int,
+    streams: int,
+    interval_s: float,
+    spread: bool,
 ) -> dict[str, Any]:
     # aiohttp (a Ray dependency) as the load generator: httpx's async pool costs more CPU per
     # request than the server under test, on the same two cores.
@@ -106,8 +119,9 @@ async def _run_under_load(
         latencies: list[float] = []
         errors = 0
 
-        async def poll() -> None:
+        async def poll(phase_s: float) -> None:
             nonlocal errors
+            await asyncio.sleep(phase_s)
             while not done.is_set():
                 sent = time.perf_counter()
                 try:
@@ -130,7 +144,13 @@ async def _run_under_load(
                         return
 
         started = time.perf_counter()
-        tasks = [asyncio.create_task(poll()) for _ in range(pollers)]
+        # With ``spread``, pollers start at random phases of the interval, as independent
+        # dashboards do; started together they stay in lockstep: one burst per interval.
+        phases = random.Random(0)
+        tasks = [
+            asyncio.create_task(poll(phases.uniform(0, interval_s) if spread else 0.0))
+            for _ in range(pollers)
+        ]
         tasks += [asyncio.create_task(stream()) for _ in range(streams)]
         await asyncio.wait_for(done.wait(), timeout=1800)
         elapsed = time.perf_counter() - started
