@@ -217,6 +217,13 @@ class RayEvalLM(TemplateLM):
             return []
         return self._group.wait_ready()
 
+    def rank_sites(self) -> list[dict[str, Any]]:
+        """Where each rank runs, as the rank actors report it: ``replica``, ``shard_rank``,
+        ``node_id``, ``ip``, ``pid`` (empty once closed)."""
+        if self._group is None:
+            return []
+        return self._group.rank_sites()
+
     def close(self) -> None:
         """Release the actors and the placement group. Safe to call more than once."""
         if self._group is not None:
