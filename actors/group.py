@@ -207,9 +207,13 @@ class WorkerGroup:
         Raises:
             EvaluationTimeoutError: if the ranks do not answer within ``timeout_s``.
         """
-        workers = [(replica.index, s, w) for replica in self.replicas for s, w in enumerate(replica.workers)]
+        workers = [
+            (replica.index, shard_rank, worker)
+            for replica in self.replicas
+            for shard_rank, worker in enumerate(replica.workers)
+        ]
         refs = [worker.node_info.remote() for _, _, worker in workers]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if pending:
             for ref in refs:
                 ray.cancel(ref)

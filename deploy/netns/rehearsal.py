@@ -406,11 +406,15 @@ def _pgid(pid: int) -> int | None:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """Whether a process of the group still runs (a zombie, exited but not yet reaped by its
+    parent, does not count)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    return True
+    return False
 
 
 def stop_groups(pgids: list[int], grace_s: float = STOP_GRACE_S) -> None:
@@ -551,8 +555,11 @@ def _probe(argv: list[str]) -> int:
     if what == "refused":  # a driver without the cluster's token must not get in
         try:
             ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
-        except Exception as exc:  # any refusal will do; the report names its kind
-            print(json.dumps(type(exc).__name__))
+        except Exception as exc:  # refused: by the token check, not by anything else
+            message = f"{type(exc).__name__}: {exc}"
+            if "auth" not in message.lower() and "token" not in message.lower():
+                raise SystemExit(f"connecting failed, but not for the token: {message}") from None
+            print(json.dumps(message[:500]))
             return 0
         ray.shutdown()
         raise SystemExit(f"a driver with a wrong token connected to {address}")
