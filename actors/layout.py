@@ -32,9 +32,10 @@ class PlacementPolicy(StrEnum):
     ``AUTO`` spreads unsharded replicas over nodes and keeps each sharded replica on one node when
     a node can hold it (``actors.placement`` explains why). ``PACK`` fills as few nodes as
     possible, whatever G. ``SPREAD`` puts the ranks on as many nodes as possible (best effort, as
-    Ray's ``SPREAD``): with G > 1 a replica's ranks then sit on different nodes and its
-    all-gathers cross the network. That is slower, and it is what to ask for to rehearse, or to
-    test, a replica that spans nodes.
+    Ray's ``SPREAD``): with G > 1 and a free node per rank, a replica's ranks sit on different
+    nodes and its all-gathers cross the network (a node that gets G ranks still holds a whole
+    replica). That is slower, and it is what to ask for to rehearse, or to test, a replica that
+    spans nodes.
     """
 
     AUTO = "auto"
