@@ -225,7 +225,13 @@ def helper(cluster: Cluster, ns: str, env: dict[str, str], *args: str, timeout_s
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s + 30)
     if done.returncode != 0:
         raise RehearsalError(f"{args[0]} failed: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    if args[0] == "refused":  # Ray's client logs why the GCS turned it away, on stderr
+        why = [line for line in done.stderr.splitlines() if "Unauthenticated" in line]
+        if not why and "token" not in answer.lower():
+            raise RehearsalError(f"a driver was refused, but not for its token: {answer}")
+        answer = why[-1].split("] ", 1)[-1] if why else answer
+    return answer
 
 
 def wait_running(process: subprocess.Popen[bytes], log: Path, probe: Any) -> Any:
@@ -490,10 +496,17 @@ def rehearse(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
         timeout_s=NODE_TIMEOUT_S))  # fmt: skip
     worker = start_node(cluster, "worker", ray_start(cluster, False, args.num_cpus), env,
                         cluster.worker_ns)  # fmt: skip
-    nodes = wait_running(worker, cluster.work_dir / "worker.log", lambda: helper(
-        cluster, cluster.head_ns, env, "nodes", cluster.address,
-        f"{cluster.head_ip},{cluster.worker_ip}", str(NODE_TIMEOUT_S),
-        timeout_s=NODE_TIMEOUT_S))  # fmt: skip
+    try:
+        nodes = wait_running(worker, cluster.work_dir / "worker.log", lambda: helper(
+            cluster, cluster.head_ns, env, "nodes", cluster.address,
+            f"{cluster.head_ip},{cluster.worker_ip}", str(NODE_TIMEOUT_S),
+            timeout_s=NODE_TIMEOUT_S))  # fmt: skip
+    except RehearsalError as exc:
+        tails = "\n".join(
+            f"--- {log}:\n" + log.read_text(errors="replace")[-2000:]
+            for log in (cluster.work_dir / "head.log", cluster.work_dir / "worker.log")
+        )
+        raise RehearsalError(f"{exc}\n{tails}") from None
     timings["cluster_up_s"] = round(time.monotonic() - started, 1)
     logger.info("cluster up: %s", nodes)
     refused = None
@@ -555,11 +568,8 @@ def _probe(argv: list[str]) -> int:
     if what == "refused":  # a driver without the cluster's token must not get in
         try:
             ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
-        except Exception as exc:  # refused: by the token check, not by anything else
-            message = f"{type(exc).__name__}: {exc}"
-            if "auth" not in message.lower() and "token" not in message.lower():
-                raise SystemExit(f"connecting failed, but not for the token: {message}") from None
-            print(json.dumps(message[:500]))
+        except Exception as exc:  # refused; the caller checks that the token was the reason
+            print(json.dumps(f"{type(exc).__name__}: {exc}"[:500]))
             return 0
         ray.shutdown()
         raise SystemExit(f"a driver with a wrong token connected to {address}")
