@@ -233,12 +233,15 @@ class WorkerGroup:
         """
         if self.load_reports or not self._setup_refs:
             return self.load_reports
-        remaining = max(0.0, self._deadline - time.monotonic())
-        ready, pending = ray.wait(
-            self._setup_refs, num_returns=len(self._setup_refs), timeout=remaining
-        )
-        for ref in ready:  # surface a real load error before a timeout
-            _get_or_raise(ref, ModelLoadError, "loading the model")
+        # One rank at a time, so that a rank that fails (say, it cannot reach its replica's
+        # other nodes) is reported at once, not after the others time out waiting for it.
+        pending = list(self._setup_refs)
+        while pending:
+            remaining = max(0.0, self._deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                break
+            _get_or_raise(ready[0], ModelLoadError, "loading the model")
         if pending:
             raise EvaluationTimeoutError(
                 f"{len(pending)} of {len(self._setup_refs)} ranks did not finish loading the model "
@@ -246,7 +249,7 @@ class WorkerGroup:
                 "or check the Ray dashboard / worker logs for a stuck rank."
             )
         self.load_reports = [
-            _get_or_raise(ref, ModelLoadError, "loading the model") for ref in ready
+            _get_or_raise(ref, ModelLoadError, "loading the model") for ref in self._setup_refs
         ]
         return self.load_reports
 
@@ -263,6 +266,44 @@ class WorkerGroup:
             raise RayEvalError(f"{len(pending)} kept ranks did not answer within {timeout_s:g}s")
         for ref in ready:
             _get_or_raise(ref, RayEvalError, "starting an evaluation")
+
+    def rank_sites(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Where every rank runs, as each rank actor reports it (not as it was planned).
+
+        Returns:
+            Per global rank: ``replica``, ``shard_rank``, ``node_id``, ``ip`` (its Ray node's
+            address) and ``pid``.
+
+        Raises:
+            EvaluationTimeoutError: if the ranks do not answer within ``timeout_s``.
+        """
+        workers = [
+            (replica.index, shard_rank, worker)
+            for replica in self.replicas
+            for shard_rank, worker in enumerate(replica.workers)
+        ]
+        refs = [worker.node_info.remote() for _, _, worker in workers]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            for ref in refs:
+                ray.cancel(ref)
+            raise EvaluationTimeoutError(
+                f"{len(pending)} of {len(refs)} ranks did not say where they run within "
+                f"{timeout_s:g}s: check the Ray dashboard / worker logs for a stuck rank."
+            )
+        sites = []
+        for (replica, shard_rank, _), ref in zip(workers, refs, strict=True):
+            info = _get_or_raise(ref, RayEvalError, "reporting where it runs")
+            sites.append(
+                {
+                    "replica": replica,
+                    "shard_rank": shard_rank,
+                    "node_id": info["node_id"],
+                    "ip": info["ip"],
+                    "pid": info["pid"],
+                }
+            )
+        return sites
 
     def shutdown(self) -> None:
         """Kill every actor and remove the placement group. Safe to call more than once."""

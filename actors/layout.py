@@ -26,6 +26,23 @@ class DeviceKind(StrEnum):
         return "nccl" if self is DeviceKind.CUDA else "gloo"
 
 
+class PlacementPolicy(StrEnum):
+    """How the ranks of a layout are placed on the cluster's nodes.
+
+    ``AUTO`` spreads unsharded replicas over nodes and keeps each sharded replica on one node when
+    a node can hold it (``actors.placement`` explains why). ``PACK`` fills as few nodes as
+    possible, whatever G. ``SPREAD`` puts the ranks on as many nodes as possible (best effort, as
+    Ray's ``SPREAD``): with G > 1 and a free node per rank, a replica's ranks sit on different
+    nodes and its all-gathers cross the network (a node that gets G ranks still holds a whole
+    replica). That is slower, and it is what to ask for to rehearse, or to test, a replica that
+    spans nodes.
+    """
+
+    AUTO = "auto"
+    PACK = "pack"
+    SPREAD = "spread"
+
+
 @dataclass(frozen=True)
 class RankCoord:
     """Where one rank sits: its replica, its rank inside that replica's group, and globally."""
@@ -44,6 +61,7 @@ class ParallelLayout:
         shard_size: Ranks per replica; the model is sharded over them with FSDP2 (G=1: plain).
         device: What each rank holds.
         cpus_per_rank: CPU slots reserved per rank (the only resource of a CPU rank).
+        placement: How the ranks are placed on nodes.
 
     Raises:
         LayoutError: if any number is out of range (all problems are reported at once).
@@ -53,6 +71,7 @@ class ParallelLayout:
     shard_size: int = 1
     device: DeviceKind = DeviceKind.CPU
     cpus_per_rank: int = 1
+    placement: PlacementPolicy = PlacementPolicy.AUTO
 
     def __post_init__(self) -> None:
         problems = [
@@ -64,9 +83,15 @@ class ParallelLayout:
             )
             if not isinstance(value, int) or isinstance(value, bool) or value < 1
         ]
+        if self.placement not in {policy.value for policy in PlacementPolicy}:
+            problems.append(
+                f"placement must be one of {', '.join(p.value for p in PlacementPolicy)}, "
+                f"got {self.placement!r}"
+            )
         if problems:
             raise LayoutError("invalid layout: " + "; ".join(problems))
         object.__setattr__(self, "device", DeviceKind(self.device))
+        object.__setattr__(self, "placement", PlacementPolicy(self.placement))
 
     @property
     def world(self) -> int:
@@ -79,8 +104,9 @@ class ParallelLayout:
         return self.shard_size > 1
 
     def describe(self) -> str:
-        """A short human form, e.g. ``2x2 (4 cpu ranks)``."""
-        return f"{self.num_replicas}x{self.shard_size} ({self.world} {self.device} ranks)"
+        """A short human form, e.g. ``2x2 (4 cpu ranks)``, or ``1x2 (2 cpu ranks, spread)``."""
+        placed = "" if self.placement is PlacementPolicy.AUTO else f", {self.placement}"
+        return f"{self.num_replicas}x{self.shard_size} ({self.world} {self.device} ranks{placed})"
 
     def coords(self) -> list[RankCoord]:
         """Every rank in global order: replica-major, then shard rank."""

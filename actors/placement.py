@@ -7,7 +7,7 @@ and ranks are ordered by node, then device. Only then are the rank actors create
 name (``<evaluation>-r<replica>-s<shard>``) always tells where it sits. :class:`ParallelLayout`
 still owns the rank arithmetic; this module only maps its ranks onto bundles.
 
-Why a strategy per shard size (:func:`choose_strategy`):
+Why a strategy per shard size (:func:`choose_strategy`, placement policy ``auto``):
 
 * G = 1: ``SPREAD``. Each replica is one rank, so spreading bundles spreads replicas over nodes:
   more host CPU, memory and PCIe bandwidth per replica, and a lost node takes fewer replicas with
@@ -21,6 +21,11 @@ Why a strategy per shard size (:func:`choose_strategy`):
   resources are shared), and spread over nodes only when a node cannot hold more. Ray places
   around whatever else holds parts of the nodes at that moment, so a busy cluster can still split
   a replica that one node could hold; :func:`reserve` then logs a warning (same results, slower).
+
+That is the ``auto`` placement policy. A layout may ask for ``pack`` or ``spread`` instead
+(:class:`actors.layout.PlacementPolicy`, ``--placement``): ``spread`` with G > 1 puts a replica's
+ranks on different nodes, which a test or a rehearsal of a multi-node replica needs
+(``deploy/netns``); the rank assignment below is the same for every policy.
 
 GPU ranks: a bundle reserves one specific GPU of its node, so a short probe task in each bundle
 reads that GPU's id before any rank actor starts; this orders ranks by device. Inside an actor,
@@ -45,7 +50,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.errors import LayoutError, ResourcesUnavailableError
-from actors.layout import DeviceKind, ParallelLayout
+from actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +63,13 @@ class PlacementStrategy(StrEnum):
 
 
 def choose_strategy(layout: ParallelLayout) -> PlacementStrategy:
-    """``SPREAD`` for unsharded replicas (G = 1), ``PACK`` for sharded ones (G > 1)."""
-    return PlacementStrategy.SPREAD if layout.shard_size == 1 else PlacementStrategy.PACK
+    """The layout's placement policy as a Ray strategy; ``auto``: ``SPREAD`` for unsharded
+    replicas (G = 1), ``PACK`` for sharded ones (G > 1)."""
+    if layout.placement is PlacementPolicy.PACK:
+        return PlacementStrategy.PACK
+    if layout.placement is PlacementPolicy.SPREAD or layout.shard_size == 1:
+        return PlacementStrategy.SPREAD
+    return PlacementStrategy.PACK
 
 
 @dataclass(frozen=True)
@@ -208,12 +218,14 @@ def reserve(name: str, layout: ParallelLayout, timeout_s: float) -> Placement:
 
 
 def _warn_if_split(name: str, layout: ParallelLayout, placement: Placement) -> None:
-    """Say so when a replica spans nodes although one node could hold it.
+    """Say so when a replica spans nodes although one node could hold it (unless asked to).
 
     Ray places the bundles around whatever else holds parts of the nodes at that moment, and one
     placement group cannot require "these G bundles together"; such a replica still computes the
     same results, only its all-gathers cross the network.
     """
+    if layout.placement is PlacementPolicy.SPREAD:
+        return
     split = [
         r
         for r, sites in enumerate(placement.replica_sites(layout))

@@ -149,6 +149,10 @@ class ShardWorker:
         device = self._torch_device = self._select_device()
         mesh = None
         if self._shard_size > 1:
+            if self._device_kind is DeviceKind.CPU:
+                import ray
+
+                _pin_gloo_interface(ray.util.get_node_ip_address())
             dist.init_process_group(
                 backend=self._device_kind.backend,
                 init_method=f"tcp://{rendezvous[0]}:{rendezvous[1]}",
@@ -447,6 +451,28 @@ def _rss_mib() -> float:
     except OSError:
         pass
     return 0.0
+
+
+def _pin_gloo_interface(node_ip: str) -> None:
+    """Make gloo listen on the interface that holds this node's Ray address.
+
+    Unless ``GLOO_SOCKET_IFNAME`` says otherwise, gloo listens on the address the host name
+    resolves to, which on many hosts is a loopback address (Debian's ``127.0.1.1``, containers'
+    ``/etc/hosts``). Ranks on other nodes are then told to connect to that address and are
+    refused ("Gloo connectFullMesh failed ... Connection refused"). Ray's node address is the one
+    the other nodes reach this node by, so its interface is the right one. A user's own
+    ``GLOO_SOCKET_IFNAME`` is kept; an address on no local interface (NAT) changes nothing.
+    """
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(address.address == node_ip for address in addresses):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            logger.debug("gloo listens on %s (%s), this node's Ray address", name, node_ip)
+            return
+    logger.debug("no local interface holds %s: gloo picks its own", node_ip)
 
 
 def _peak_rss_mib() -> float:

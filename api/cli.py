@@ -126,6 +126,7 @@ def _add_client_parsers(subparsers: argparse._SubParsersAction) -> None:
 def _add_config_flags(group: argparse._ArgumentGroup) -> None:
     """rayeval's own ``run`` flags, one per config field lm-eval has no flag for: name, type,
     default and help all come from :class:`service.config.EvaluationConfig`."""
+
     from service.config import RAYEVAL_FLAGS, field_info
 
     for path, flag in RAYEVAL_FLAGS.items():
@@ -454,6 +455,7 @@ def _run(args: argparse.Namespace) -> int:
         f"limit: {config.limit}, num_fewshot: {config.num_fewshot}, "
         f"batch_size: {config.batch_size}{f' ({batch_sizes})' if batch_sizes else ''}, "
         f"layout: {layout.num_replicas}x{layout.shard_size}"
+        + (f" ({layout.placement})" if layout.placement != "auto" else "")
     )
     print(make_table(results))
     if "groups" in results:
@@ -465,6 +467,15 @@ def _run(args: argparse.Namespace) -> int:
             f"{stats['tokens_per_s']:,.0f} tokens/s, "
             f"real-token fraction {stats['real_token_fraction']:.3f}, replica utilisation "
             + ", ".join(f"r{r}={u:.0%}" for r, u in stats["replica_utilisation"].items())
+        )
+    if output.ranks:
+        print(
+            "ranks: "
+            + "; ".join(
+                f"r{rank['replica']}.s{rank['shard_rank']} on {rank['ip']} "
+                f"(node {rank['node_id'][:8]}, pid {rank['pid']})"
+                for rank in output.ranks
+            )
         )
     return 0
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from actors.errors import ConfigError
 from actors.group import Timeouts
-from actors.layout import DeviceKind, ParallelLayout
+from actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
 from actors.sharding import ShardStrategy
 
 #: lm-eval's default seeds for random, numpy, torch and few-shot sampling (its ``DEFAULT_SEED``).
@@ -108,6 +108,7 @@ HOST_ONLY_OPTIONS = {
     "shard_size": 'put it under "parallelism": {"num_replicas": R, "shard_size": G}',
     "cpus_per_rank": 'put it under "parallelism": {"cpus_per_rank": N}',
     "shard_strategy": 'put it under "parallelism": {"shard_strategy": "auto"}',
+    "placement": 'put it under "parallelism": {"placement": "spread"}',
     "address": "the server's Ray cluster is fixed by its --ray-address",
     "placement_timeout": 'put it under "timeouts": {"placement_s": ...}',
     "load_timeout": 'put it under "timeouts": {"load_s": ...}',
@@ -156,6 +157,13 @@ class Parallelism(_Frozen):
         ge=1,
         le=1024,
         description="CPU slots per rank (on CPU ranks also torch's threads).",
+    )
+    placement: PlacementPolicy = Field(
+        default=PlacementPolicy.AUTO,
+        description="How ranks are placed on nodes: auto (replicas spread over nodes, each "
+        "sharded replica on one node where it fits), pack (as few nodes as possible) or spread "
+        "(as many nodes as possible: with G > 1 a replica's ranks on different nodes, slower; "
+        "to rehearse or test a replica that spans nodes).",
     )
 
 
@@ -283,6 +291,7 @@ class EngineConfig(_Frozen):
             self.parallelism.shard_size,
             device=device or DeviceKind(self.device),
             cpus_per_rank=self.parallelism.cpus_per_rank,
+            placement=self.parallelism.placement,
         )
 
     @field_validator("model_args", mode="before")
@@ -528,6 +537,7 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("parallelism", "shard_size"): "--shard_size",
     ("parallelism", "cpus_per_rank"): "--cpus_per_rank",
     ("parallelism", "shard_strategy"): "--shard_strategy",
+    ("parallelism", "placement"): "--placement",
     ("max_batch_tokens",): "--max_batch_tokens",
     ("share_prefixes",): "--share_prefixes",
     ("timeouts", "placement_s"): "--placement_timeout",

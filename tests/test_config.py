@@ -95,6 +95,27 @@ def test_errors_name_rest_fields_and_cli_flags() -> None:
     assert "parallelism.num_replicas:" in rest and "timeouts.step_s:" in rest
 
 
+def test_placement_reaches_the_layout_from_every_door() -> None:
+    from actors.layout import DeviceKind, PlacementPolicy
+    from api.cli import build_parser
+
+    cpu = DeviceKind.CPU
+    body = {**BASE, "parallelism": {"shard_size": 2, "placement": "spread"}}
+    config = EvaluationConfig.model_validate(body)
+    assert config.layout(cpu).placement is PlacementPolicy.SPREAD
+    assert EvaluationConfig.from_json(config.to_json()) == config
+    assert EngineConfig.from_kwargs("org/model", placement="pack").layout(cpu).placement == "pack"
+    with pytest.raises(ValidationError, match="placement"):
+        EvaluationConfig.model_validate({**BASE, "parallelism": {"placement": "scatter"}})
+    with pytest.raises(ValidationError, match='under "parallelism"'):
+        EvaluationConfig.model_validate({**BASE, "placement": "spread"})
+    parser = build_parser()
+    args = parser.parse_args(["run", "--tasks", "t", "--placement", "spread"])
+    assert args.placement == "spread"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--tasks", "t", "--placement", "scatter"])
+
+
 def test_python_keywords_split_into_layout_timeouts_and_model_args() -> None:
     from actors.errors import ConfigError
     from actors.group import Timeouts

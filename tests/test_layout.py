@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.errors import LayoutError
-from actors.layout import DeviceKind, ParallelLayout
+from actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
 
 
 def test_ranks_are_replica_major() -> None:
@@ -24,6 +24,15 @@ def test_invalid_numbers_are_all_reported() -> None:
         ParallelLayout(num_replicas=0, shard_size=-1)
     assert "num_replicas must be an integer >= 1, got 0" in str(info.value)
     assert "shard_size must be an integer >= 1, got -1" in str(info.value)
+
+
+def test_placement_policy_is_validated_and_described() -> None:
+    layout = ParallelLayout(1, 2, placement="spread")  # type: ignore[arg-type]  # as JSON has it
+    assert layout.placement is PlacementPolicy.SPREAD
+    assert layout.describe() == "1x2 (2 cpu ranks, spread)"
+    assert ParallelLayout(1, 2).describe() == "1x2 (2 cpu ranks)"
+    with pytest.raises(LayoutError, match="placement must be one of auto, pack, spread, got 'x'"):
+        ParallelLayout(1, 2, placement="x")  # type: ignore[arg-type]
 
 
 def test_fits_names_requested_and_available() -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from actors.errors import LayoutError, ResourcesUnavailableError
-from actors.layout import DeviceKind, ParallelLayout
+from actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
 from actors.placement import (
     BundleSite,
     PlacementStrategy,
@@ -77,6 +77,13 @@ def test_strategy_spreads_plain_replicas_and_packs_sharded_ones() -> None:
     assert choose_strategy(ParallelLayout(4, 1)) is PlacementStrategy.SPREAD
     assert choose_strategy(ParallelLayout(1, 2)) is PlacementStrategy.PACK
     assert choose_strategy(ParallelLayout(3, 8, device=DeviceKind.CUDA)) is PlacementStrategy.PACK
+
+
+def test_placement_policy_overrides_the_strategy_when_asked() -> None:
+    spread, pack = PlacementPolicy.SPREAD, PlacementPolicy.PACK
+    assert choose_strategy(ParallelLayout(1, 2, placement=spread)) is PlacementStrategy.SPREAD
+    assert choose_strategy(ParallelLayout(4, 1, placement=pack)) is PlacementStrategy.PACK
+    assert choose_strategy(ParallelLayout(2, 2, placement=pack)) is PlacementStrategy.PACK
 
 
 def test_replica_takes_its_ranks_from_one_node_in_device_order() -> None:

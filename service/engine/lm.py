@@ -273,6 +273,13 @@ class RayEvalLM(TemplateLM):
             return []
         return self._group.wait_ready()
 
+    def rank_sites(self) -> list[dict[str, Any]]:
+        """Where each rank runs, as the rank actors report it: ``replica``, ``shard_rank``,
+        ``node_id``, ``ip``, ``pid`` (empty once closed)."""
+        if self._group is None:
+            return []
+        return self._group.rank_sites()
+
     def input_token_counts(self) -> dict[str, int]:
         """Tokens the ranks' models were fed so far, counted at their input embeddings and
         summed over ranks (``fed``: padding and dummy micro-batches included; ``real``: not

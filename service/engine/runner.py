@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.tasks import TaskManager
 
-from actors.errors import ConfigError
+from actors.errors import ConfigError, RayEvalError
 from service.config import EvaluationConfig, HostOptions
 from service.engine.lm import Progress, RayEvalLM
 from service.engine.outputs import OutputTarget
@@ -30,11 +30,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EvaluationOutput:
-    """lm-eval's results dict (``samples`` removed), the samples, and rayeval's figures."""
+    """lm-eval's results dict (``samples`` removed), the samples, rayeval's figures, and where
+    each rank ran (``RayEvalLM.rank_sites``)."""
 
     results: dict[str, Any]
     samples: dict[str, list[dict[str, Any]]] | None
     stats: dict[str, Any]
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
 
 def resolve_tasks(cfg: EvaluatorConfig) -> TaskManager:
@@ -170,6 +172,11 @@ def _evaluate(
         )
         stats = {phase: phase_stats.report() for phase, phase_stats in lm.stats.items()}
         request_warnings = lm.request_report.as_dict()
+        try:
+            ranks = lm.rank_sites()
+        except RayEvalError as exc:  # the results are complete: say so, do not drop them
+            logger.warning("could not ask the ranks where they ran: %s", exc)
+            ranks = []
     if results is None:
         return None
     if request_warnings:
@@ -190,7 +197,7 @@ def _evaluate(
         tracker.recreate_metadata_card()
     if target is not None:
         target.publish()
-    return EvaluationOutput(results=results, samples=samples, stats=stats)
+    return EvaluationOutput(results=results, samples=samples, stats=stats, ranks=ranks)
 
 
 def _wandb_logger(cfg: EvaluatorConfig) -> Any:
