@@ -165,7 +165,12 @@ def _hf(model_dir: Path, task_manager: Any, max_length: int, **kwargs: Any) -> t
 
 
 def _ours(
-    model_dir: Path, task_manager: Any, layout: tuple[int, int], max_length: int, **kwargs: Any
+    model_dir: Path,
+    task_manager: Any,
+    layout: tuple[int, int],
+    max_length: int,
+    shard_strategy: str = "fsdp",
+    **kwargs: Any,
 ) -> tuple[Any, dict[str, int]]:
     """rayeval's results, and the tokens its ranks' models were fed, summed over ranks."""
     from service.engine.lm import RayEvalLM
@@ -174,6 +179,7 @@ def _ours(
         pretrained=str(model_dir),
         num_replicas=layout[0],
         shard_size=layout[1],
+        shard_strategy=shard_strategy,
         dtype="float32",
         max_length=max_length,
         batch_size="auto",
@@ -201,12 +207,17 @@ def test_matches_hf_and_feeds_fewer_tokens(wide_reference: Any, wide_1x1: Any) -
     assert counts["fed"] <= 0.6 * hf_fed, (counts, hf_fed)
 
 
-@pytest.mark.parametrize("layout", [(1, 2), (2, 1)], ids=["1x2", "2x1"])
+@pytest.mark.parametrize(
+    ("layout", "strategy"),
+    [((1, 2), "fsdp"), ((2, 1), "fsdp"), ((1, 2), "tp")],
+    ids=["1x2-fsdp", "2x1", "1x2-tp"],
+)
 def test_sharded_and_replicated_layouts(
-    layout: tuple[int, int], demo: Any, shaped: Any, wide_1x1: Any, ray_session: None
+    layout: tuple[int, int], strategy: str, demo: Any, shaped: Any, wide_1x1: Any, ray_session: None
 ) -> None:
-    ours, _ = _ours(demo.model_dir, shaped, layout, WIDE)
-    assert_same_results(wide_1x1[0], ours, exact=True)
+    """FSDP and replicas are bit-identical to 1x1; TP reduces partial sums, so within tolerance."""
+    ours, _ = _ours(demo.model_dir, shaped, layout, WIDE, shard_strategy=strategy)
+    assert_same_results(wide_1x1[0], ours, exact=strategy == "fsdp")
 
 
 def test_left_truncation_into_the_shared_context(demo: Any, shaped: Any, ray_session: None) -> None:
