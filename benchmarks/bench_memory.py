@@ -59,6 +59,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.bench_engine import set_environment  # noqa: E402
+
 MIB = 1024 * 1024
 STATUS_FIELDS = ("RssAnon", "VmHWM", "VmRSS")
 PHASES = ("load", "loglikelihood", "generate_until")
@@ -380,10 +382,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        os.environ.setdefault(key, "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the local, single-user Ray below
+    set_environment(local_ray=True)  # the local, single-user Ray below
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     import ray
