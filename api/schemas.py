@@ -110,3 +110,10 @@ class ErrorBody(BaseModel):
     errors: list[ValidationItem] | None = Field(
         None, description="For a malformed request (422): each problem, machine-readable."
     )
+
+
+#: What every ``/evaluations`` route can answer besides success: a malformed request or foreign
+#: Host header (400), a bad token (401), an unknown id (404), a malformed body or query (422).
+EVALUATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody} for status in (400, 401, 404, 422)
+}

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from actors.errors import EvaluationNotFoundError, EvaluationStateError
 from api.deps import FeedDep, ManagerDep, SettingsDep, StoreDep, ViewsDep, require_token
 from api.schemas import (
+    EVALUATION_ERRORS,
     ErrorBody,
     EvaluationCreate,
     EvaluationList,
@@ -38,13 +39,7 @@ router = APIRouter(
     prefix="/evaluations",
     tags=["evaluations"],
     dependencies=[Depends(require_token)],
-    # Every route: a bad token, an unknown id, a malformed request, a foreign Host header.
-    responses={
-        400: {"model": ErrorBody},
-        401: {"model": ErrorBody},
-        404: {"model": ErrorBody},
-        422: {"model": ErrorBody},
-    },
+    responses=EVALUATION_ERRORS,
 )
 _ERRORS: dict[int | str, dict[str, Any]] = {409: {"model": ErrorBody}}
 #: Longest an event stream goes without reading the database (writes by another process).

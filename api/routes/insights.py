@@ -13,19 +13,14 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
 from api.deps import StoreDep, require_token
-from api.schemas import ErrorBody
+from api.schemas import EVALUATION_ERRORS
 from service.jobs.states import EventKind
 
 router = APIRouter(
     prefix="/evaluations",
     tags=["evaluations"],
     dependencies=[Depends(require_token)],
-    responses={
-        400: {"model": ErrorBody},
-        401: {"model": ErrorBody},
-        404: {"model": ErrorBody},
-        422: {"model": ErrorBody},
-    },
+    responses=EVALUATION_ERRORS,
 )
 #: Most points one answer carries (the rest follow with ?after=).
 MAX_POINTS = 5000
