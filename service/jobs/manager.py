@@ -287,12 +287,10 @@ class EvaluationManager:
         """Keep the evaluation's runner and its loaded ranks for the next evaluation."""
         if self._options.warm_replicas <= 0:
             return False
-        owner = self._owners.pop(evaluation_id, evaluation_id)
-        handle = self._runners.pop(evaluation_id, None) or self._runner(evaluation_id)
-        self._runners.pop(evaluation_id, None)
-        self._heard.pop(evaluation_id, None)
-        if handle is None:
+        handle = self._forget_runner(evaluation_id)
+        if handle is None:  # gone: the caller releases by the owner's names
             return False
+        owner = self._owners.pop(evaluation_id, evaluation_id)
         entry = Kept(owner, replica_key(record.config), dict(record.resources))
         for other, (kept, _) in list(self._kept.items()):  # one kept runner per key
             if kept.key == entry.key:
