@@ -46,6 +46,7 @@ from actors.model_loading import resolve_dtype
 from actors.packing import packing_unsupported
 from actors.sharding import ShardStrategy, refusal, tp_obstacles
 from service.config import (
+    DEFAULT_CPU_SCORE_BATCH_TOKENS,
     DEFAULT_MAX_BATCH_ROWS,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_SEED,
@@ -192,7 +193,6 @@ class RayEvalLM(TemplateLM):
         elif pretrained is not None or options:
             raise ConfigError("pass either a config or pretrained=... with keywords, not both")
         self.config = config
-        self._budget = _budget(config)
         self.batch_sizes: dict[int, int] = {}
         self._timeouts = config.timeouts.for_ranks()
         self._on_progress = on_progress
@@ -213,6 +213,8 @@ class RayEvalLM(TemplateLM):
 
         self.connection = connect(host.address, config.layout(DeviceKind.CPU))
         self.layout = config.layout(pick_device(config.device))
+        self._budget = _budget(config)
+        self._score_budget = _budget(config, score_on=self.layout.device)
         self.name = host.name or f"rayeval-{uuid.uuid4().hex[:8]}"
         spec = _model_spec(self.pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id)
         self.share_prefixes = config.share_prefixes and self._packing_supported(model_args)
@@ -566,7 +568,7 @@ class RayEvalLM(TemplateLM):
         ]
         cached, todo = self._cached(keys, phase)
         plan = plan_score(
-            [pairs[i] for i in todo], self.max_length, self._budget, self.share_prefixes
+            [pairs[i] for i in todo], self.max_length, self._score_budget, self.share_prefixes
         )
         located = [
             (keys[i], loc.micro_batch, (loc.row, loc.target))
@@ -724,11 +726,22 @@ def _check_exactly_once(micro_batches: Sequence[MicroBatch], results: Sequence[A
             )
 
 
-def _budget(config: EngineConfig) -> TokenBudget:
-    """Micro-batch limits: a token budget with ``auto``, lm-eval's rows per batch otherwise."""
+def _budget(config: EngineConfig, score_on: DeviceKind | None = None) -> TokenBudget:
+    """Micro-batch limits: a token budget with ``auto``, lm-eval's rows per batch otherwise.
+
+    ``score_on``: the budget of scoring micro-batches on ranks of that device. CPU ranks score
+    with a smaller default token budget than GPUs: a CPU forward over 1-2k tokens runs faster
+    per token than one over 4-8k, whose activations outgrow the caches (measured in
+    docs/performance.md), and narrower micro-batches pad less. Generation keeps the larger
+    budget on every device: each decode step costs a forward of one token per row, and under
+    FSDP one all-gather of every weight for the whole micro-batch, so wider is faster.
+    """
     if isinstance(config.batch_size, str):  # "auto" or "auto:N" (validated by the config)
+        default = DEFAULT_MAX_BATCH_TOKENS
+        if score_on is DeviceKind.CPU:
+            default = DEFAULT_CPU_SCORE_BATCH_TOKENS
         return TokenBudget(
-            max_tokens=config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
+            max_tokens=config.max_batch_tokens or default,
             max_rows=config.max_batch_size or DEFAULT_MAX_BATCH_ROWS,
         )
     return TokenBudget(max_tokens=config.max_batch_tokens or 2**62, max_rows=config.batch_size)
