@@ -172,7 +172,9 @@ class Backend:
         known["lm_s"] = min(known["lm_s"], lm_s)
 
 
-def run_interleaved(backends: list[Backend], shapes: list[str], task_manager: Any, repeat: int):
+def run_interleaved(
+    backends: list[Backend], shapes: list[str], task_manager: Any, repeat: int
+) -> None:
     """Every shape on every backend in turn, ``repeat`` rounds.
 
     Interleaved, so that a slow moment of a shared machine falls on both sides of a ratio rather
