@@ -310,6 +310,7 @@ def test_results_and_samples_equal_lm_eval_hf(
     assert ours["config"]["model"] == "hf"
     layout = ours["config"]["rayeval_layout"]
     assert (layout["num_replicas"], layout["shard_size"], layout["device"]) == (2, 1, "cpu")
+    assert layout["shard_strategy"] is None  # nothing sharded at G = 1
 
     assert set(final["links"]["samples"]) == set(TASKS)
     ours_samples, ref_samples = {}, {}

@@ -369,7 +369,8 @@ class RayEvalLM(TemplateLM):
                 "num_replicas": self.layout.num_replicas,
                 "shard_size": self.layout.shard_size,
                 "device": self.layout.device.value,
-                "shard_strategy": self.shard_strategy.value,
+                # None for G = 1: nothing is sharded.
+                "shard_strategy": self.shard_strategy.value if self.layout.sharded else None,
             },
         }
 
