@@ -106,6 +106,11 @@ def row_specs(args: argparse.Namespace) -> list[RowSpec]:
             RowSpec("1x2 default", 2, 1, "auto"),
         ]
     rows += [RowSpec(f"1x2 fsdp w{w}", 2, 1, "fsdp", batch=w) for w in args.fsdp_widths]
+    if args.only:
+        unknown = set(args.only) - {row.name for row in rows}
+        if unknown:
+            raise SystemExit(f"--only: no row {sorted(unknown)}; rows: {[r.name for r in rows]}")
+        rows = [row for row in rows if row.hf or row.name in args.only]  # hf: the reference
     return rows
 
 
@@ -253,9 +258,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="CPU cores")
     parser.add_argument("--num_cpus", type=int, default=4, help="logical CPUs of the local Ray")
     parser.add_argument("--model_dir", default=None, help="build (or reuse) the model here")
+    parser.add_argument(
+        "--only", default="", help="comma-separated row names to run (the hf row always runs)"
+    )
     parser.add_argument("--json", default=None, help="also write every figure as JSON here")
     args = parser.parse_args(argv)
     args.fsdp_widths = [int(w) for w in args.fsdp_widths.split(",") if w.strip()]
+    args.only = [name.strip() for name in args.only.split(",") if name.strip()]
     return args
 
 
