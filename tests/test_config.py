@@ -136,3 +136,21 @@ def test_host_options_take_only_lm_eval_host_fields() -> None:
 
     with pytest.raises(ConfigError, match="not lm-eval host options"):
         HostOptions(lm_eval={"limit": 3})
+
+
+def test_auto_budgets_per_device_and_request_type() -> None:
+    """``auto``: CPU ranks score in micro-batches of at most 2048 padded tokens, GPUs in 8192;
+    generation keeps 8192 everywhere; ``max_batch_tokens`` and an integer batch size win."""
+    from actors.layout import DeviceKind
+    from service.engine.lm import _budget
+
+    auto = EngineConfig.from_kwargs("org/model")
+    assert _budget(auto, score_on=DeviceKind.CPU).max_tokens == 2048
+    assert _budget(auto, score_on=DeviceKind.CUDA).max_tokens == 8192
+    assert _budget(auto).max_tokens == 8192  # generation
+    assert _budget(auto).max_rows == 64
+    given = EngineConfig.from_kwargs("org/model", max_batch_tokens=4096)
+    assert _budget(given, score_on=DeviceKind.CPU).max_tokens == 4096
+    rows = EngineConfig.from_kwargs("org/model", batch_size=16)
+    assert _budget(rows, score_on=DeviceKind.CPU).max_rows == 16
+    assert _budget(rows, score_on=DeviceKind.CPU).max_tokens == 2**62
