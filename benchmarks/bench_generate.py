@@ -55,7 +55,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.bench_engine import set_environment  # noqa: E402
-from benchmarks.bench_memory import build_model, model_figures  # noqa: E402
+from benchmarks.bench_memory import add_model_arguments, build_model, model_figures  # noqa: E402
 
 MIB = 1024 * 1024
 LOGPROB_TOL = 1e-4
@@ -240,11 +240,7 @@ def print_table(rows: list[RowFigures], reference: RowFigures, prompts: int) -> 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Generation and prefill speed per strategy.")
-    parser.add_argument("--hidden", type=int, default=768, help="Llama hidden size (768)")
-    parser.add_argument("--intermediate", type=int, default=2048, help="MLP size (2048)")
-    parser.add_argument("--layers", type=int, default=32, help="decoder blocks (32)")
-    parser.add_argument("--heads", type=int, default=12, help="attention heads (12)")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary (8192)")
+    add_model_arguments(parser)
     parser.add_argument("--prompts", type=int, default=32, help="generate_until prompts (32)")
     parser.add_argument("--new_tokens", type=int, default=48, help="new tokens per prompt (48)")
     parser.add_argument("--batch", type=int, default=16, help="rows per batch, every row (16)")

@@ -192,6 +192,15 @@ class EmptyRank:
 
 
 # ------------------------------------------------------------------------------------ the model
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape of the Llama :func:`build_model` builds (default: 239M parameters, 912 MiB)."""
+    parser.add_argument("--hidden", type=int, default=768, help="Llama hidden size (768)")
+    parser.add_argument("--intermediate", type=int, default=2048, help="MLP size (2048)")
+    parser.add_argument("--layers", type=int, default=32, help="decoder blocks (32)")
+    parser.add_argument("--heads", type=int, default=12, help="attention heads (12)")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary (8192)")
+
+
 def build_model(out_dir: Path, args: argparse.Namespace, tokenizer_dir: Path) -> None:
     """Save a random-weight fp32 Llama and the demo tokenizer in ``out_dir``."""
     import torch
@@ -357,11 +366,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how replicas of G > 1 shard the model (fsdp; tp results are not bit-identical "
         "across G, so only fsdp fails the run on a difference)",
     )
-    parser.add_argument("--hidden", type=int, default=768, help="Llama hidden size (768)")
-    parser.add_argument("--intermediate", type=int, default=2048, help="MLP size (2048)")
-    parser.add_argument("--layers", type=int, default=32, help="decoder blocks (32)")
-    parser.add_argument("--heads", type=int, default=12, help="attention heads (12)")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary (8192)")
+    add_model_arguments(parser)
     parser.add_argument("--tasks", default="demo_mc,demo_gen_short", help="lm-eval tasks")
     parser.add_argument("--limit", type=int, default=8, help="documents per task (8)")
     parser.add_argument("--num_fewshot", type=int, default=2, help="few-shot examples (2)")

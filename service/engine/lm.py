@@ -213,7 +213,7 @@ class RayEvalLM(TemplateLM):
 
         self.connection = connect(host.address, config.layout(DeviceKind.CPU))
         self.layout = config.layout(pick_device(config.device))
-        self._budget = _budget(config)
+        self._generate_budget = _budget(config)
         self._score_budget = _budget(config, score_on=self.layout.device)
         self.name = host.name or f"rayeval-{uuid.uuid4().hex[:8]}"
         spec = _model_spec(self.pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id)
@@ -488,7 +488,7 @@ class RayEvalLM(TemplateLM):
             for request in prepared
         ]
         cached, todo = self._cached(keys, "generate_until")
-        plan = plan_generate([prepared[i] for i in todo], self._budget)
+        plan = plan_generate([prepared[i] for i in todo], self._generate_budget)
         located = [
             (keys[i], mb, (position,))
             for i, (mb, position) in zip(todo, plan.locations, strict=True)
