@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 
+from actors import shm_allreduce
 from actors.batches import (
     GenerateMicroBatch,
     GenerateResult,
@@ -92,6 +93,8 @@ class ShardWorker:
         self._fed = {"fed": 0, "real": 0, "calls": 0}
         self._cuda_index: int | None = None
         self._torch_device = torch.device("cpu")  # chosen once, in setup()
+        #: TP ranks: what sums their partial activations ("shared memory" or "process group").
+        self._activations_reduced_by: str | None = None
         if shard_size > 1 and self._strategy is ShardStrategy.FSDP:
             _return_large_frees_to_os()
 
@@ -143,7 +146,8 @@ class ShardWorker:
         """Join the replica's process group at ``rendezvous`` (address, port) and load the model.
 
         Returns:
-            Load figures: seconds, local parameter count, peak resident memory (MiB).
+            Load figures: seconds, local parameter count, strategy, what sums the activations of
+            TP ranks, peak resident memory (MiB).
         """
         started = time.monotonic()
         torch.manual_seed(self._seed)
@@ -163,6 +167,9 @@ class ShardWorker:
             )
         if self._shard_size > 1 and self._strategy is ShardStrategy.TP:
             self._model = load_tensor_parallel(self._spec, device, self._shard_size)
+            self._activations_reduced_by = "process group"
+            if device.type == "cpu" and shm_allreduce.enabled():
+                self._activations_reduced_by = self._route_through_shared_memory(rendezvous)
         else:
             if self._shard_size > 1:
                 from torch.distributed.device_mesh import init_device_mesh
@@ -188,8 +195,29 @@ class ShardWorker:
             "seconds": time.monotonic() - started,
             "local_parameters": local_params,
             "strategy": self._strategy.value if self._shard_size > 1 else None,
+            "activations_reduced_by": self._activations_reduced_by,
             "peak_rss_mib": _peak_rss_mib(),
         }
+
+    def _route_through_shared_memory(self, rendezvous: tuple[str, int]) -> str:
+        """The ranks of a TP replica share a node: the all-reduces of their activations go
+        through shared memory instead of gloo's sockets (see actors.shm_allreduce).
+
+        Returns:
+            What reduces them: "shared memory", or "process group" where that is unavailable.
+        """
+        shm = shm_allreduce.ShmAllReduce.create(
+            f"{rendezvous[0]}-{rendezvous[1]}-r{self._coord.replica}",
+            self._coord.shard_rank,
+            self._shard_size,
+            self._collective_timeout_s,
+        )
+        if shm is None:
+            return "process group"
+        if not shm_allreduce.route_tensor_parallel_all_reduces(shm):
+            logger.warning("this transformers reduces TP activations otherwise: staying on gloo")
+            return "process group"
+        return "shared memory"
 
     def shutdown(self) -> None:
         """Leave the process group and drop the model (the actor is killed afterwards)."""

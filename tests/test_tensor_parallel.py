@@ -2,7 +2,9 @@
 
 Per sample against lm-eval's own hf backend (|delta logprob| <= 1e-4, identical is_greedy,
 greedy generations and metrics) on the demo group (loglikelihood, loglikelihood_rolling,
-generate_until), at 1x2 (the default strategy picks TP for the demo Llama) and 2x2 (``tp`` asked).
+generate_until), at 1x2 (the default strategy picks TP for the demo Llama; the ranks sum their
+activations through shared memory) and 2x2 (``tp`` asked, with the shared-memory all-reduce
+turned off: gloo sums them).
 A model whose heads G does not divide falls back to FSDP under ``auto`` (still matching lm-eval),
 and ``tp`` is refused before anything starts, naming the reason.
 """
@@ -27,21 +29,27 @@ def reference(demo: Any, task_manager: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("layout", "strategy"), [((1, 2), "auto"), ((2, 2), "tp")], ids=["1x2-auto", "2x2-tp"]
+    ("layout", "strategy", "reduced_by"),
+    [((1, 2), "auto", "shared memory"), ((2, 2), "tp", "process group")],
+    ids=["1x2-auto", "2x2-tp-gloo"],
 )
 def test_tp_matches_lm_eval_hf(
     layout: tuple[int, int],
     strategy: str,
+    reduced_by: str,
     demo: Any,
     task_manager: Any,
     reference: dict[str, Any],
     ray_session: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import transformers
 
     from actors.sharding import ShardStrategy
     from service.engine.lm import RayEvalLM
 
+    if reduced_by == "process group":
+        monkeypatch.setenv("RAYEVAL_SHM_ALLREDUCE", "0")  # forwarded to the ranks
     with RayEvalLM(
         pretrained=str(demo.model_dir),
         num_replicas=layout[0],
@@ -58,6 +66,7 @@ def test_tp_matches_lm_eval_hf(
     # Every rank holds its slices of the sharded projections, not the whole model.
     total = transformers.AutoModelForCausalLM.from_pretrained(demo.model_dir).num_parameters()
     assert {report["strategy"] for report in reports} == {"tp"}
+    assert {report["activations_reduced_by"] for report in reports} == {reduced_by}
     assert max(report["local_parameters"] for report in reports) < total
 
 

@@ -1,0 +1,254 @@
+"""A shared-memory all-reduce for the tensor-parallel ranks of one replica on a CPU node.
+
+Tensor parallelism sums each block's partial activations over the ranks twice per forward (after
+attention and after the MLP). On CPU ranks gloo carries every one of those sums over a TCP
+socket: measured on the development machine, 2.3-4.3 ms for one decode step's 48 KiB and 0.5 ms
+or more for 4 bytes, about what the block's own compute costs (docs/performance.md). The ranks of
+a TP replica always share a node, so they can exchange partial sums through memory instead:
+each rank copies its partial into its slot of a file in ``/dev/shm``, publishes a sequence
+number, waits for every peer's, and adds the slots up in rank order. Every rank adds the same
+values in the same order, so every rank gets the same result; with two ranks it is the same
+``a + b`` gloo computes (float addition is commutative), bit for bit.
+
+Two slots per rank, used alternately: a rank starts call ``n + 1`` only once every peer has
+published call ``n``, which each does only after it finished reading call ``n - 1`` from the
+other slot. A tensor larger than a slot goes through in slot-sized pieces. A peer that does not
+arrive within the collective timeout, or whose process is gone, is an error, never a hang.
+x86-64 only: its stores become visible to other cores in program order (the data before the
+sequence number); elsewhere the ranks stay on the process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+#: Bytes per slot (two per rank). A decode step's activations (rows x hidden) fit many times
+#: over; a prefill's larger tensors go through in pieces of this size.
+SLOT_BYTES = 4 << 20
+#: Header bytes per rank: sequence number and process id, on a cache line of its own.
+_LINE = 64
+#: Polls of a peer's sequence number before the waiting rank yields its core, and seconds of
+#: yielding before it sleeps between polls (ranks oversubscribing their cores must not starve
+#: the peer they wait for).
+_SPINS = 200
+_YIELD_S = 0.002
+_SLEEP_S = 50e-6
+#: Seconds between checks that a peer's process still exists while waiting for it.
+_LIVENESS_S = 0.5
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def enabled() -> bool:
+    """Whether this rank may use it: x86-64 Linux with a ``/dev/shm``, unless the rank's
+    environment sets ``RAYEVAL_SHM_ALLREDUCE=0`` (then gloo carries every all-reduce)."""
+    if os.environ.get("RAYEVAL_SHM_ALLREDUCE", "1") == "0":
+        return False
+    return platform.machine() in ("x86_64", "AMD64") and Path("/dev/shm").is_dir()
+
+
+class ShmAllReduce:
+    """Sum-all-reduce of floating-point CPU tensors among the ranks of a process group whose
+    processes share a node.
+
+    Created collectively: every rank of ``group`` calls :meth:`create` with the same ``name``.
+
+    Args:
+        path: The shared file, already sized (see :meth:`create`).
+        rank: This rank in the group, 0 .. world-1.
+        world: Ranks of the group.
+        timeout_s: Longest wait for a peer.
+    """
+
+    def __init__(self, path: Path, rank: int, world: int, timeout_s: float) -> None:
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        whole = torch.from_file(str(path), shared=True, size=_file_bytes(world), dtype=torch.uint8)
+        header_bytes = _LINE * world
+        # numpy reads a peer's sequence number in ~0.1 us (a torch index costs microseconds).
+        self._header = whole[:header_bytes].numpy().view(np.int64).reshape(world, _LINE // 8)
+        self._slots = whole[header_bytes:].view(2, world, SLOT_BYTES)
+        self._peer_pids = [0] * world
+        self._seq = 0
+
+    @classmethod
+    def create(
+        cls, name: str, rank: int, world: int, timeout_s: float, group: Any = None
+    ) -> ShmAllReduce | None:
+        """Map a shared file for the ranks of ``group`` (collective: every rank calls it).
+
+        Returns:
+            The all-reduce, or None on every rank when any rank could not map the file (a
+            ``/dev/shm`` too small, as in a container started without ``--shm-size``): the
+            ranks then keep reducing through ``group``.
+        """
+        path = Path("/dev/shm") / f"rayeval-{name}"
+        made = None
+        ok = torch.ones(1, dtype=torch.int64)
+        try:
+            if rank == 0:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    # Reserve the pages now: a full /dev/shm is an error here, not a SIGBUS
+                    # at the first write of a slot.
+                    os.posix_fallocate(fd, 0, _file_bytes(world))
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            logger.warning("shared-memory all-reduce unavailable (%s): using %s", exc, "gloo")
+            ok.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # rank 0 made the file
+        if ok.item():
+            try:
+                made = cls(path, rank, world, timeout_s)
+                made._header[rank, 1] = os.getpid()
+            except (OSError, RuntimeError) as exc:
+                logger.warning("shared-memory all-reduce unavailable (%s): using gloo", exc)
+                ok.zero_()
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank mapped it
+        if rank == 0:  # the mappings keep the memory; the name is no longer needed
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if not ok.item():
+            return None
+        assert made is not None
+        made._peer_pids = [int(pid) for pid in made._header[:, 1]]
+        return made
+
+    def all_reduce(self, tensor: torch.Tensor) -> bool:
+        """Sum ``tensor`` over the ranks, in place; False (nothing done) for a tensor this does
+        not handle (not a contiguous floating-point CPU tensor)."""
+        if tensor.dtype not in _DTYPES or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return False
+        flat = tensor.view(-1)
+        piece = SLOT_BYTES // tensor.element_size()
+        for start in range(0, flat.numel(), piece):
+            self._reduce_piece(flat[start : start + piece])
+        return True
+
+    def _reduce_piece(self, flat: torch.Tensor) -> None:
+        self._seq += 1
+        seq, n = self._seq, flat.numel()
+        slots = self._slots[seq % 2].view(flat.dtype)[:, :n]
+        slots[self.rank].copy_(flat)
+        self._header[self.rank, 0] = seq
+        self._wait(seq)
+        torch.add(slots[0], slots[1], out=flat)
+        for peer in range(2, self.world):
+            flat.add_(slots[peer])
+
+    def _wait(self, seq: int) -> None:
+        header = self._header
+        for peer in range(self.world):
+            spins, started, checked = 0, 0.0, 0.0
+            while header[peer, 0] < seq:
+                spins += 1
+                if spins < _SPINS:
+                    continue
+                if spins == _SPINS:
+                    started = checked = time.monotonic()
+                now = time.monotonic()
+                if now - started < _YIELD_S:
+                    os.sched_yield()
+                    continue
+                time.sleep(_SLEEP_S)
+                if now - checked >= _LIVENESS_S:
+                    checked = now
+                    self._check_peer(peer, seq, now - started)
+
+    def _check_peer(self, peer: int, seq: int, waited_s: float) -> None:
+        pid = self._peer_pids[peer]
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            raise RuntimeError(
+                f"shared-memory all-reduce: rank {peer} of {self.world} (pid {pid}) exited "
+                f"during call {seq}; see that rank's log for why"
+            ) from None
+        except PermissionError:  # exists, owned by another user
+            pass
+        if waited_s > self.timeout_s:
+            raise RuntimeError(
+                f"shared-memory all-reduce: rank {peer} of {self.world} did not arrive within "
+                f"{self.timeout_s:g}s (call {seq}); it is stuck, or only slow: then raise "
+                "--collective_timeout"
+            )
+
+
+def _file_bytes(world: int) -> int:
+    return _LINE * world + 2 * world * SLOT_BYTES
+
+
+class _Routed:
+    """``torch.distributed`` as transformers' tensor-parallel layers see it: sum-all-reduces
+    over ``group``'s ranks go through shared memory, everything else to torch.distributed."""
+
+    def __init__(self, shm: ShmAllReduce, ranks: list[int]) -> None:
+        self._shm, self._ranks = shm, ranks
+        #: id(group) -> (group, whether its ranks are ``ranks``): asked once per group.
+        self._groups: dict[int, tuple[Any, bool]] = {}
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+        async_op: bool = False,
+    ) -> Any:  # fmt: skip
+        if (
+            op == dist.ReduceOp.SUM
+            and not async_op
+            and self._ours(group)
+            and self._shm.all_reduce(tensor)
+        ):
+            return None
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def _ours(self, group: Any) -> bool:
+        known = self._groups.get(id(group))
+        if known is None or known[0] is not group:
+            known = self._groups[id(group)] = (group, _ranks_of(group) == self._ranks)
+        return known[1]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+
+def _ranks_of(group: Any) -> list[int]:
+    if group is None:
+        group = dist.group.WORLD
+    return list(dist.get_process_group_ranks(group))
+
+
+def route_tensor_parallel_all_reduces(shm: ShmAllReduce, group: Any = None) -> bool:
+    """Send the all-reduces that transformers' tensor-parallel layers make over ``group``
+    through ``shm``.
+
+    transformers' row-parallel layers reduce their partial outputs with
+    ``torch.distributed.all_reduce`` when running inference on plain tensors; this swaps the
+    ``torch.distributed`` those modules see (in this rank process only) for one that routes
+    those calls. Other collectives (the logits' all-gather, DTensor redistributions) stay on the
+    process group.
+
+    Returns:
+        False (nothing routed) when this transformers does not reduce that way.
+    """
+    import importlib
+
+    routed = _Routed(shm, _ranks_of(group))
+    modules = []
+    for name in ("tensor_parallel", "parallel_utils"):
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module(f"transformers.distributed.{name}")
+            if getattr(module, "dist", None) is dist:
+                modules.append(module)
+    for module in modules:
+        module.dist = routed  # type: ignore[attr-defined]
+    return bool(modules)

@@ -1,0 +1,140 @@
+"""The shared-memory all-reduce of TP ranks (actors.shm_allreduce), in real processes.
+
+Each case spawns real rank processes joined in a gloo process group (a file store), so the
+reference is gloo's own all-reduce on the same tensors: at two ranks the shared-memory sum is
+bit-identical to it, at three it is the rank-order sum. A peer that exits or never arrives is an
+error naming the cause, well within the waits the test gives it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from actors import shm_allreduce
+from actors.shm_allreduce import SLOT_BYTES, ShmAllReduce
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or not Path("/dev/shm").is_dir(),
+    reason="the shared-memory all-reduce runs on x86-64 Linux only",
+)
+
+
+def _join(rank: int, world: int, store: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def _tensors(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(rank)
+    numels = [1, 12 * 1024, SLOT_BYTES // 4 + 7, 3 * SLOT_BYTES // 4 // 2]
+    return [(torch.randn(n, generator=generator) * 1e3).to(dtype) for n in numels]
+
+
+def _matches_gloo(rank: int, world: int, store: str, name: str) -> None:
+    _join(rank, world, store)
+    shm = ShmAllReduce.create(name, rank, world, timeout_s=60.0)
+    assert shm is not None
+    for dtype in (torch.float32, torch.bfloat16):
+        for round_ in range(3):  # both slots, several times over
+            for tensor in _tensors(rank * 10 + round_, dtype):
+                ours, theirs = tensor.clone(), tensor.clone()
+                assert shm.all_reduce(ours)
+                dist.all_reduce(theirs)
+                if world == 2:
+                    assert torch.equal(ours, theirs), (dtype, tensor.numel())
+                else:
+                    gathered = [torch.empty_like(tensor) for _ in range(world)]
+                    dist.all_gather(gathered, tensor)
+                    rank_order = gathered[0] + gathered[1]
+                    for part in gathered[2:]:
+                        rank_order += part
+                    assert torch.equal(ours, rank_order), (dtype, tensor.numel())
+                    # gloo adds in another order: apart by rounding, relative to the parts.
+                    bound = 2 * torch.finfo(dtype).eps * sum(part.abs() for part in gathered)
+                    assert bool(((ours - theirs).abs() <= bound).all()), (dtype, tensor.numel())
+    # Not handled (left to the process group, unchanged): integers, non-contiguous tensors.
+    ints, strided = torch.arange(4), torch.ones(4, 4).t()
+    assert not shm.all_reduce(ints) and torch.equal(ints, torch.arange(4))
+    assert not shm.all_reduce(strided)
+    dist.destroy_process_group()
+
+
+def _routes_transformers(rank: int, world: int, store: str, name: str) -> None:
+    """transformers' row-parallel reduction goes through shared memory; other groups and
+    other collectives stay on gloo."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed import tensor_parallel
+
+    _join(rank, world, store)
+    mesh = init_device_mesh("cpu", (world,))
+    shm = ShmAllReduce.create(name, rank, world, timeout_s=60.0)
+    assert shm is not None and shm_allreduce.route_tensor_parallel_all_reduces(shm)
+    routed = tensor_parallel.dist
+    partial = torch.full((3, 5), float(rank + 1))
+    routed.all_reduce(partial, group=mesh.get_group())
+    assert shm._seq == 1 and torch.equal(partial, torch.full((3, 5), 3.0))
+    maxed = torch.full((2,), float(rank))
+    routed.all_reduce(maxed, op=dist.ReduceOp.MAX, group=mesh.get_group())  # not a sum: gloo
+    assert shm._seq == 1 and torch.equal(maxed, torch.ones(2))
+    gathered = [torch.empty(1) for _ in range(world)]
+    routed.all_gather(gathered, torch.tensor([float(rank)]))
+    assert [t.item() for t in gathered] == [0.0, 1.0]
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _peer_exits(rank: int, world: int, store: str, name: str) -> None:
+    _join(rank, world, store)
+    shm = ShmAllReduce.create(name, rank, world, timeout_s=120.0)
+    assert shm is not None
+    if rank == 1:
+        os._exit(0)  # gone before the next call
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 \(pid \d+\) exited"):
+        shm.all_reduce(torch.ones(8))
+    assert time.monotonic() - started < 10  # noticed by its liveness check, not the timeout
+
+
+def _peer_stuck(rank: int, world: int, store: str, name: str) -> None:
+    _join(rank, world, store)
+    shm = ShmAllReduce.create(name, rank, world, timeout_s=1.0)
+    assert shm is not None
+    if rank == 1:
+        time.sleep(4)  # alive, but never calls
+        return
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"did not arrive within 1s.*--collective_timeout"):
+        shm.all_reduce(torch.ones(8))
+    assert 1.0 <= time.monotonic() - started < 5
+
+
+def _spawn(case: object, world: int, tmp_path: Path) -> None:
+    name = f"test-{uuid.uuid4().hex}"
+    mp.spawn(case, args=(world, str(tmp_path / "store"), name), nprocs=world, join=True)
+    assert not (Path("/dev/shm") / f"rayeval-{name}").exists()  # the name is gone
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sums_like_gloo(world: int, tmp_path: Path) -> None:
+    _spawn(_matches_gloo, world, tmp_path)
+
+
+def test_routes_transformers_tensor_parallel_reductions(tmp_path: Path) -> None:
+    _spawn(_routes_transformers, 2, tmp_path)
+
+
+def test_peer_that_exits_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    _spawn(_peer_exits, 2, tmp_path)
+
+
+def test_peer_that_never_arrives_times_out(tmp_path: Path) -> None:
+    _spawn(_peer_stuck, 2, tmp_path)
