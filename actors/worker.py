@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 
-from actors import shm_allreduce
+from actors import shm_collectives
 from actors.batches import (
     GenerateMicroBatch,
     GenerateResult,
@@ -93,8 +93,8 @@ class ShardWorker:
         self._fed = {"fed": 0, "real": 0, "calls": 0}
         self._cuda_index: int | None = None
         self._torch_device = torch.device("cpu")  # chosen once, in setup()
-        #: TP ranks: what sums their partial activations ("shared memory" or "process group").
-        self._activations_reduced_by: str | None = None
+        #: G > 1: what carries the replica's collectives ("shared memory" or "process group").
+        self._collectives: str | None = None
         if shard_size > 1 and self._strategy is ShardStrategy.FSDP:
             _return_large_frees_to_os()
 
@@ -146,8 +146,8 @@ class ShardWorker:
         """Join the replica's process group at ``rendezvous`` (address, port) and load the model.
 
         Returns:
-            Load figures: seconds, local parameter count, strategy, what sums the activations of
-            TP ranks, peak resident memory (MiB).
+            Load figures: seconds, local parameter count, strategy, what carries the replica's
+            collectives, peak resident memory (MiB).
         """
         started = time.monotonic()
         torch.manual_seed(self._seed)
@@ -167,15 +167,16 @@ class ShardWorker:
             )
         if self._shard_size > 1 and self._strategy is ShardStrategy.TP:
             self._model = load_tensor_parallel(self._spec, device, self._shard_size)
-            self._activations_reduced_by = "process group"
-            if device.type == "cpu" and shm_allreduce.enabled():
-                self._activations_reduced_by = self._route_through_shared_memory(rendezvous)
         else:
             if self._shard_size > 1:
                 from torch.distributed.device_mesh import init_device_mesh
 
                 mesh = init_device_mesh(device.type, (self._shard_size,))
             self._model = load_model(self._spec, device, mesh)
+        if self._shard_size > 1:
+            self._collectives = "process group"
+            if device.type == "cpu":
+                self._collectives = self._use_shared_memory(rendezvous)
         accepted = inspect.signature(self._model.forward).parameters
         # No KV cache when scoring: nothing reads it, and it holds 2 x layers x hidden floats per
         # token (for a 32-block model more than all other activations of the forward together).
@@ -195,18 +196,28 @@ class ShardWorker:
             "seconds": time.monotonic() - started,
             "local_parameters": local_params,
             "strategy": self._strategy.value if self._shard_size > 1 else None,
-            "activations_reduced_by": self._activations_reduced_by,
+            "collectives": self._collectives,
             "peak_rss_mib": _peak_rss_mib(),
         }
 
-    def _route_through_shared_memory(self, rendezvous: tuple[str, int]) -> str:
-        """The ranks of a TP replica share a node: the all-reduces of their activations go
-        through shared memory instead of gloo's sockets (see actors.shm_allreduce).
+    def _use_shared_memory(self, rendezvous: tuple[str, int]) -> str:
+        """Where the replica's ranks share a node (a TP replica always does; an FSDP one where
+        it was placed so), the collectives of inference go through shared memory instead of
+        gloo's sockets: TP's all-reduces of activations, FSDP's all-gathers of parameters (see
+        actors.shm_collectives).
 
         Returns:
-            What reduces them: "shared memory", or "process group" where that is unavailable.
+            What carries them: "shared memory", or "process group" where that is unavailable.
         """
-        shm = shm_allreduce.ShmAllReduce.create(
+        import ray
+
+        # Every rank takes part in this, so that all decide alike.
+        ranks: list[Any] = [None] * self._shard_size
+        here = (ray.get_runtime_context().get_node_id(), shm_collectives.enabled())
+        dist.all_gather_object(ranks, here)
+        if len({node for node, _ in ranks}) > 1 or not all(ok for _, ok in ranks):
+            return "process group"  # a replica across nodes (FSDP, spread), or turned off
+        shm = shm_collectives.ShmCollectives.create(
             f"{rendezvous[0]}-{rendezvous[1]}-r{self._coord.replica}",
             self._coord.shard_rank,
             self._shard_size,
@@ -214,8 +225,12 @@ class ShardWorker:
         )
         if shm is None:
             return "process group"
-        if not shm_allreduce.route_tensor_parallel_all_reduces(shm):
-            logger.warning("this transformers reduces TP activations otherwise: staying on gloo")
+        if self._strategy is ShardStrategy.TP:
+            used = shm_collectives.route_tensor_parallel_all_reduces(shm)
+        else:
+            used = shm_collectives.use_for_fsdp_all_gathers(self._model, shm)
+        if not used:
+            logger.warning("this torch / transformers has no hook for it: staying on gloo")
             return "process group"
         return "shared memory"
 

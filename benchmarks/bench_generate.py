@@ -10,6 +10,8 @@ them side by side:
 * ``1x2 fsdp`` — two ranks of one core, FSDP2 (each rank generates its own micro-batch);
 * ``1x2 default`` — two ranks of one core, the default ``shard_strategy`` (``auto``: tensor
   parallelism for this model);
+* ``1x2 fsdp gloo``, ``1x2 default gloo`` — the same two with ``RAYEVAL_SHM_COLLECTIVES=0``:
+  the ranks' collectives over gloo's sockets instead of shared memory;
 * ``1x2 fsdp wW`` — FSDP again with micro-batches of ``W`` rows (``--fsdp_widths``): decode
   tokens/s against batch width, since each decode step's all-gathers serve the whole batch.
 
@@ -71,6 +73,7 @@ class RowSpec:
     strategy: str = "auto"
     batch: int | None = None  # rows per micro-batch; None: --batch
     hf: bool = False
+    gloo: bool = False  # the ranks' collectives on gloo even where shared memory would serve
 
 
 @dataclass
@@ -104,6 +107,8 @@ def row_specs(args: argparse.Namespace) -> list[RowSpec]:
             RowSpec(f"1x1 c{cores}", 1, cores),
             RowSpec("1x2 fsdp", 2, 1, "fsdp"),
             RowSpec("1x2 default", 2, 1, "auto"),
+            RowSpec("1x2 fsdp gloo", 2, 1, "fsdp", gloo=True),
+            RowSpec("1x2 default gloo", 2, 1, "auto", gloo=True),
         ]
     rows += [RowSpec(f"1x2 fsdp w{w}", 2, 1, "fsdp", batch=w) for w in args.fsdp_widths]
     if args.only:
@@ -165,6 +170,8 @@ def run_row(
     else:
         from service.engine.lm import RayEvalLM
 
+        if spec.gloo:  # read from the driver's environment when the ranks start
+            os.environ["RAYEVAL_SHM_COLLECTIVES"] = "0"
         lm = RayEvalLM(
             pretrained=str(model_dir),
             num_replicas=1,
@@ -176,6 +183,7 @@ def run_row(
             batch_size=batch,
         )
         lm.load_reports  # noqa: B018 - waits until every rank has loaded
+        os.environ.pop("RAYEVAL_SHM_COLLECTIVES", None)
         figures.strategy = lm.shard_strategy.value if spec.shard_size > 1 else None
         close = lm.close
     figures.load_s = time.perf_counter() - started

@@ -49,7 +49,7 @@ def test_tp_matches_lm_eval_hf(
     from service.engine.lm import RayEvalLM
 
     if reduced_by == "process group":
-        monkeypatch.setenv("RAYEVAL_SHM_ALLREDUCE", "0")  # forwarded to the ranks
+        monkeypatch.setenv("RAYEVAL_SHM_COLLECTIVES", "0")  # forwarded to the ranks
     with RayEvalLM(
         pretrained=str(demo.model_dir),
         num_replicas=layout[0],
@@ -66,7 +66,7 @@ def test_tp_matches_lm_eval_hf(
     # Every rank holds its slices of the sharded projections, not the whole model.
     total = transformers.AutoModelForCausalLM.from_pretrained(demo.model_dir).num_parameters()
     assert {report["strategy"] for report in reports} == {"tp"}
-    assert {report["activations_reduced_by"] for report in reports} == {reduced_by}
+    assert {report["collectives"] for report in reports} == {reduced_by}
     assert max(report["local_parameters"] for report in reports) < total
 
 

@@ -1,4 +1,5 @@
-"""A shared-memory all-reduce for the tensor-parallel ranks of one replica on a CPU node.
+"""Shared-memory collectives for the ranks of one replica on a CPU node: TP's all-reduces and
+FSDP's all-gathers.
 
 Tensor parallelism sums each block's partial activations over the ranks twice per forward (after
 attention and after the MLP). On CPU ranks gloo carries every one of those sums over a TCP
@@ -10,10 +11,17 @@ number, waits for every peer's, and adds the slots up in rank order. Every rank 
 values in the same order, so every rank gets the same result; with two ranks it is the same
 ``a + b`` gloo computes (float addition is commutative), bit for bit.
 
+FSDP all-gathers every unit's parameters before its forward (tens of MiB per decoder block at
+every decode step). Its all-gathers go the same way when the replica's ranks share a node: each
+rank copies its shard into its slot, and every rank copies its peers' slots into its output, a
+copy of bytes, so FSDP stays bit-exact. FSDP2 takes it through its own public hook
+(``FSDPModule.set_custom_all_gather``).
+
 Two slots per rank, used alternately: a rank starts call ``n + 1`` only once every peer has
 published call ``n``, which each does only after it finished reading call ``n - 1`` from the
 other slot. A tensor larger than a slot goes through in slot-sized pieces. A peer that does not
-arrive within the collective timeout, or whose process is gone, is an error, never a hang.
+arrive within the collective timeout, or whose process is gone, is an error, never a hang. Every
+rank must make the same calls in the same order, as with any collective of a process group.
 x86-64 only: its stores become visible to other cores in program order (the data before the
 sequence number); elsewhere the ranks stay on the process group.
 """
@@ -51,15 +59,15 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def enabled() -> bool:
-    """Whether this rank may use it: x86-64 Linux with a ``/dev/shm``, unless the rank's
-    environment sets ``RAYEVAL_SHM_ALLREDUCE=0`` (then gloo carries every all-reduce)."""
-    if os.environ.get("RAYEVAL_SHM_ALLREDUCE", "1") == "0":
+    """Whether this rank may use them: x86-64 Linux with a ``/dev/shm``, unless the rank's
+    environment sets ``RAYEVAL_SHM_COLLECTIVES=0`` (then gloo carries every collective)."""
+    if os.environ.get("RAYEVAL_SHM_COLLECTIVES", "1") == "0":
         return False
     return platform.machine() in ("x86_64", "AMD64") and Path("/dev/shm").is_dir()
 
 
-class ShmAllReduce:
-    """Sum-all-reduce of floating-point CPU tensors among the ranks of a process group whose
+class ShmCollectives:
+    """Sum-all-reduce and all-gather of CPU tensors among the ranks of a process group whose
     processes share a node.
 
     Created collectively: every rank of ``group`` calls :meth:`create` with the same ``name``.
@@ -84,13 +92,13 @@ class ShmAllReduce:
     @classmethod
     def create(
         cls, name: str, rank: int, world: int, timeout_s: float, group: Any = None
-    ) -> ShmAllReduce | None:
+    ) -> ShmCollectives | None:
         """Map a shared file for the ranks of ``group`` (collective: every rank calls it).
 
         Returns:
-            The all-reduce, or None on every rank when any rank could not map the file (a
+            The collectives, or None on every rank when any rank could not map the file (a
             ``/dev/shm`` too small, as in a container started without ``--shm-size``): the
-            ranks then keep reducing through ``group``.
+            ranks then keep to ``group``.
         """
         path = Path("/dev/shm") / f"rayeval-{name}"
         made = None
@@ -105,7 +113,7 @@ class ShmAllReduce:
                 finally:
                     os.close(fd)
         except OSError as exc:
-            logger.warning("shared-memory all-reduce unavailable (%s): using %s", exc, "gloo")
+            logger.warning("shared-memory collectives unavailable (%s): using gloo", exc)
             ok.zero_()
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # rank 0 made the file
         if ok.item():
@@ -113,7 +121,7 @@ class ShmAllReduce:
                 made = cls(path, rank, world, timeout_s)
                 made._header[rank, 1] = os.getpid()
             except (OSError, RuntimeError) as exc:
-                logger.warning("shared-memory all-reduce unavailable (%s): using gloo", exc)
+                logger.warning("shared-memory collectives unavailable (%s): using gloo", exc)
                 ok.zero_()
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank mapped it
         if rank == 0:  # the mappings keep the memory; the name is no longer needed
@@ -137,15 +145,50 @@ class ShmAllReduce:
         return True
 
     def _reduce_piece(self, flat: torch.Tensor) -> None:
-        self._seq += 1
-        seq, n = self._seq, flat.numel()
-        slots = self._slots[seq % 2].view(flat.dtype)[:, :n]
-        slots[self.rank].copy_(flat)
-        self._header[self.rank, 0] = seq
-        self._wait(seq)
+        slots = self._exchange(flat)
         torch.add(slots[0], slots[1], out=flat)
         for peer in range(2, self.world):
             flat.add_(slots[peer])
+
+    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> bool:
+        """Every rank's ``tensor`` concatenated in rank order into ``output`` (as
+        ``torch.distributed.all_gather_into_tensor``); False (nothing done) for tensors this
+        does not handle (not contiguous CPU tensors of one dtype, ``output`` world times the
+        size)."""
+        if (
+            tensor.device.type != "cpu"
+            or output.device.type != "cpu"
+            or tensor.dtype != output.dtype
+            or not (tensor.is_contiguous() and output.is_contiguous())
+            or output.numel() != self.world * tensor.numel()
+        ):
+            return False
+        source = tensor.reshape(-1).view(torch.uint8)
+        gathered = output.reshape(-1).view(torch.uint8).view(self.world, -1)
+        for start in range(0, source.numel(), SLOT_BYTES):
+            slots = self._exchange(source[start : start + SLOT_BYTES])
+            end = start + slots.shape[1]
+            for peer in range(self.world):
+                # The input may be this rank's own part of the output (FSDP's is): skip it.
+                if peer != self.rank:
+                    gathered[peer, start:end].copy_(slots[peer])
+            if gathered[self.rank, start:end].data_ptr() != source[start:end].data_ptr():
+                gathered[self.rank, start:end].copy_(source[start:end])
+        return True
+
+    def _exchange(self, piece: torch.Tensor) -> torch.Tensor:
+        """Publish ``piece`` (at most a slot) in this rank's slot and wait for every peer's.
+
+        Returns:
+            The ranks' pieces, [world, numel], readable until this rank's next call but one.
+        """
+        self._seq += 1
+        seq = self._seq
+        slots = self._slots[seq % 2].view(piece.dtype)[:, : piece.numel()]
+        slots[self.rank].copy_(piece)
+        self._header[self.rank, 0] = seq
+        self._wait(seq)
+        return slots
 
     def _wait(self, seq: int) -> None:
         header = self._header
@@ -172,14 +215,14 @@ class ShmAllReduce:
             os.kill(pid, 0)
         except ProcessLookupError:
             raise RuntimeError(
-                f"shared-memory all-reduce: rank {peer} of {self.world} (pid {pid}) exited "
+                f"shared-memory collective: rank {peer} of {self.world} (pid {pid}) exited "
                 f"during call {seq}; see that rank's log for why"
             ) from None
         except PermissionError:  # exists, owned by another user
             pass
         if waited_s > self.timeout_s:
             raise RuntimeError(
-                f"shared-memory all-reduce: rank {peer} of {self.world} did not arrive within "
+                f"shared-memory collective: rank {peer} of {self.world} did not arrive within "
                 f"{self.timeout_s:g}s (call {seq}); it is stuck, or only slow: then raise "
                 "--collective_timeout"
             )
@@ -193,7 +236,7 @@ class _Routed:
     """``torch.distributed`` as transformers' tensor-parallel layers see it: sum-all-reduces
     over ``group``'s ranks go through shared memory, everything else to torch.distributed."""
 
-    def __init__(self, shm: ShmAllReduce, ranks: list[int]) -> None:
+    def __init__(self, shm: ShmCollectives, ranks: list[int]) -> None:
         self._shm, self._ranks = shm, ranks
         #: id(group) -> (group, whether its ranks are ``ranks``): asked once per group.
         self._groups: dict[int, tuple[Any, bool]] = {}
@@ -227,7 +270,7 @@ def _ranks_of(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def route_tensor_parallel_all_reduces(shm: ShmAllReduce, group: Any = None) -> bool:
+def route_tensor_parallel_all_reduces(shm: ShmCollectives, group: Any = None) -> bool:
     """Send the all-reduces that transformers' tensor-parallel layers make over ``group``
     through ``shm``.
 
@@ -252,3 +295,44 @@ def route_tensor_parallel_all_reduces(shm: ShmAllReduce, group: Any = None) -> b
     for module in modules:
         module.dist = routed  # type: ignore[attr-defined]
     return bool(modules)
+
+
+def use_for_fsdp_all_gathers(model: torch.nn.Module, shm: ShmCollectives) -> bool:
+    """Make every FSDP2 unit of ``model`` all-gather its parameters through ``shm``
+    (``FSDPModule.set_custom_all_gather``); a tensor ``shm`` does not handle, or a group other
+    than the replica's (the default group), goes to the process group.
+
+    Returns:
+        False (nothing changed) when this torch has no such hook.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+    except ImportError:
+        return False
+
+    ranks = _ranks_of(None)
+
+    class _ShmAllGather(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(
+            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+            async_op: bool = False,
+        ) -> Any:  # fmt: skip
+            if _ranks_of(group) == ranks and shm.all_gather_into_tensor(
+                output_tensor, input_tensor
+            ):
+                return None  # done: nothing to wait for
+            return dist.all_gather_into_tensor(
+                output_tensor, input_tensor, group=group, async_op=async_op
+            )
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if not units or not hasattr(units[0], "set_custom_all_gather"):
+        return False
+    comm = _ShmAllGather()
+    for unit in units:
+        unit.set_custom_all_gather(comm)
+    return True
