@@ -1,5 +1,5 @@
-"""Shared-memory collectives for the ranks of one replica on a CPU node: TP's all-reduces and
-FSDP's all-gathers.
+"""Shared-memory collectives for the tensor-parallel ranks of one replica on a CPU node: the
+all-reduces of their activations.
 
 Tensor parallelism sums each block's partial activations over the ranks twice per forward (after
 attention and after the MLP). On CPU ranks gloo carries every one of those sums over a TCP
@@ -11,11 +11,9 @@ number, waits for every peer's, and adds the slots up in rank order. Every rank 
 values in the same order, so every rank gets the same result; with two ranks it is the same
 ``a + b`` gloo computes (float addition is commutative), bit for bit.
 
-FSDP all-gathers every unit's parameters before its forward (tens of MiB per decoder block at
-every decode step). Its all-gathers go the same way when the replica's ranks share a node: each
-rank copies its shard into its slot, and every rank copies its peers' slots into its output, a
-copy of bytes, so FSDP stays bit-exact. FSDP2 takes it through its own public hook
-(``FSDPModule.set_custom_all_gather``).
+FSDP's all-gathers stay on gloo: through the same slots they took a third of gloo's time per
+14 MiB call, but FSDP decoding got no faster (gloo's all-gathers run in the background while the
+rank computes; FSDP prefetches the next unit) and its peak memory no lower (docs/performance.md).
 
 Two slots per rank, used alternately: a rank starts call ``n + 1`` only once every peer has
 published call ``n``, which each does only after it finished reading call ``n - 1`` from the
@@ -67,7 +65,7 @@ def enabled() -> bool:
 
 
 class ShmCollectives:
-    """Sum-all-reduce and all-gather of CPU tensors among the ranks of a process group whose
+    """Sum-all-reduce of floating-point CPU tensors among the ranks of a process group whose
     processes share a node.
 
     Created collectively: every rank of ``group`` calls :meth:`create` with the same ``name``.
@@ -149,32 +147,6 @@ class ShmCollectives:
         torch.add(slots[0], slots[1], out=flat)
         for peer in range(2, self.world):
             flat.add_(slots[peer])
-
-    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> bool:
-        """Every rank's ``tensor`` concatenated in rank order into ``output`` (as
-        ``torch.distributed.all_gather_into_tensor``); False (nothing done) for tensors this
-        does not handle (not contiguous CPU tensors of one dtype, ``output`` world times the
-        size)."""
-        if (
-            tensor.device.type != "cpu"
-            or output.device.type != "cpu"
-            or tensor.dtype != output.dtype
-            or not (tensor.is_contiguous() and output.is_contiguous())
-            or output.numel() != self.world * tensor.numel()
-        ):
-            return False
-        source = tensor.reshape(-1).view(torch.uint8)
-        gathered = output.reshape(-1).view(torch.uint8).view(self.world, -1)
-        for start in range(0, source.numel(), SLOT_BYTES):
-            slots = self._exchange(source[start : start + SLOT_BYTES])
-            end = start + slots.shape[1]
-            for peer in range(self.world):
-                # The input may be this rank's own part of the output (FSDP's is): skip it.
-                if peer != self.rank:
-                    gathered[peer, start:end].copy_(slots[peer])
-            if gathered[self.rank, start:end].data_ptr() != source[start:end].data_ptr():
-                gathered[self.rank, start:end].copy_(source[start:end])
-        return True
 
     def _exchange(self, piece: torch.Tensor) -> torch.Tensor:
         """Publish ``piece`` (at most a slot) in this rank's slot and wait for every peer's.
@@ -295,44 +267,3 @@ def route_tensor_parallel_all_reduces(shm: ShmCollectives, group: Any = None) ->
     for module in modules:
         module.dist = routed  # type: ignore[attr-defined]
     return bool(modules)
-
-
-def use_for_fsdp_all_gathers(model: torch.nn.Module, shm: ShmCollectives) -> bool:
-    """Make every FSDP2 unit of ``model`` all-gather its parameters through ``shm``
-    (``FSDPModule.set_custom_all_gather``); a tensor ``shm`` does not handle, or a group other
-    than the replica's (the default group), goes to the process group.
-
-    Returns:
-        False (nothing changed) when this torch has no such hook.
-    """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-    except ImportError:
-        return False
-
-    ranks = _ranks_of(None)
-
-    class _ShmAllGather(AllGather):
-        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return torch.empty(*size, dtype=dtype, device=device)
-
-        def __call__(
-            self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-            async_op: bool = False,
-        ) -> Any:  # fmt: skip
-            if _ranks_of(group) == ranks and shm.all_gather_into_tensor(
-                output_tensor, input_tensor
-            ):
-                return None  # done: nothing to wait for
-            return dist.all_gather_into_tensor(
-                output_tensor, input_tensor, group=group, async_op=async_op
-            )
-
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    if not units or not hasattr(units[0], "set_custom_all_gather"):
-        return False
-    comm = _ShmAllGather()
-    for unit in units:
-        unit.set_custom_all_gather(comm)
-    return True

@@ -175,7 +175,7 @@ class ShardWorker:
             self._model = load_model(self._spec, device, mesh)
         if self._shard_size > 1:
             self._collectives = "process group"
-            if device.type == "cpu":
+            if device.type == "cpu" and self._strategy is ShardStrategy.TP:
                 self._collectives = self._use_shared_memory(rendezvous)
         accepted = inspect.signature(self._model.forward).parameters
         # No KV cache when scoring: nothing reads it, and it holds 2 x layers x hidden floats per
@@ -201,22 +201,17 @@ class ShardWorker:
         }
 
     def _use_shared_memory(self, rendezvous: tuple[str, int]) -> str:
-        """Where the replica's ranks share a node (a TP replica always does; an FSDP one where
-        it was placed so), the collectives of inference go through shared memory instead of
-        gloo's sockets: TP's all-reduces of activations, FSDP's all-gathers of parameters (see
-        actors.shm_collectives).
+        """The ranks of a TP replica share a node: the all-reduces of their activations go
+        through shared memory instead of gloo's sockets (see actors.shm_collectives).
 
         Returns:
             What carries them: "shared memory", or "process group" where that is unavailable.
         """
-        import ray
-
-        # Every rank takes part in this, so that all decide alike.
+        # Every rank takes part, so that all decide alike (a rank's environment could differ).
         ranks: list[Any] = [None] * self._shard_size
-        here = (ray.get_runtime_context().get_node_id(), shm_collectives.enabled())
-        dist.all_gather_object(ranks, here)
-        if len({node for node, _ in ranks}) > 1 or not all(ok for _, ok in ranks):
-            return "process group"  # a replica across nodes (FSDP, spread), or turned off
+        dist.all_gather_object(ranks, shm_collectives.enabled())
+        if not all(ranks):
+            return "process group"
         shm = shm_collectives.ShmCollectives.create(
             f"{rendezvous[0]}-{rendezvous[1]}-r{self._coord.replica}",
             self._coord.shard_rank,
@@ -225,12 +220,8 @@ class ShardWorker:
         )
         if shm is None:
             return "process group"
-        if self._strategy is ShardStrategy.TP:
-            used = shm_collectives.route_tensor_parallel_all_reduces(shm)
-        else:
-            used = shm_collectives.use_for_fsdp_all_gathers(self._model, shm)
-        if not used:
-            logger.warning("this torch / transformers has no hook for it: staying on gloo")
+        if not shm_collectives.route_tensor_parallel_all_reduces(shm):
+            logger.warning("this transformers reduces TP activations otherwise: staying on gloo")
             return "process group"
         return "shared memory"
 

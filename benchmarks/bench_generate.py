@@ -10,8 +10,8 @@ them side by side:
 * ``1x2 fsdp`` — two ranks of one core, FSDP2 (each rank generates its own micro-batch);
 * ``1x2 default`` — two ranks of one core, the default ``shard_strategy`` (``auto``: tensor
   parallelism for this model);
-* ``1x2 fsdp gloo``, ``1x2 default gloo`` — the same two with ``RAYEVAL_SHM_COLLECTIVES=0``:
-  the ranks' collectives over gloo's sockets instead of shared memory;
+* ``1x2 default gloo`` — the default again with ``RAYEVAL_SHM_COLLECTIVES=0``: the TP ranks'
+  all-reduces over gloo's sockets instead of shared memory;
 * ``1x2 fsdp wW`` — FSDP again with micro-batches of ``W`` rows (``--fsdp_widths``): decode
   tokens/s against batch width, since each decode step's all-gathers serve the whole batch.
 
@@ -107,7 +107,6 @@ def row_specs(args: argparse.Namespace) -> list[RowSpec]:
             RowSpec(f"1x1 c{cores}", 1, cores),
             RowSpec("1x2 fsdp", 2, 1, "fsdp"),
             RowSpec("1x2 default", 2, 1, "auto"),
-            RowSpec("1x2 fsdp gloo", 2, 1, "fsdp", gloo=True),
             RowSpec("1x2 default gloo", 2, 1, "auto", gloo=True),
         ]
     rows += [RowSpec(f"1x2 fsdp w{w}", 2, 1, "fsdp", batch=w) for w in args.fsdp_widths]

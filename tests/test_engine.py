@@ -173,9 +173,9 @@ def test_tied_embeddings_gpt2_sharded(tmp_path: Path, task_manager: Any, ray_ses
         ours = evaluate(lm, task_manager, tasks, **run)
         # Each rank holds only its shard: about half of the (tied, so counted once) parameters.
         local = [report["local_parameters"] for report in lm.load_reports]
-        # GPT-2 has no TP plan: FSDP, all-gathering through shared memory (one node).
+        # GPT-2 has no TP plan: FSDP (its all-gathers on gloo).
         assert [(r["strategy"], r["collectives"]) for r in lm.load_reports] == [
-            ("fsdp", "shared memory")
+            ("fsdp", "process group")
         ] * 2
     assert_same_results(reference, ours)
     assert sum(local) == model.num_parameters()

@@ -1,11 +1,9 @@
-"""The shared-memory collectives of a replica's ranks (actors.shm_collectives), in real processes.
+"""The shared-memory all-reduce of TP ranks (actors.shm_collectives), in real processes.
 
 Each case spawns real rank processes joined in a gloo process group (a file store), so the
-reference is gloo's own collective on the same tensors: at two ranks the shared-memory sum is
-bit-identical to gloo's all-reduce, at three it is the rank-order sum; the all-gather is
-bit-identical to gloo's at any size, and an FSDP2 model that all-gathers through it computes
-the same logits as one that uses gloo. A peer that exits or never arrives is an error naming the
-cause, well within the waits the test gives it.
+reference is gloo's own all-reduce on the same tensors: at two ranks the shared-memory sum is
+bit-identical to it, at three it is the rank-order sum. A peer that exits or never arrives is an
+error naming the cause, well within the waits the test gives it.
 """
 
 from __future__ import annotations
@@ -67,53 +65,6 @@ def _matches_gloo(rank: int, world: int, store: str, name: str) -> None:
     ints, strided = torch.arange(4), torch.ones(4, 4).t()
     assert not shm.all_reduce(ints) and torch.equal(ints, torch.arange(4))
     assert not shm.all_reduce(strided)
-    # All-gather: bytes, any dtype and size (pieces of a slot), as gloo's.
-    for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.int64):
-        for tensor in _tensors(rank, torch.float32):
-            tensor = (tensor * 7).to(dtype)
-            ours = torch.empty(world * tensor.numel(), dtype=dtype)
-            theirs = torch.empty_like(ours)
-            assert shm.all_gather_into_tensor(ours, tensor)
-            dist.all_gather_into_tensor(theirs, tensor)
-            assert torch.equal(ours, theirs), (dtype, tensor.numel())
-    # FSDP's input is this rank's own part of the output: gathered in place.
-    output = torch.zeros(world * 5)
-    output[rank * 5 : rank * 5 + 5] = rank + 1.0
-    assert shm.all_gather_into_tensor(output, output[rank * 5 : rank * 5 + 5])
-    assert torch.equal(output, torch.arange(1.0, world + 1).repeat_interleave(5))
-    assert not shm.all_gather_into_tensor(torch.empty(3), torch.ones(2))  # wrong size
-    dist.destroy_process_group()
-
-
-def _fsdp_through_it(rank: int, world: int, store: str, name: str) -> None:
-    """An FSDP2 model whose units all-gather through shared memory: the same logits as the
-    same model on gloo, bit for bit, and every unit's all-gather went through it."""
-    import transformers
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    _join(rank, world, store)
-    mesh = init_device_mesh("cpu", (world,))
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config).eval()
-        for block in model.model.layers:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        models.append(model)
-    shm = ShmCollectives.create(name, rank, world, timeout_s=60.0)
-    assert shm is not None and shm_collectives.use_for_fsdp_all_gathers(models[0], shm)
-    ids = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(rank))
-    with torch.inference_mode():
-        ours, theirs = models[0](ids).logits, models[1](ids).logits
-    assert torch.equal(ours, theirs)
-    assert shm._seq >= 3  # two blocks and the root, at least one piece each
-    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -179,10 +130,6 @@ def test_sums_like_gloo(world: int, tmp_path: Path) -> None:
 
 def test_routes_transformers_tensor_parallel_reductions(tmp_path: Path) -> None:
     _spawn(_routes_transformers, 2, tmp_path)
-
-
-def test_fsdp_all_gathers_through_it(tmp_path: Path) -> None:
-    _spawn(_fsdp_through_it, 2, tmp_path)
 
 
 def test_peer_that_exits_is_an_error_not_a_hang(tmp_path: Path) -> None:
