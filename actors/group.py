@@ -29,7 +29,8 @@ from actors.sharding import ShardStrategy, settle
 
 logger = logging.getLogger(__name__)
 
-# Environment that the ranks need to see as the driver does (offline mode, caches, hub token).
+# Environment that the ranks need to see as the driver does (offline mode, caches, hub token,
+# RAYEVAL_SHM_COLLECTIVES=0 to keep TP's all-reduces on gloo).
 FORWARDED_ENV = (
     "HF_HOME",
     "HF_HUB_OFFLINE",

@@ -93,7 +93,8 @@ class ShardWorker:
         self._fed = {"fed": 0, "real": 0, "calls": 0}
         self._cuda_index: int | None = None
         self._torch_device = torch.device("cpu")  # chosen once, in setup()
-        #: G > 1: what carries the replica's collectives ("shared memory" or "process group").
+        #: G > 1: "shared memory" where TP ranks sum activations through shared memory (their
+        #: other collectives stay on the process group), else "process group".
         self._collectives: str | None = None
         if shard_size > 1 and self._strategy is ShardStrategy.FSDP:
             _return_large_frees_to_os()
@@ -146,8 +147,8 @@ class ShardWorker:
         """Join the replica's process group at ``rendezvous`` (address, port) and load the model.
 
         Returns:
-            Load figures: seconds, local parameter count, strategy, what carries the replica's
-            collectives, peak resident memory (MiB).
+            Load figures: seconds, local parameter count, strategy, what sums TP activations
+            (``collectives``), peak resident memory (MiB).
         """
         started = time.monotonic()
         torch.manual_seed(self._seed)

@@ -169,20 +169,25 @@ def run_row(
     else:
         from service.engine.lm import RayEvalLM
 
+        switch = os.environ.get("RAYEVAL_SHM_COLLECTIVES")
         if spec.gloo:  # read from the driver's environment when the ranks start
             os.environ["RAYEVAL_SHM_COLLECTIVES"] = "0"
-        lm = RayEvalLM(
-            pretrained=str(model_dir),
-            num_replicas=1,
-            shard_size=spec.shard_size,
-            cpus_per_rank=spec.cpus_per_rank,
-            shard_strategy=spec.strategy,
-            dtype=args.dtype,
-            device=args.device,
-            batch_size=batch,
-        )
-        lm.load_reports  # noqa: B018 - waits until every rank has loaded
-        os.environ.pop("RAYEVAL_SHM_COLLECTIVES", None)
+        try:
+            lm = RayEvalLM(
+                pretrained=str(model_dir),
+                num_replicas=1,
+                shard_size=spec.shard_size,
+                cpus_per_rank=spec.cpus_per_rank,
+                shard_strategy=spec.strategy,
+                dtype=args.dtype,
+                device=args.device,
+                batch_size=batch,
+            )
+            lm.load_reports  # noqa: B018 - waits until every rank has loaded
+        finally:
+            os.environ.pop("RAYEVAL_SHM_COLLECTIVES", None)
+            if switch is not None:
+                os.environ["RAYEVAL_SHM_COLLECTIVES"] = switch
         figures.strategy = lm.shard_strategy.value if spec.shard_size > 1 else None
         close = lm.close
     figures.load_s = time.perf_counter() - started
