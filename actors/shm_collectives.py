@@ -68,7 +68,7 @@ class ShmCollectives:
     """Sum-all-reduce of floating-point CPU tensors among the ranks of a process group whose
     processes share a node.
 
-    Created collectively: every rank of ``group`` calls :meth:`create` with the same ``name``.
+    Created collectively: every rank calls :meth:`create` with the same ``name``.
 
     Args:
         path: The shared file, already sized (see :meth:`create`).
@@ -88,15 +88,14 @@ class ShmCollectives:
         self._seq = 0
 
     @classmethod
-    def create(
-        cls, name: str, rank: int, world: int, timeout_s: float, group: Any = None
-    ) -> ShmCollectives | None:
-        """Map a shared file for the ranks of ``group`` (collective: every rank calls it).
+    def create(cls, name: str, rank: int, world: int, timeout_s: float) -> ShmCollectives | None:
+        """Map a shared file for the ranks of the default process group (collective: every rank
+        calls it).
 
         Returns:
             The collectives, or None on every rank when any rank could not map the file (a
             ``/dev/shm`` too small, as in a container started without ``--shm-size``): the
-            ranks then keep to ``group``.
+            ranks then keep to the process group.
         """
         path = Path("/dev/shm") / f"rayeval-{name}"
         made = None
@@ -113,7 +112,7 @@ class ShmCollectives:
         except OSError as exc:
             logger.warning("shared-memory collectives unavailable (%s): using gloo", exc)
             ok.zero_()
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # rank 0 made the file
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # rank 0 made the file
         if ok.item():
             try:
                 made = cls(path, rank, world, timeout_s)
@@ -121,7 +120,7 @@ class ShmCollectives:
             except (OSError, RuntimeError) as exc:
                 logger.warning("shared-memory collectives unavailable (%s): using gloo", exc)
                 ok.zero_()
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank mapped it
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank mapped it
         if rank == 0:  # the mappings keep the memory; the name is no longer needed
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -143,24 +142,17 @@ class ShmCollectives:
         return True
 
     def _reduce_piece(self, flat: torch.Tensor) -> None:
-        slots = self._exchange(flat)
+        """Publish ``flat`` (at most a slot) in this rank's slot, wait for every peer's, and
+        add the ranks' pieces up in rank order into ``flat``."""
+        self._seq += 1
+        seq = self._seq
+        slots = self._slots[seq % 2].view(flat.dtype)[:, : flat.numel()]
+        slots[self.rank].copy_(flat)
+        self._header[self.rank, 0] = seq
+        self._wait(seq)
         torch.add(slots[0], slots[1], out=flat)
         for peer in range(2, self.world):
             flat.add_(slots[peer])
-
-    def _exchange(self, piece: torch.Tensor) -> torch.Tensor:
-        """Publish ``piece`` (at most a slot) in this rank's slot and wait for every peer's.
-
-        Returns:
-            The ranks' pieces, [world, numel], readable until this rank's next call but one.
-        """
-        self._seq += 1
-        seq = self._seq
-        slots = self._slots[seq % 2].view(piece.dtype)[:, : piece.numel()]
-        slots[self.rank].copy_(piece)
-        self._header[self.rank, 0] = seq
-        self._wait(seq)
-        return slots
 
     def _wait(self, seq: int) -> None:
         header = self._header
@@ -206,7 +198,7 @@ def _file_bytes(world: int) -> int:
 
 class _Routed:
     """``torch.distributed`` as transformers' tensor-parallel layers see it: sum-all-reduces
-    over ``group``'s ranks go through shared memory, everything else to torch.distributed."""
+    over ``ranks`` go through shared memory, everything else to torch.distributed."""
 
     def __init__(self, shm: ShmCollectives, ranks: list[int]) -> None:
         self._shm, self._ranks = shm, ranks
@@ -242,9 +234,9 @@ def _ranks_of(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def route_tensor_parallel_all_reduces(shm: ShmCollectives, group: Any = None) -> bool:
-    """Send the all-reduces that transformers' tensor-parallel layers make over ``group``
-    through ``shm``.
+def route_tensor_parallel_all_reduces(shm: ShmCollectives) -> bool:
+    """Send the all-reduces that transformers' tensor-parallel layers make over the ranks of the
+    default process group (the replica's) through ``shm``.
 
     transformers' row-parallel layers reduce their partial outputs with
     ``torch.distributed.all_reduce`` when running inference on plain tensors; this swaps the
@@ -257,7 +249,7 @@ def route_tensor_parallel_all_reduces(shm: ShmCollectives, group: Any = None) ->
     """
     import importlib
 
-    routed = _Routed(shm, _ranks_of(group))
+    routed = _Routed(shm, _ranks_of(None))
     modules = []
     for name in ("tensor_parallel", "parallel_utils"):
         with contextlib.suppress(ImportError):

@@ -93,9 +93,6 @@ class ShardWorker:
         self._fed = {"fed": 0, "real": 0, "calls": 0}
         self._cuda_index: int | None = None
         self._torch_device = torch.device("cpu")  # chosen once, in setup()
-        #: G > 1: "shared memory" where TP ranks sum activations through shared memory (their
-        #: other collectives stay on the process group), else "process group".
-        self._collectives: str | None = None
         if shard_size > 1 and self._strategy is ShardStrategy.FSDP:
             _return_large_frees_to_os()
 
@@ -174,10 +171,13 @@ class ShardWorker:
 
                 mesh = init_device_mesh(device.type, (self._shard_size,))
             self._model = load_model(self._spec, device, mesh)
+        # G > 1: "shared memory" where TP ranks sum their activations through it (their other
+        # collectives stay on the process group), else "process group".
+        collectives = None
         if self._shard_size > 1:
-            self._collectives = "process group"
+            collectives = "process group"
             if device.type == "cpu" and self._strategy is ShardStrategy.TP:
-                self._collectives = self._use_shared_memory(rendezvous)
+                collectives = self._use_shared_memory(rendezvous)
         accepted = inspect.signature(self._model.forward).parameters
         # No KV cache when scoring: nothing reads it, and it holds 2 x layers x hidden floats per
         # token (for a 32-block model more than all other activations of the forward together).
@@ -197,7 +197,7 @@ class ShardWorker:
             "seconds": time.monotonic() - started,
             "local_parameters": local_params,
             "strategy": self._strategy.value if self._shard_size > 1 else None,
-            "collectives": self._collectives,
+            "collectives": collectives,
             "peak_rss_mib": _peak_rss_mib(),
         }
 

@@ -69,7 +69,7 @@ def _matches_gloo(rank: int, world: int, store: str, name: str) -> None:
 
 
 def _routes_transformers(rank: int, world: int, store: str, name: str) -> None:
-    """transformers' row-parallel reduction goes through shared memory; other groups and
+    """transformers' row-parallel reduction goes through shared memory; other reduce ops and
     other collectives stay on gloo."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed import tensor_parallel
