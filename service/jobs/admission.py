@@ -3,7 +3,9 @@
 The head of the queue starts when the cluster's free resources cover its layout, or at once on
 kept (warm) replicas loaded for the same model and layout; nobody overtakes it. Free means what
 Ray reports available minus what evaluations already admitted will reserve but have not yet
-(their placement group is not created), so one free slot is never handed to two evaluations.
+(their placement group is not created), bounded by the service's own books (cluster total minus
+everything admitted or kept), so one free slot is never handed to two evaluations even while
+Ray's view lags.
 Kept replicas hold their resources until the head of the queue needs them: then the least
 recently kept are released first. No torch here.
 """
@@ -20,25 +22,41 @@ from service.jobs.store import EvaluationRecord
 
 
 def free_resources(
-    active: Iterable[EvaluationRecord], owners: Mapping[str, str] | None = None
+    active: Iterable[EvaluationRecord],
+    owners: Mapping[str, str] | None = None,
+    kept: Iterable[Kept] = (),
 ) -> dict[str, float]:
-    """What Ray reports free, minus what ``active`` evaluations will reserve but have not yet.
+    """What is free for the queue: the smaller of Ray's view and this service's own books.
+
+    Ray's view is what it reports available, minus what ``active`` evaluations will reserve but
+    have not yet. It sees other users of the cluster, but it lags: a placement group already
+    CREATED may not show in ``ray.available_resources()`` yet, and in that window the same CPUs
+    would look free twice. The books (the cluster's total, minus every active evaluation and
+    every kept replica) never lag for what this service holds. Taking the smaller of the two
+    never hands one slot to two evaluations; a lag the other way only delays a start by a round.
 
     ``owners`` maps an evaluation running on kept replicas to the evaluation whose placement
     group they are (named after it).
     """
     owners = owners or {}
-    free = {k: float(v) for k, v in ray.available_resources().items()}
+    active = list(active)
+    seen = {k: float(v) for k, v in ray.available_resources().items()}
     placed = {
         info["name"]
         for info in ray.util.placement_group_table().values()
         if info.get("state") == "CREATED"
     }
+    books = {k: float(v) for k, v in ray.cluster_resources().items()}
     for record in active:
-        if group_name(owners.get(record.id, record.id)) not in placed:
-            for key, amount in record.resources.items():
-                free[key] = free.get(key, 0.0) - amount
-    return free
+        unplaced = group_name(owners.get(record.id, record.id)) not in placed
+        for key, amount in record.resources.items():
+            books[key] = books.get(key, 0.0) - amount
+            if unplaced:
+                seen[key] = seen.get(key, 0.0) - amount
+    for entry in kept:
+        for key, amount in entry.resources.items():
+            books[key] = books.get(key, 0.0) - amount
+    return {key: min(seen.get(key, 0.0), books.get(key, 0.0)) for key in seen.keys() | books}
 
 
 def covers(free: Mapping[str, float], need: Mapping[str, float]) -> bool:

@@ -245,7 +245,7 @@ class EvaluationManager:
             return
         kept = [entry for entry, _ in self._kept.values()]
         decided = plan(
-            queued, free_resources(self._store.active(), self._owners), kept, self._key_of
+            queued, free_resources(self._store.active(), self._owners, kept), kept, self._key_of
         )
         for freed in decided.release:
             logger.info(
