@@ -34,6 +34,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from actors.batches import ModelSpec
 from actors.errors import ModelLoadError
+from actors.vocab_chunks import (
+    ChunkedEmbedding,
+    ChunkedHead,
+    split_vocabulary,
+    vocabulary_units,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +157,13 @@ def embedding_units(model: nn.Module) -> list[list[nn.Module]]:
         head = model.get_output_embeddings()  # type: ignore[operator]
     except (AttributeError, NotImplementedError):
         return []
+    if isinstance(embed, ChunkedEmbedding):  # its chunks are units (vocabulary_units)
+        embed = None
+    if isinstance(head, ChunkedHead):
+        head = None
     if not isinstance(embed, nn.Module) or not any(True for _ in embed.parameters()):
+        if isinstance(head, nn.Module) and any(True for _ in head.parameters()):
+            return [[head]]
         return []
     if not isinstance(head, nn.Module) or not any(True for _ in head.parameters()):
         return [[embed]]
@@ -161,8 +173,13 @@ def embedding_units(model: nn.Module) -> list[list[nn.Module]]:
     return [[embed], [head]]
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh) -> None:
+def shard_model(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[nn.Parameter, int]]:
     """Apply FSDP2: each decoder block, the embeddings and the head, then the root.
+
+    On CPU ranks a vocabulary matrix larger than a decoder block is first cut into row chunks of
+    at most a block's size, each its own unit (:mod:`actors.vocab_chunks`), so that it never
+    sets the rank's peak. Returns each chunk parameter's origin by name: the parameter it was cut
+    from and its first row.
 
     Every unit — the root included — is given ``reshard_after_forward=True`` explicitly: left to
     its default the root keeps its parameters unsharded after forward, expecting a backward
@@ -176,14 +193,23 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> None:
     copy-out with the next collective on a GPU stream — on a CPU that is one unit of memory more
     for nothing.
     """
-    for block in decoder_blocks(model):
+    blocks = decoder_blocks(model)
+    origins: dict[str, tuple[nn.Parameter, int]] = {}
+    if mesh.device_type == "cpu" and blocks:
+        largest = max(sum(p.numel() for p in block.parameters()) for block in blocks)
+        cut = split_vocabulary(model, largest)
+        origins = {n: cut[id(p)] for n, p in model.named_parameters() if id(p) in cut}
+    for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    for part in vocabulary_units(model):
+        fully_shard(part, mesh=mesh, reshard_after_forward=True)
     for unit in embedding_units(model):
         fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     root = cast(FSDPModule, model)
     if mesh.device_type == "cpu" and hasattr(root, "_set_unshard_async_op"):
         root._set_unshard_async_op(True)
+    return origins
 
 
 def release_unsharded(model: nn.Module) -> None:
@@ -235,13 +261,19 @@ def _load_sharded(
     # Parameters on meta, buffers real: non-persistent buffers (rotary inv_freq) are computed in
     # __init__ and are not in the checkpoint, so they must survive to_empty().
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    shard_model(model, mesh)
+    first_names = {id(param): name for name, param in model.named_parameters()}
+    origins = shard_model(model, mesh)
+    # A vocabulary chunk reads its rows of the tensor it was cut from.
+    offsets: dict[str, int] = {}
+    for name, (origin, start) in origins.items():
+        keys[name] = keys[first_names[id(origin)]]
+        offsets[name] = start
     model.to_empty(device=device)
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
         try:
-            _read_local_shards(model, keys, checkpoint, mesh)
+            _read_local_shards(model, keys, checkpoint, mesh, offsets)
         except _CannotStream as exc:
             del model
             return _full_load_then_shard(spec, dtype, mesh, device, str(exc))
@@ -351,8 +383,14 @@ def _mmap_bin(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_local_shards(
-    model: nn.Module, keys: dict[str, str | None], checkpoint: _Checkpoint, mesh: DeviceMesh
+    model: nn.Module,
+    keys: dict[str, str | None],
+    checkpoint: _Checkpoint,
+    mesh: DeviceMesh,
+    offsets: dict[str, int],
 ) -> None:
+    """Copy each parameter's local rows from the checkpoint (``offsets``: first checkpoint row
+    of a parameter that is a row chunk of a checkpoint tensor)."""
     rank, world = mesh.get_local_rank(), mesh.size()
     with checkpoint.reader() as reader:
         for name, param in model.named_parameters():
@@ -364,7 +402,7 @@ def _read_local_shards(
                     raise ModelLoadError(f"unexpected FSDP placement {param.placements} for {name}")
                 # FSDP2's dim-0 chunks: ceil(rows / world) each, the last ones shorter or empty.
                 chunk = math.ceil(param.shape[0] / world) if param.dim() else 0
-                start = min(rank * chunk, param.shape[0])
+                start = min(rank * chunk, param.shape[0]) + offsets.get(name, 0)
                 value = reader.rows(key, start, start + local.shape[0])
             else:
                 value = reader.rows(key)

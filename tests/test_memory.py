@@ -304,3 +304,59 @@ def test_multi_file_checkpoint_loads_shard_by_shard(
         model = _save_llama(tmp_path / "single", demo.model_dir)
         _split_bin(model, model_dir, demo.model_dir)
     _assert_holds_its_shard(ranks, _load(ranks, model_dir), model)
+
+
+def test_large_vocabulary_is_cut_into_units_with_bit_identical_logits() -> None:
+    """A vocabulary matrix larger than a decoder block becomes row chunks (each its own FSDP unit
+    on a CPU rank), shared by a tied head; the cut model's logits are bit-identical to the
+    uncut one's for every shape the worker feeds it (a few last positions of a row are a
+    non-contiguous slice: torch multiplies those another way when the weight requires grad)."""
+    import copy
+
+    import torch
+    import transformers
+
+    from actors.model_loading import decoder_blocks
+    from actors.vocab_chunks import ChunkedEmbedding, ChunkedHead, split_vocabulary
+
+    torch.manual_seed(0)
+    llama = _llama_config(vocab_size=3001, hidden_size=64, num_hidden_layers=2)
+    gpt2 = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=5000)
+    for config, tied in ((llama, False), (gpt2, True)):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        cut = copy.deepcopy(model)
+        largest = max(sum(p.numel() for p in b.parameters()) for b in decoder_blocks(cut))
+        origins = split_vocabulary(cut, largest)
+        embed, head = cut.get_input_embeddings(), cut.get_output_embeddings()
+        assert isinstance(embed, ChunkedEmbedding) and isinstance(head, ChunkedHead)
+        assert len(embed.parts) > 1 and all(p.weight.numel() <= largest for p in embed.parts)
+        assert (list(embed.parts) == list(head.parts)) is tied
+        assert len(origins) == len(embed.parts) * (1 if tied else 2)
+        for rows, width, keep in [(1, 5, 1), (3, 7, 2), (2, 9, 3), (5, 4, 4), (4, 30, 30)]:
+            ids = torch.randint(0, config.vocab_size, (rows, width))
+            with torch.no_grad():
+                expected = model(ids, logits_to_keep=keep, use_cache=False).logits
+                got = cut(ids, logits_to_keep=keep, use_cache=False).logits
+            assert torch.equal(expected, got), (config.model_type, rows, width, keep)
+        with pytest.raises(IndexError):
+            embed(torch.tensor([[config.vocab_size]]))
+
+
+def test_embedding_subclasses_and_small_vocabularies_stay_whole() -> None:
+    import transformers
+
+    from actors.vocab_chunks import split_vocabulary
+
+    gemma = transformers.Gemma3TextConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=4000,
+    )
+    model = _meta_model(gemma)  # a scaled embedding (a subclass) tied to the head: neither cut
+    assert split_vocabulary(model, 1000) == {}
+    small = _meta_model(_llama_config(vocab_size=100, hidden_size=32, num_hidden_layers=2))
+    assert split_vocabulary(small, 10**6) == {}

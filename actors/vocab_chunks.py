@@ -1,0 +1,160 @@
+"""The vocabulary matrices of an FSDP-sharded model, cut into row chunks that are FSDP units.
+
+Under FSDP a rank all-gathers one whole unit before computing it, and for a moment holds it twice
+(the all-gather buffer and the unsharded parameter it is copied into). With a large vocabulary
+the input embeddings and the output head are the largest units by far (a 32k x 1024 float32
+matrix is 125 MiB, a decoder block of the same model ~26 MiB), so they, not the rank's 1/G,
+set its peak. Here each becomes a few row chunks of at most the largest decoder block's size,
+each its own FSDP unit:
+
+* the embedding gathers one chunk at a time and looks up that chunk's token ids in it (a copy of
+  rows: exact), so it never holds more than a chunk;
+* the head gathers one chunk at a time into one whole weight and multiplies once, so it holds
+  the weight once (not twice) plus a chunk, and its logits are bit-identical. Multiplying chunk
+  by chunk would hold less but is not exact: MKL rounds a product of 1-3 rows differently with
+  the column count (measured).
+
+A tied head shares its chunks with the embeddings (one unit per chunk, gathered for each use).
+Only exact ``nn.Embedding`` / bias-free ``nn.Linear`` modules are cut: a subclass may do more
+in its forward (Gemma scales its embeddings), so those stay whole units. CPU ranks only for now
+(:func:`actors.model_loading.shard_model`): nothing here has run on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+
+class VocabRows(nn.Module):
+    """Rows ``start:stop`` of a vocabulary matrix: looked up (embedding) or multiplied (head)."""
+
+    def __init__(self, weight: torch.Tensor, start: int, stop: int) -> None:
+        super().__init__()
+        self.start, self.stop = start, stop
+        self.weight = nn.Parameter(weight[start:stop], requires_grad=weight.requires_grad)
+
+    def forward(self, x: torch.Tensor, head: bool) -> torch.Tensor:
+        return F.linear(x, self.weight) if head else F.embedding(x, self.weight)
+
+
+class ChunkedEmbedding(nn.Module):
+    """``nn.Embedding`` whose rows are :class:`VocabRows` chunks; the same values, bit for bit."""
+
+    def __init__(self, parts: Iterable[VocabRows], num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(
+                f"token id out of range for an embedding of {self.num_embeddings} rows"
+            )
+        out: torch.Tensor | None = None
+        for part in _rows(self.parts):  # every rank calls every chunk: each is a collective
+            inside = (ids >= part.start) & (ids < part.stop)
+            rows = part(ids[inside] - part.start, head=False)
+            if out is None:
+                out = rows.new_empty(*ids.shape, self.embedding_dim)
+            out[inside] = rows
+        assert out is not None
+        return out
+
+
+class ChunkedHead(nn.Module):
+    """A bias-free ``nn.Linear`` output head whose rows are :class:`VocabRows` chunks."""
+
+    def __init__(self, parts: Iterable[VocabRows], in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The whole weight, assembled chunk by chunk (each chunk gathered, copied, freed), then
+        # one matmul: the logits are bit-identical to the uncut head's. Cutting the matmul
+        # instead is not: BLAS rounds a product of 1-3 rows differently with the column count.
+        weight: torch.Tensor | None = None
+        for part in _rows(self.parts):
+            if isinstance(part, FSDPModule):
+                part.unshard()
+            try:
+                if weight is None:
+                    weight = part.weight.new_empty(self.out_features, self.in_features)
+                weight[part.start : part.stop].copy_(part.weight)
+            finally:
+                if isinstance(part, FSDPModule):
+                    part.reshard()
+        assert weight is not None
+        # As the uncut parameter: torch's matmul takes another (differently rounded) path for a
+        # non-contiguous 3-D input when the weight requires grad, even under no_grad.
+        weight.requires_grad_(_rows(self.parts)[0].weight.requires_grad)
+        return F.linear(hidden, weight)
+
+
+def _rows(parts: nn.ModuleList) -> list[VocabRows]:
+    return [cast(VocabRows, part) for part in parts]
+
+
+def split_vocabulary(model: nn.Module, largest_unit: int) -> dict[int, tuple[nn.Parameter, int]]:
+    """Cut the model's embeddings and head into chunks of at most ``largest_unit`` elements.
+
+    Args:
+        model: A causal LM on any device (meta included), not yet sharded.
+        largest_unit: Elements of the largest other FSDP unit (a decoder block).
+
+    Returns:
+        For each new chunk parameter (by ``id``): the parameter it was cut from and its first
+        row, so that a loader reads its rows of the checkpoint tensor. Empty when nothing was
+        cut (small vocabulary, or modules of another kind).
+    """
+    try:
+        embed = model.get_input_embeddings()  # type: ignore[operator]
+        head = model.get_output_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError):
+        return {}
+    tied = isinstance(embed, nn.Module) and getattr(head, "weight", None) is getattr(
+        embed, "weight", False
+    )
+    if type(embed) is not nn.Embedding or embed.max_norm is not None:
+        embed = None
+    if type(head) is not nn.Linear or head.bias is not None:
+        head = None
+    if tied and (embed is None or head is None):
+        return {}  # one tensor: cut both uses or neither
+    origins: dict[int, tuple[nn.Parameter, int]] = {}
+    chunks: dict[int, list[VocabRows]] = {}  # weight id -> its chunks (shared when tied)
+
+    def chunked(weight: nn.Parameter) -> list[VocabRows] | None:
+        if id(weight) not in chunks:
+            rows = weight.shape[0]
+            count = math.ceil(weight.numel() / max(largest_unit, 1))
+            if count <= 1:
+                return None
+            step = math.ceil(rows / count)
+            parts = [VocabRows(weight, a, min(a + step, rows)) for a in range(0, rows, step)]
+            for part in parts:
+                origins[id(part.weight)] = (weight, part.start)
+            chunks[id(weight)] = parts
+        return chunks[id(weight)]
+
+    if embed is not None and (parts := chunked(embed.weight)) is not None:
+        model.set_input_embeddings(ChunkedEmbedding(parts, *embed.weight.shape))  # type: ignore[operator]
+    if head is not None and (parts := chunked(head.weight)) is not None:
+        model.set_output_embeddings(ChunkedHead(parts, head.in_features, head.out_features))  # type: ignore[operator]
+    return origins
+
+
+def vocabulary_units(model: nn.Module) -> list[VocabRows]:
+    """The chunk modules :func:`split_vocabulary` made, each once (a tied chunk serves both)."""
+    seen: dict[int, VocabRows] = {}
+    for module in model.modules():
+        if isinstance(module, VocabRows):
+            seen.setdefault(id(module), module)
+    return list(seen.values())
