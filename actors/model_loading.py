@@ -7,9 +7,11 @@ tensor), then the root; every unit reshards after forward. Each rank then reads 
 dim-0 slice of every tensor from the checkpoint: safetensors (one file or several, through
 ``model.safetensors.index.json``) are read slice by slice, and ``.bin`` files (one or several,
 through ``pytorch_model.bin.index.json``) are memory-mapped and sliced the same way. Peak host
-memory per rank is therefore about model/G plus one unit. Only checkpoints whose tensor names do
-not match the model, or legacy (pre-zip) ``.bin`` files that cannot be memory-mapped, fall back
-to a full load on every rank followed by sharding, with a warning.
+memory per rank is therefore about model/G plus one unit (on CPU ranks a large vocabulary
+matrix is cut into units of a decoder block's size: :mod:`actors.vocab_chunks`). Only
+checkpoints whose tensor names do not match the model, or legacy (pre-zip) ``.bin`` files that
+cannot be memory-mapped, fall back to a full load on every rank followed by sharding, with a
+warning.
 """
 
 from __future__ import annotations
@@ -177,9 +179,10 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[nn.Parame
     """Apply FSDP2: each decoder block, the embeddings and the head, then the root.
 
     On CPU ranks a vocabulary matrix larger than a decoder block is first cut into row chunks of
-    at most a block's size, each its own unit (:mod:`actors.vocab_chunks`), so that it never
-    sets the rank's peak. Returns each chunk parameter's origin by name: the parameter it was cut
-    from and its first row.
+    at most a block's size, each its own unit (:mod:`actors.vocab_chunks`): it is then never
+    held twice while FSDP copies it out, and the embedding never holds more than a chunk.
+    Returns each chunk parameter's origin by name: the parameter it was cut from and its first
+    row.
 
     Every unit — the root included — is given ``reshard_after_forward=True`` explicitly: left to
     its default the root keeps its parameters unsharded after forward, expecting a backward

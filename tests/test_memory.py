@@ -1,7 +1,9 @@
 """Sharding that cuts memory: a rank holds its shard, loads only its shard, and does not grow.
 
 The fast tests check, on meta-device models, which FSDP units the loader makes (tied embeddings
-and head are one unit) and how a tied parameter finds its one checkpoint tensor. The slow ones run
+and head are one unit) and how a tied parameter finds its one checkpoint tensor; and that a
+vocabulary matrix larger than a decoder block is cut into row-chunk units whose logits are
+bit-identical to the uncut model's (the Llama below is cut in three at G=2). The slow ones run
 real rank actors (:class:`actors.worker.ShardWorker` in Ray actors, joined by a real gloo process
 group of G=2) on small models saved to disk:
 
