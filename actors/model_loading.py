@@ -29,6 +29,7 @@ import torch
 import transformers
 from accelerate import init_empty_weights
 from safetensors import safe_open
+from torch import distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -179,10 +180,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[nn.Parame
     """Apply FSDP2: each decoder block, the embeddings and the head, then the root.
 
     On CPU ranks a vocabulary matrix larger than a decoder block is first cut into row chunks of
-    at most a block's size, each its own unit (:mod:`actors.vocab_chunks`): it is then never
-    held twice while FSDP copies it out, and the embedding never holds more than a chunk.
-    Returns each chunk parameter's origin by name: the parameter it was cut from and its first
-    row.
+    about a block's size, each its own unit (:mod:`actors.vocab_chunks`): it is then never
+    held twice while FSDP copies it out, the embedding never holds more than a chunk, and the
+    head multiplies chunk by chunk where every rank of the replica finds that bit-identical to
+    one product (a collective over ``mesh``). Returns each chunk parameter's origin by name: the
+    parameter it was cut from and its first row.
 
     Every unit — the root included — is given ``reshard_after_forward=True`` explicitly: left to
     its default the root keeps its parameters unsharded after forward, expecting a backward
@@ -202,6 +204,14 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[nn.Parame
         largest = max(sum(p.numel() for p in block.parameters()) for block in blocks)
         cut = split_vocabulary(model, largest)
         origins = {n: cut[id(p)] for n, p in model.named_parameters() if id(p) in cut}
+        head = model.get_output_embeddings()  # type: ignore[operator]
+        if isinstance(head, ChunkedHead):
+            head.by_chunks = _all_ranks_agree(head.products_by_chunk_are_exact(), mesh)
+            logger.info(
+                "output head cut into %d chunks, multiplied %s",
+                len(head.parts),
+                "chunk by chunk" if head.by_chunks else "as one weight (chunked is not exact here)",
+            )
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     for part in vocabulary_units(model):
@@ -213,6 +223,13 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[nn.Parame
     if mesh.device_type == "cpu" and hasattr(root, "_set_unshard_async_op"):
         root._set_unshard_async_op(True)
     return origins
+
+
+def _all_ranks_agree(value: bool, mesh: DeviceMesh) -> bool:
+    """True only if ``value`` is true on every rank of ``mesh`` (ranks may sit on other CPUs)."""
+    flag = torch.tensor([int(value)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.get_group())
+    return bool(flag.item())
 
 
 def release_unsharded(model: nn.Module) -> None:

@@ -4,15 +4,20 @@ Under FSDP a rank all-gathers one whole unit before computing it, and for a mome
 (the all-gather buffer and the unsharded parameter it is copied into). With a large vocabulary
 the input embeddings and the output head are the largest units by far (a 32k x 1024 float32
 matrix is 125 MiB, a decoder block of the same model ~26 MiB), so they, not the rank's 1/G,
-set its peak. Here each becomes a few row chunks of at most the largest decoder block's size,
+set its peak. Here each becomes a few row chunks of about the largest decoder block's size,
 each its own FSDP unit:
 
 * the embedding gathers one chunk at a time and looks up that chunk's token ids in it (a copy of
   rows: exact), so it never holds more than a chunk;
-* the head gathers one chunk at a time into one whole weight and multiplies once, so it holds
-  the weight once (not twice) plus a chunk, and its logits are bit-identical. Multiplying chunk
-  by chunk would hold less but is not exact: MKL rounds a product of 1-3 rows differently with
-  the column count (measured).
+* the head multiplies chunk by chunk (one chunk gathered at a time, its logits written into
+  their columns) where that is bit-identical to one product with the whole weight. That is a
+  property of the BLAS, so each rank checks it once for the head's shapes
+  (:func:`chunked_products_are_exact`) and the replica's ranks agree on it. With MKL on an AVX2
+  CPU, chunks of a multiple of 64 rows gave the whole product's values for every shape tried
+  (624 of them: vocabularies of 3k-152k, hidden sizes of 64-2,048, 1 and 2 threads), while
+  unaligned chunks did not.
+  Where it is not exact, the head gathers one chunk at a time into one whole weight and
+  multiplies once, holding the weight once (not twice) plus a chunk.
 
 A tied head shares its chunks with the embeddings (one unit per chunk, gathered for each use).
 Only exact ``nn.Embedding`` / bias-free ``nn.Linear`` modules are cut: a subclass may do more
@@ -22,6 +27,7 @@ in its forward (Gemma scales its embeddings), so those stay whole units. CPU ran
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from typing import cast
@@ -75,11 +81,32 @@ class ChunkedHead(nn.Module):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.in_features, self.out_features = in_features, out_features
+        # Multiply chunk by chunk: set where chunked_products_are_exact says so on every rank.
+        self.by_chunks = False
+
+    def products_by_chunk_are_exact(self) -> bool:
+        """Whether this head's chunked products equal the whole one's on this machine."""
+        first = _rows(self.parts)[0]
+        return chunked_products_are_exact(
+            self.in_features,
+            self.out_features,
+            first.stop - first.start,
+            first.weight.dtype,
+            first.weight.requires_grad,
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The whole weight, assembled chunk by chunk (each chunk gathered, copied, freed), then
-        # one matmul: the logits are bit-identical to the uncut head's. Cutting the matmul
-        # instead is not: BLAS rounds a product of 1-3 rows differently with the column count.
+        if self.by_chunks:
+            logits: torch.Tensor | None = None
+            for part in _rows(self.parts):  # each chunk gathered for its product, then freed
+                piece = part(hidden, head=True)
+                if logits is None:
+                    logits = piece.new_empty(*piece.shape[:-1], self.out_features)
+                logits[..., part.start : part.stop] = piece
+            assert logits is not None
+            return logits
+        # The whole weight, assembled chunk by chunk, then one matmul: bit-identical to the
+        # uncut head's logits wherever chunked products are not.
         weight: torch.Tensor | None = None
         for part in _rows(self.parts):
             if isinstance(part, FSDPModule):
@@ -98,12 +125,60 @@ class ChunkedHead(nn.Module):
         return F.linear(hidden, weight)
 
 
+# (rows, positions, kept positions) of the head inputs checked: one decode step of 1-3 and 16
+# rows, the last position(s) of prompts (a non-contiguous slice), scored positions picked into
+# one row. MKL picks its kernel by the rows per product (1, 2-3, 4 and more).
+_CHECKED_SHAPES = (
+    (1, 1, 1),
+    (2, 1, 1),
+    (3, 1, 1),
+    (16, 1, 1),
+    (1, 5, 1),
+    (2, 9, 1),
+    (3, 7, 2),
+    (1, 20, 3),
+    (4, 30, 1),
+    (5, 10, 4),
+    (1, 64, 64),
+    (1, 200, 200),
+)
+
+
+@functools.lru_cache(maxsize=16)
+def chunked_products_are_exact(
+    in_features: int, out_features: int, step: int, dtype: torch.dtype, requires_grad: bool
+) -> bool:
+    """Whether a head of this shape gives bit-identical logits multiplied by ``step``-row chunks.
+
+    Checked on this process's CPU, with its thread count, on random values of the head's own
+    shape and dtype (``requires_grad`` as the parameters: torch's matmul takes another path for
+    a non-contiguous input when the weight requires grad) for the input shapes a worker feeds
+    its head (:data:`_CHECKED_SHAPES`). Holds one random matrix of the head's size for the check.
+    """
+    generator = torch.Generator().manual_seed(0)
+    whole = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    chunks = [
+        whole[start : start + step].requires_grad_(requires_grad)
+        for start in range(0, out_features, step)
+    ]
+    whole.requires_grad_(requires_grad)
+    with torch.no_grad():
+        for rows, positions, kept in _CHECKED_SHAPES:
+            hidden = torch.randn(rows, positions, in_features, generator=generator).to(dtype)
+            hidden = hidden[:, positions - kept :]
+            expected = F.linear(hidden, whole)
+            got = torch.cat([F.linear(hidden, chunk) for chunk in chunks], dim=-1)
+            if not torch.equal(expected, got):
+                return False
+    return True
+
+
 def _rows(parts: nn.ModuleList) -> list[VocabRows]:
     return [cast(VocabRows, part) for part in parts]
 
 
 def split_vocabulary(model: nn.Module, largest_unit: int) -> dict[int, tuple[nn.Parameter, int]]:
-    """Cut the model's embeddings and head into chunks of at most ``largest_unit`` elements.
+    """Cut the model's embeddings and head into chunks of about ``largest_unit`` elements.
 
     Args:
         model: A causal LM on any device (meta included), not yet sharded.
@@ -137,7 +212,10 @@ def split_vocabulary(model: nn.Module, largest_unit: int) -> dict[int, tuple[nn.
             count = math.ceil(weight.numel() / max(largest_unit, 1))
             if count <= 1:
                 return None
-            step = math.ceil(rows / count)
+            # Rows per chunk rounded up to a multiple of 64: chunk boundaries on the column
+            # blocks of the BLAS kernels, where chunked head products can be exact (unaligned
+            # ones were not: chunked_products_are_exact).
+            step = math.ceil(math.ceil(rows / count) / 64) * 64
             parts = [VocabRows(weight, a, min(a + step, rows)) for a in range(0, rows, step)]
             for part in parts:
                 origins[id(part.weight)] = (weight, part.start)
