@@ -96,7 +96,9 @@ class ChunkedHead(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.by_chunks:
+        # The check ran in the parameters' dtype: under autocast (lm-eval's mixed_precision_dtype)
+        # the products run in another, so the head multiplies once there.
+        if self.by_chunks and not torch.is_autocast_enabled(hidden.device.type):
             logits: torch.Tensor | None = None
             for part in _rows(self.parts):  # each chunk gathered for its product, then freed
                 piece = part(hidden, head=True)

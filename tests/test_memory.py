@@ -359,6 +359,12 @@ def test_large_vocabulary_is_cut_into_units_with_bit_identical_logits() -> None:
                     expected = model(ids, logits_to_keep=keep, use_cache=False).logits
                     got = cut(ids, logits_to_keep=keep, use_cache=False).logits
                 assert torch.equal(expected, got), (config.model_type, head.by_chunks, rows, keep)
+        # Under autocast (mixed_precision_dtype) too; the head then multiplies once (the check ran
+        # in the parameters' dtype, not in autocast's).
+        ids = torch.randint(0, config.vocab_size, (3, 7))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(ids, logits_to_keep=2, use_cache=False).logits
+            assert torch.equal(expected, cut(ids, logits_to_keep=2, use_cache=False).logits)
         with pytest.raises(IndexError):
             embed(torch.tensor([[config.vocab_size]]))
 
