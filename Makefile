@@ -28,7 +28,7 @@ run: install
 
 # The same demo evaluation once, through the CLI, writing lm-eval's files under $(DEMO_OUT).
 demo-cli: install
-	$(BIN)/python -m service.demo --root $(DEMO_DIR)
+	$(BIN)/python -m rayeval.service.demo --root $(DEMO_DIR)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/rayeval run --model hf \
 	    --model_args pretrained=$(DEMO_DIR)/model,dtype=float32 \
 	    --include_path $(DEMO_DIR)/tasks --tasks demo \
@@ -51,6 +51,8 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	mkdir -p .typecheck/rayeval
+	for pkg in actors api service; do ln -sfn ../../$$pkg .typecheck/rayeval/$$pkg; done
 	$(BIN)/mypy
 
 format: install
@@ -61,4 +63,4 @@ bench: install
 	$(BIN)/python benchmarks/bench_engine.py
 
 clean:
-	rm -rf .rayeval build *.egg-info .pytest_cache .ruff_cache .mypy_cache
+	rm -rf .rayeval build *.egg-info .pytest_cache .ruff_cache .mypy_cache .typecheck

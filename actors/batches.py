@@ -1,8 +1,8 @@
 """What travels between the driver and a rank: micro-batches in, per-row results out.
 
 These are plain frozen dataclasses of token ids (no torch), built by the driver's planner and
-consumed by :class:`actors.worker.ShardWorker`. An empty micro-batch is a *dummy*: the rank still
-runs one forward (or one ``generate``) so that every rank of a shard group issues the same
+consumed by :class:`rayeval.actors.worker.ShardWorker`. An empty micro-batch is a *dummy*: the rank
+still runs one forward (or one ``generate``) so that every rank of a shard group issues the same
 collectives.
 """
 
@@ -52,7 +52,7 @@ class ScoreRow:
     prefix (the choices of one question, or questions behind the same few-shot examples), the
     shared tokens stored once. Token ``i`` sees exactly its ancestors (``parents[i]``,
     ``parents[parents[i]]``, ...) and sits at position id = its depth, so each request's tokens are
-    computed as if its input were a row of its own (see :mod:`actors.packing`).
+    computed as if its input were a row of its own (see :mod:`rayeval.actors.packing`).
 
     Args:
         tokens: Plain: the model input, already truncated:

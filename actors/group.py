@@ -1,11 +1,11 @@
 """The worker group of one evaluation: a placement group, R x G rank actors, R process groups.
 
 ``WorkerGroup.create`` refuses a layout the cluster can never hold, reserves the placement group
-(``actors.placement``: waits with a timeout that reports requested vs available resources, then
-maps bundles to ranks so that a replica sits on one node when it fits there), settles how replicas
-shard the model (``actors.sharding``: tensor parallelism needs a replica's ranks on one node),
-starts one actor per bundle and has every replica form its process group and load the model.
-A partial start is cleaned up: no actor or placement group outlives a failed ``create``.
+(``rayeval.actors.placement``: waits with a timeout that reports requested vs available resources,
+then maps bundles to ranks so that a replica sits on one node when it fits there), settles how
+replicas shard the model (``rayeval.actors.sharding``: tensor parallelism needs a replica's ranks
+on one node), starts one actor per bundle and has every replica form its process group and load the
+model. A partial start is cleaned up: no actor or placement group outlives a failed ``create``.
 ``shutdown`` releases everything.
 """
 
@@ -21,11 +21,11 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from actors.batches import MicroBatch, ModelSpec
-from actors.errors import EvaluationTimeoutError, ModelLoadError, RayEvalError
-from actors.layout import DeviceKind, ParallelLayout
-from actors.placement import Placement, reserve
-from actors.sharding import ShardStrategy, settle
+from rayeval.actors.batches import MicroBatch, ModelSpec
+from rayeval.actors.errors import EvaluationTimeoutError, ModelLoadError, RayEvalError
+from rayeval.actors.layout import DeviceKind, ParallelLayout
+from rayeval.actors.placement import Placement, reserve
+from rayeval.actors.sharding import ShardStrategy, settle
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class WorkerGroup:
             seed: The ranks' torch seed.
             strategy: How replicas shard the model (``auto``: TP where it can work).
             tp_obstacles: Why tensor parallelism cannot run this model at this G
-                (:func:`actors.sharding.tp_obstacles`; empty: it can).
+                (:func:`rayeval.actors.sharding.tp_obstacles`; empty: it can).
 
         Raises:
             LayoutError: if the layout is larger than the whole cluster, or ``tp`` was asked
@@ -179,7 +179,7 @@ class WorkerGroup:
     def _start_actors(
         self, placement: Placement, spec: ModelSpec, timeouts: Timeouts, seed: int
     ) -> None:
-        from actors.worker import ShardWorker
+        from rayeval.actors.worker import ShardWorker
 
         env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
         env["TOKENIZERS_PARALLELISM"] = "false"

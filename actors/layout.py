@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from actors.errors import LayoutError
+from rayeval.actors.errors import LayoutError
 
 
 class DeviceKind(StrEnum):
@@ -30,7 +30,7 @@ class PlacementPolicy(StrEnum):
     """How the ranks of a layout are placed on the cluster's nodes.
 
     ``AUTO`` spreads unsharded replicas over nodes and keeps each sharded replica on one node when
-    a node can hold it (``actors.placement`` explains why). ``PACK`` fills as few nodes as
+    a node can hold it (``rayeval.actors.placement`` explains why). ``PACK`` fills as few nodes as
     possible, whatever G. ``SPREAD`` puts the ranks on as many nodes as possible (best effort, as
     Ray's ``SPREAD``): with G > 1 and a free node per rank, a replica's ranks sit on different
     nodes and its all-gathers cross the network (a node that gets G ranks still holds a whole

@@ -8,7 +8,7 @@ dim-0 slice of every tensor from the checkpoint: safetensors (one file or severa
 ``model.safetensors.index.json``) are read slice by slice, and ``.bin`` files (one or several,
 through ``pytorch_model.bin.index.json``) are memory-mapped and sliced the same way. Peak host
 memory per rank is therefore about model/G plus one unit (on CPU ranks a large vocabulary
-matrix is cut into units of a decoder block's size: :mod:`actors.vocab_chunks`). Only
+matrix is cut into units of a decoder block's size: :mod:`rayeval.actors.vocab_chunks`). Only
 checkpoints whose tensor names do not match the model, or legacy (pre-zip) ``.bin`` files that
 cannot be memory-mapped, fall back to a full load on every rank followed by sharding, with a
 warning.
@@ -35,9 +35,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from actors.batches import ModelSpec
-from actors.errors import ModelLoadError
-from actors.vocab_chunks import (
+from rayeval.actors.batches import ModelSpec
+from rayeval.actors.errors import ModelLoadError
+from rayeval.actors.vocab_chunks import (
     ChunkedEmbedding,
     ChunkedHead,
     split_vocabulary,
@@ -180,7 +180,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[nn.Parame
     """Apply FSDP2: each decoder block, the embeddings and the head, then the root.
 
     On CPU ranks a vocabulary matrix larger than a decoder block is first cut into row chunks of
-    about a block's size, each its own unit (:mod:`actors.vocab_chunks`): it is then never
+    about a block's size, each its own unit (:mod:`rayeval.actors.vocab_chunks`): it is then never
     held twice while FSDP copies it out, the embedding never holds more than a chunk, and the
     head multiplies chunk by chunk where every rank of the replica finds that bit-identical to
     one product (a collective over ``mesh``). Returns each chunk parameter's origin by name: the

@@ -1,8 +1,9 @@
 """Model inputs for packed score rows: token trees fed once, each token seeing only its ancestors.
 
-A packed :class:`actors.batches.ScoreRow` holds the inputs of several requests that share a
-prefix, the shared tokens once (the planner builds it: ``service.engine.planner.pack_prefixes``).
-Scoring it exactly as lm-eval scores each request on a row of its own takes two things the model
+A packed :class:`rayeval.actors.batches.ScoreRow` holds the inputs of several requests that share a
+prefix, the shared tokens once (the planner builds it:
+``rayeval.service.engine.planner.pack_prefixes``). Scoring it exactly as lm-eval scores each
+request on a row of its own takes two things the model
 already accepts:
 
 - a custom 4D attention mask in which token ``i`` attends to itself and its ancestors only (never
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from actors.batches import ScoreRow
+from rayeval.actors.batches import ScoreRow
 
 #: Model types whose attention is plain causal attention over position ids, built by
 #: transformers' ``create_causal_mask`` (which passes a custom 4D mask through unchanged).

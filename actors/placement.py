@@ -23,8 +23,8 @@ Why a strategy per shard size (:func:`choose_strategy`, placement policy ``auto`
   a replica that one node could hold; :func:`reserve` then logs a warning (same results, slower).
 
 That is the ``auto`` placement policy. A layout may ask for ``pack`` or ``spread`` instead
-(:class:`actors.layout.PlacementPolicy`, ``--placement``): ``spread`` with G > 1 puts a replica's
-ranks on different nodes, which a test or a rehearsal of a multi-node replica needs
+(:class:`rayeval.actors.layout.PlacementPolicy`, ``--placement``): ``spread`` with G > 1 puts a
+replica's ranks on different nodes, which a test or a rehearsal of a multi-node replica needs
 (``deploy/netns``); the rank assignment below is the same for every policy.
 
 GPU ranks: a bundle reserves one specific GPU of its node, so a short probe task in each bundle
@@ -49,8 +49,8 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.errors import LayoutError, ResourcesUnavailableError
-from actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
+from rayeval.actors.errors import LayoutError, ResourcesUnavailableError
+from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ Two strategies load, shard and run a model on a replica's process group:
   differ from one G to another in the last bits (still within the fidelity invariant).
 
 ``auto`` picks TP wherever it can work and FSDP otherwise. This module decides; it imports no
-torch (the driver and the API use it). Loading lives in :mod:`actors.model_loading` (FSDP) and
-:mod:`actors.tensor_parallel` (TP).
+torch (the driver and the API use it). Loading lives in :mod:`rayeval.actors.model_loading` (FSDP)
+and :mod:`rayeval.actors.tensor_parallel` (TP).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
-from actors.errors import ConfigError, LayoutError
+from rayeval.actors.errors import ConfigError, LayoutError
 
 
 class ShardStrategy(StrEnum):

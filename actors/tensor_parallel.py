@@ -18,9 +18,9 @@ import torch
 import transformers
 from torch import nn
 
-from actors.batches import ModelSpec
-from actors.errors import ModelLoadError
-from actors.model_loading import from_pretrained_kwargs, load_config, resolve_dtype
+from rayeval.actors.batches import ModelSpec
+from rayeval.actors.errors import ModelLoadError
+from rayeval.actors.model_loading import from_pretrained_kwargs, load_config, resolve_dtype
 
 
 def load_tensor_parallel(spec: ModelSpec, device: torch.device, shard_size: int) -> nn.Module:

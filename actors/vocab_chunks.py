@@ -22,7 +22,7 @@ each its own FSDP unit:
 A tied head shares its chunks with the embeddings (one unit per chunk, gathered for each use).
 Only exact ``nn.Embedding`` / bias-free ``nn.Linear`` modules are cut: a subclass may do more
 in its forward (Gemma scales its embeddings), so those stay whole units. CPU ranks only for now
-(:func:`actors.model_loading.shard_model`): nothing here has run on a GPU.
+(:func:`rayeval.actors.model_loading.shard_model`): nothing here has run on a GPU.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """One rank: a plain class that Ray turns into an actor where the worker group creates it.
 
 A :class:`ShardWorker` joins its replica's torch process group (gloo on CPU, NCCL on GPU), loads
-the model (sharded by the replica's strategy, :mod:`actors.sharding`, when the replica has several
-ranks) and computes micro-batches. Every call that involves other ranks (a forward, ``generate``
-with ``synced_gpus``) is issued by all ranks of the replica in the same order, because the driver
-sends each step to all of them: under FSDP each rank its own micro-batch, under tensor parallelism
-the same micro-batch to every rank.
+the model (sharded by the replica's strategy, :mod:`rayeval.actors.sharding`, when the replica has
+several ranks) and computes micro-batches. Every call that involves other ranks (a forward,
+``generate`` with ``synced_gpus``) is issued by all ranks of the replica in the same order, because
+the driver sends each step to all of them: under FSDP each rank its own micro-batch, under tensor
+parallelism the same micro-batch to every rank.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 
-from actors import shm_collectives
-from actors.batches import (
+from rayeval.actors import shm_collectives
+from rayeval.actors.batches import (
     GenerateMicroBatch,
     GenerateResult,
     ModelSpec,
@@ -37,13 +37,13 @@ from actors.batches import (
     ScoreRow,
     StepStats,
 )
-from actors.errors import ConfigError
-from actors.layout import DeviceKind, RankCoord
-from actors.model_loading import load_model, release_unsharded
-from actors.packing import packed_inputs
-from actors.placement import cuda_device_index
-from actors.sharding import ShardStrategy
-from actors.tensor_parallel import load_tensor_parallel
+from rayeval.actors.errors import ConfigError
+from rayeval.actors.layout import DeviceKind, RankCoord
+from rayeval.actors.model_loading import load_model, release_unsharded
+from rayeval.actors.packing import packed_inputs
+from rayeval.actors.placement import cuda_device_index
+from rayeval.actors.sharding import ShardStrategy
+from rayeval.actors.tensor_parallel import load_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -238,8 +238,9 @@ class ShardWorker:
 
         Mirrors lm-eval's HF backend: right padding, log-softmax then gather, ``is_greedy`` when
         every continuation token is the argmax. Plain rows run as lm-eval runs them (no attention
-        mask); a micro-batch with a packed row (a token tree, :mod:`actors.packing`) runs with a
-        4D attention mask and position ids that give every token exactly its own request's view.
+        mask); a micro-batch with a packed row (a token tree, :mod:`rayeval.actors.packing`) runs
+        with a 4D attention mask and position ids that give every token exactly its own request's
+        view.
         """
         started = time.monotonic()
         rows = batch.rows or ()

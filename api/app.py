@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import SQLAlchemyError
 
-from actors.errors import (
+from rayeval.actors.errors import (
     ConfigError,
     EvaluationNotFoundError,
     EvaluationStateError,
@@ -30,15 +30,15 @@ from actors.errors import (
     RayEvalError,
     ServiceNotReadyError,
 )
-from api.deps import Services
-from api.routes import dashboard, evaluations, health, insights, metrics
-from api.settings import Settings
-from api.views import EvaluationViews, EventFeed
-from service.jobs.manager import EvaluationManager, ManagerOptions
-from service.jobs.ray_resources import connect_ray
-from service.jobs.store import EvaluationStore
-from service.jobs.tasks import TaskCatalog
-from service.jobs.validation import ServerPolicy
+from rayeval.api.deps import Services
+from rayeval.api.routes import dashboard, evaluations, health, insights, metrics
+from rayeval.api.settings import Settings
+from rayeval.api.views import EvaluationViews, EventFeed
+from rayeval.service.jobs.manager import EvaluationManager, ManagerOptions
+from rayeval.service.jobs.ray_resources import connect_ray
+from rayeval.service.jobs.store import EvaluationStore
+from rayeval.service.jobs.tasks import TaskCatalog
+from rayeval.service.jobs.validation import ServerPolicy
 
 logger = logging.getLogger(__name__)
 

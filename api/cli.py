@@ -3,9 +3,9 @@
 ``rayeval run`` takes lm-eval's own ``run`` flags — its parser is reused, so every flag means what
 it means in ``lm_eval`` — plus the layout and Ray options. It is also the entrypoint for
 ``ray job submit``: inside a Ray job, ``RAY_ADDRESS`` is set and the job's cluster is used.
-``rayeval serve`` runs the REST service (see ``api.app``); ``rayeval submit`` takes ``run``'s flags
-and sends the evaluation to a server instead, and ``rayeval status/results/cancel`` follow it
-there (:mod:`api.client`), with progress bars.
+``rayeval serve`` runs the REST service (see ``rayeval.api.app``); ``rayeval submit`` takes
+``run``'s flags and sends the evaluation to a server instead, and ``rayeval status/results/cancel``
+follow it there (:mod:`rayeval.api.client`), with progress bars.
 Nothing heavy is imported until a command runs.
 """
 
@@ -125,9 +125,9 @@ def _add_client_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_config_flags(group: argparse._ArgumentGroup) -> None:
     """rayeval's own ``run`` flags, one per config field lm-eval has no flag for: name, type,
-    default and help all come from :class:`service.config.EvaluationConfig`."""
+    default and help all come from :class:`rayeval.service.config.EvaluationConfig`."""
 
-    from service.config import RAYEVAL_FLAGS, field_info
+    from rayeval.service.config import RAYEVAL_FLAGS, field_info
 
     for path, flag in RAYEVAL_FLAGS.items():
         info = field_info(path)
@@ -177,7 +177,7 @@ def _parse_bool(text: str) -> bool:
 
 def _dest(path: Sequence[str]) -> str:
     """The namespace attribute of a rayeval flag: its name (``num_replicas``, ...)."""
-    from service.config import RAYEVAL_FLAGS
+    from rayeval.service.config import RAYEVAL_FLAGS
 
     return RAYEVAL_FLAGS[tuple(path)].removeprefix("--")
 
@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command in ("submit", "status", "results", "cancel"):
-        from api import remote
+        from rayeval.api import remote
 
         return remote.main(args, _config_from_args)
     return 2
@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from api.settings import Settings
+    from rayeval.api.settings import Settings
 
     flags = (
         "host",
@@ -328,7 +328,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.demo:
         from pathlib import Path
 
-        from service.demo import ensure_demo_assets
+        from rayeval.service.demo import ensure_demo_assets
 
         assets = ensure_demo_assets(Path(args.demo_dir) if args.demo_dir else None)
         demo_model = str(assets.model_dir)
@@ -348,7 +348,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from api.app import create_app
+    from rayeval.api.app import create_app
 
     if demo_model is not None:
         threading.Thread(
@@ -429,8 +429,8 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("DISABLE_MULTIPROC", "1")
     from lm_eval.utils import make_table
 
-    from actors.errors import RayEvalError
-    from service.engine.runner import run_evaluation
+    from rayeval.actors.errors import RayEvalError
+    from rayeval.service.engine.runner import run_evaluation
 
     try:
         config, host = _config_from_args(args)
@@ -495,8 +495,8 @@ def _config_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     from lm_eval.config.evaluate_config import EvaluatorConfig
     from pydantic import ValidationError
 
-    from actors.errors import ConfigError
-    from service.config import (
+    from rayeval.actors.errors import ConfigError
+    from rayeval.service.config import (
         LM_EVAL_HOST_FIELDS,
         RAYEVAL_FLAGS,
         EvaluationConfig,

@@ -2,7 +2,7 @@
 
 ::
 
-    from api.client import RayEvalClient
+    from rayeval.api.client import RayEvalClient
 
     with RayEvalClient("http://127.0.0.1:8000", token=None) as client:
         body = {"model_args": {"pretrained": "/models/m"}, "tasks": ["hellaswag"]}
@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from actors.errors import RayEvalError
+from rayeval.actors.errors import RayEvalError
 
 #: States after which an evaluation never changes.
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})

@@ -13,11 +13,11 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.settings import Settings
-from api.views import EvaluationViews, EventFeed
-from service.jobs.manager import EvaluationManager
-from service.jobs.store import EvaluationStore
-from service.jobs.tasks import TaskCatalog
+from rayeval.api.settings import Settings
+from rayeval.api.views import EvaluationViews, EventFeed
+from rayeval.service.jobs.manager import EvaluationManager
+from rayeval.service.jobs.store import EvaluationStore
+from rayeval.service.jobs.tasks import TaskCatalog
 
 
 @dataclass(frozen=True)

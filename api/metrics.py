@@ -2,8 +2,8 @@
 
 Nothing is counted in this process: every figure comes from what the runners reported and the
 store kept (an evaluation's stored progress: per request type its counts, seconds, tokens, cache
-hits, per-replica work and per-rank memory; see :class:`service.engine.lm.Progress`). A scrape
-therefore gives the same answer from any API process over the same database, and a restarted
+hits, per-replica work and per-rank memory; see :class:`rayeval.service.engine.lm.Progress`). A
+scrape therefore gives the same answer from any API process over the same database, and a restarted
 server loses nothing. Per-evaluation series exist while the evaluation is starting or running
 (Prometheus keeps their history); counts by state cover every evaluation.
 
@@ -30,8 +30,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.jobs.states import EvaluationStatus
-from service.jobs.store import EvaluationRecord, EvaluationStore
+from rayeval.service.jobs.states import EvaluationStatus
+from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
 
 _MIB = 2**20
 

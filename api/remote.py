@@ -1,4 +1,5 @@
-"""``rayeval submit/status/results/cancel``: the REST service from the shell, via :mod:`api.client`.
+"""``rayeval submit/status/results/cancel``: the REST service from the shell, via
+:mod:`rayeval.api.client`.
 
 ``submit`` reads the flags of ``rayeval run`` (lm-eval's own parser, same meanings) into the one
 configuration object and posts it; with ``--wait`` it shows a progress bar per request type, then
@@ -17,8 +18,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from actors.errors import ConfigError, RayEvalError
-from api.client import RayEvalClient, ServiceError
+from rayeval.actors.errors import ConfigError, RayEvalError
+from rayeval.api.client import RayEvalClient, ServiceError
 
 _REMOTE_FLAGS = ("url", "token", "wait")
 
@@ -47,7 +48,7 @@ def submission_body(args: argparse.Namespace, config_from_args: Callable[..., An
     Raises:
         ConfigError: a bad flag, or one that only the server's operator sets.
     """
-    from service.config import LM_EVAL_HOST_FIELDS
+    from rayeval.service.config import LM_EVAL_HOST_FIELDS
 
     given = vars(args)
     refused = [f"--{name}" for name in LM_EVAL_HOST_FIELDS | {"include_path"} if given.get(name)]

@@ -1,7 +1,7 @@
 """Request and response bodies of the REST API (their shapes are what /docs shows).
 
-The body of ``POST /evaluations`` is :class:`service.config.EvaluationConfig` itself — the one
-configuration object every entry point builds — so a new option is declared once, there, and
+The body of ``POST /evaluations`` is :class:`rayeval.service.config.EvaluationConfig` itself — the
+one configuration object every entry point builds — so a new option is declared once, there, and
 appears here with its default, bounds and description. ``EvaluationPublic`` is what the API
 returns about one evaluation.
 """
@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.config import EvaluationConfig
-from service.jobs.states import EvaluationStatus
+from rayeval.service.config import EvaluationConfig
+from rayeval.service.jobs.states import EvaluationStatus
 
 #: The body of ``POST /evaluations``: lm-eval's options (same names and meanings) plus the layout.
 EvaluationCreate = EvaluationConfig

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
+from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
 
 
 @dataclass
@@ -77,7 +77,8 @@ class EvaluationViews:
     def render(self, evaluation_id: str) -> Future[bytes]:
         """The answer as of now: the render in progress since the last write, or a new one.
 
-        The future raises :class:`service.jobs.store.EvaluationNotFoundError` for an unknown id.
+        The future raises :class:`rayeval.service.jobs.store.EvaluationNotFoundError` for an
+        unknown id.
         """
         with self._lock:
             return self._render_locked(evaluation_id)

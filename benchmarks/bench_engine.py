@@ -6,8 +6,8 @@ One process evaluates the same lm-eval tasks (default: the bundled ``demo`` grou
 * ``lm-eval hf`` — lm-eval's ``hf`` backend in this process, created exactly as
   ``simple_evaluate(model="hf", model_args={"pretrained": ..., "dtype": ...}, batch_size=...,
   device=...)`` creates it (``HFLM.create_from_arg_obj``), so its load time can be timed apart;
-* ``rayeval RxG`` — :class:`service.engine.lm.RayEvalLM` with ``R`` replicas of ``G`` ranks and
-  ``batch_size="auto"`` (token-budget micro-batches), passed to ``lm_eval.simple_evaluate``.
+* ``rayeval RxG`` — :class:`rayeval.service.engine.lm.RayEvalLM` with ``R`` replicas of ``G`` ranks
+and ``batch_size="auto"`` (token-budget micro-batches), passed to ``lm_eval.simple_evaluate``.
 
 Ray is started once, before any row, and its start-up is reported on its own line (it is in no
 row). Dataset preparation and first-use imports are done once before the first row (warm-up),
@@ -316,7 +316,7 @@ def run_rayeval(
     args: argparse.Namespace, model_dir: str, task_manager: Any, layout: tuple[int, int]
 ) -> Row:
     """One rayeval layout on the already running Ray."""
-    from service.engine.lm import RayEvalLM
+    from rayeval.service.engine.lm import RayEvalLM
 
     replicas, shards = layout
     row = Row(f"rayeval {replicas}x{shards}", f"{replicas}x{shards}")
@@ -654,7 +654,7 @@ def warm_up_imports(model_dir: str) -> None:
     import torch
     import transformers
 
-    import service.engine.lm  # noqa: F401
+    import rayeval.service.engine.lm  # noqa: F401
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from service.demo import ensure_demo_assets
+    from rayeval.service.demo import ensure_demo_assets
 
     started = time.perf_counter()
     model_dir = args.model

@@ -124,7 +124,7 @@ def build_requests(tokenizer: Any, args: argparse.Namespace) -> tuple[list[Any],
 
     from lm_eval.api.instance import Instance
 
-    from service.demo.tiny_model import load_corpus
+    from rayeval.service.demo.tiny_model import load_corpus
 
     ids: list[int] = []
     for text in load_corpus():
@@ -167,7 +167,7 @@ def run_row(
         )
         close = None
     else:
-        from service.engine.lm import RayEvalLM
+        from rayeval.service.engine.lm import RayEvalLM
 
         switch = os.environ.get("RAYEVAL_SHM_COLLECTIVES")
         if spec.gloo:  # read from the driver's environment when the ranks start
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from service.demo import ensure_demo_assets
+    from rayeval.service.demo import ensure_demo_assets
 
     assets = ensure_demo_assets()
     model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="bench-generate-"))

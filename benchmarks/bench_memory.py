@@ -2,7 +2,7 @@
 
 One process builds a Llama of a few hundred MB with random weights (fp32, saved with
 ``save_pretrained``; nothing is trained), then for each shard size ``G`` runs a short real
-evaluation with :class:`service.engine.lm.RayEvalLM` (``num_replicas=1, shard_size=G,
+evaluation with :class:`rayeval.service.engine.lm.RayEvalLM` (``num_replicas=1, shard_size=G,
 cpus_per_rank=1``) through ``lm_eval.simple_evaluate`` on the bundled demo tasks: multiple-choice
 ``loglikelihood`` requests, then a few ``generate_until`` requests.
 
@@ -180,7 +180,7 @@ class EmptyRank:
         import torch
         import transformers
 
-        import actors.worker  # noqa: F401
+        import rayeval.actors.worker  # noqa: F401
 
         config = transformers.AutoConfig.from_pretrained(model_dir)
         with torch.device("meta"):
@@ -232,7 +232,7 @@ def model_figures(model_dir: Path) -> dict[str, int]:
     import torch
     import transformers
 
-    from actors.model_loading import decoder_blocks, embedding_units
+    from rayeval.actors.model_loading import decoder_blocks, embedding_units
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -253,7 +253,7 @@ def run_layout(
     """One evaluation at ``1 x shard_size``; the ranks' memory, the lm-eval results, seconds."""
     import lm_eval
 
-    from service.engine.lm import RayEvalLM
+    from rayeval.service.engine.lm import RayEvalLM
 
     name = f"bench-mem-g{shard_size}-{os.getpid()}"
     started = time.perf_counter()
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from lm_eval.tasks import TaskManager
 
-    from service.demo import ensure_demo_assets
+    from rayeval.service.demo import ensure_demo_assets
 
     assets = ensure_demo_assets()
     task_manager = TaskManager(include_defaults=False, include_path=str(assets.tasks_dir))

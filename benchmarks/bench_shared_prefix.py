@@ -1,6 +1,6 @@
 """Model work per task shape: tokens fed to the model and LM time, lm-eval hf vs rayeval, one run.
 
-Each task shape of :mod:`service.demo.shaped` (hellaswag-, 10-shot ARC-, 5-shot MMLU-,
+Each task shape of :mod:`rayeval.service.demo.shaped` (hellaswag-, 10-shot ARC-, 5-shot MMLU-,
 wikitext- and generation-shaped) is evaluated on its own, by lm-eval's own ``hf`` backend
 (``batch_size`` 16, as ``lm_eval --model hf --batch_size 16``) and by rayeval (``batch_size
 auto``, shared prefixes on; ``--no_share`` for off) in each layout asked for, all loaded at once
@@ -120,7 +120,7 @@ def wide_demo_model(out: Path, hidden: int | None, layers: int) -> str:
     import torch
     import transformers
 
-    from service.demo import ensure_demo_assets
+    from rayeval.service.demo import ensure_demo_assets
 
     model_dir = out / "model"
     shutil.copytree(ensure_demo_assets().model_dir, model_dir)
@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from lm_eval.api.registry import get_model
 
-    from service.demo.shaped import SHAPED_TASKS, write_shaped_tasks
-    from service.engine.lm import RayEvalLM
+    from rayeval.service.demo.shaped import SHAPED_TASKS, write_shaped_tasks
+    from rayeval.service.engine.lm import RayEvalLM
 
     work = Path(tempfile.mkdtemp(prefix="bench-shared-"))
     try:

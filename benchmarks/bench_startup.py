@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    from service.demo import ensure_demo_assets
+    from rayeval.service.demo import ensure_demo_assets
 
     assets = ensure_demo_assets()
     replicas, shard = args.layout.split("x")

@@ -52,7 +52,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
-    from service.demo import ensure_demo_assets
+    from rayeval.service.demo import ensure_demo_assets
 
     assets = ensure_demo_assets()
     with tempfile.TemporaryDirectory(prefix="rayeval-bench-status-") as data_dir:

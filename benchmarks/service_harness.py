@@ -27,7 +27,7 @@ def start_server(
         "RAYEVAL_RESPONSE_CACHE": "true" if response_cache else "false",
     }
     argv = [
-        sys.executable, "-m", "api.cli", "serve", "--port", str(port),
+        sys.executable, "-m", "rayeval.api.cli", "serve", "--port", str(port),
         "--data-dir", str(data_dir), "--include-path", str(assets.tasks_dir),
         "--model-root", str(assets.model_dir), "--log-level", "warning", *extra,
     ]  # fmt: skip

@@ -3,8 +3,8 @@
 :class:`EvaluationConfig` is what an evaluation *is*: the model, the tasks, lm-eval's options
 (same names and meanings as ``lm_eval run``), the layout and the timeouts, each with its default
 and its validation. It is built from a REST body (it *is* the body of ``POST /evaluations``), from
-``rayeval run``'s flags (:func:`api.cli` derives rayeval's own flags from its fields) or from
-Python, stored as JSON by the job service, and handed unchanged to the runner and the engine.
+``rayeval run``'s flags (:func:`rayeval.api.cli` derives rayeval's own flags from its fields) or
+from Python, stored as JSON by the job service, and handed unchanged to the runner and the engine.
 
 Where an evaluation runs and writes — output path, task directories, the Ray address, lm-eval's
 trackers and caches — is not part of it: :class:`HostOptions` carries that, set by whoever runs
@@ -23,10 +23,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from actors.errors import ConfigError
-from actors.group import Timeouts
-from actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
-from actors.sharding import ShardStrategy
+from rayeval.actors.errors import ConfigError
+from rayeval.actors.group import Timeouts
+from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
+from rayeval.actors.sharding import ShardStrategy
 
 #: lm-eval's default seeds for random, numpy, torch and few-shot sampling (its ``DEFAULT_SEED``).
 DEFAULT_SEED: tuple[int, int, int, int] = (0, 1234, 1234, 1234)

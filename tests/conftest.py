@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.demo import DemoAssets, ensure_demo_assets
+from rayeval.service.demo import DemoAssets, ensure_demo_assets
 
 RAY_CPUS = 4
 

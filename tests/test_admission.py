@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from service.jobs.admission import Kept, free_resources, plan
-from service.jobs.ray_resources import group_name
-from service.jobs.store import EvaluationRecord, EvaluationStore
+from rayeval.service.jobs.admission import Kept, free_resources, plan
+from rayeval.service.jobs.ray_resources import group_name
+from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
 
 
 def _queue(tmp_path: Path, *needs: tuple[str, float]) -> list[EvaluationRecord]:

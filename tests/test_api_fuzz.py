@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 def fuzzed_server(
     demo: Any, ray_session: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerThread]:
-    from api.settings import Settings
+    from rayeval.api.settings import Settings
 
     server = ServerThread(
         Settings(

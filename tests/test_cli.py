@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from api.cli import main
+from rayeval.api.cli import main
 from tests.helpers import assert_same_results, demo_cli_args, read_outputs, run_lm_eval_cli
 
 pytestmark = pytest.mark.slow
@@ -81,7 +81,7 @@ def test_use_cache_never_serves_one_model_s_answers_to_another(
     demo: Any, ray_session: None, tmp_path: Path, capsys: Any
 ) -> None:
     """Two models on one --use_cache path each get their own results; a rerun computes nothing."""
-    from service.demo import build_tiny_model
+    from rayeval.service.demo import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", arch="gpt2", seed=1, train_steps=20)
     cache = str(tmp_path / "cache" / "run")

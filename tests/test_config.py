@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from service.config import (
+from rayeval.service.config import (
     LM_EVAL_HOST_FIELDS,
     RAYEVAL_FLAGS,
     EngineConfig,
@@ -29,7 +29,7 @@ def _run_flags() -> dict[str, Any]:
     """``rayeval run``'s flags: option string -> argparse action."""
     import argparse
 
-    from api.cli import build_parser
+    from rayeval.api.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -60,9 +60,9 @@ def test_every_lm_eval_option_is_the_config_s_or_the_host_s() -> None:
 
 
 def test_rest_body_is_the_config() -> None:
-    from api.app import create_app
-    from api.schemas import EvaluationCreate
-    from api.settings import Settings
+    from rayeval.api.app import create_app
+    from rayeval.api.schemas import EvaluationCreate
+    from rayeval.api.settings import Settings
 
     assert EvaluationCreate is EvaluationConfig
     schema = create_app(Settings()).openapi()["components"]["schemas"]
@@ -96,8 +96,8 @@ def test_errors_name_rest_fields_and_cli_flags() -> None:
 
 
 def test_placement_reaches_the_layout_from_every_door() -> None:
-    from actors.layout import DeviceKind, PlacementPolicy
-    from api.cli import build_parser
+    from rayeval.actors.layout import DeviceKind, PlacementPolicy
+    from rayeval.api.cli import build_parser
 
     cpu = DeviceKind.CPU
     body = {**BASE, "parallelism": {"shard_size": 2, "placement": "spread"}}
@@ -117,8 +117,8 @@ def test_placement_reaches_the_layout_from_every_door() -> None:
 
 
 def test_python_keywords_split_into_layout_timeouts_and_model_args() -> None:
-    from actors.errors import ConfigError
-    from actors.group import Timeouts
+    from rayeval.actors.errors import ConfigError
+    from rayeval.actors.group import Timeouts
 
     config = EngineConfig.from_kwargs(
         "org/model", num_replicas=2, step_s=5, timeouts=Timeouts(load_s=9), dtype="float32"
@@ -132,7 +132,7 @@ def test_python_keywords_split_into_layout_timeouts_and_model_args() -> None:
 
 
 def test_host_options_take_only_lm_eval_host_fields() -> None:
-    from actors.errors import ConfigError
+    from rayeval.actors.errors import ConfigError
 
     with pytest.raises(ConfigError, match="not lm-eval host options"):
         HostOptions(lm_eval={"limit": 3})
@@ -141,8 +141,8 @@ def test_host_options_take_only_lm_eval_host_fields() -> None:
 def test_auto_budgets_per_device_and_request_type() -> None:
     """``auto``: CPU ranks score in micro-batches of at most 2048 padded tokens, GPUs in 8192;
     generation keeps 8192 everywhere; ``max_batch_tokens`` and an integer batch size win."""
-    from actors.layout import DeviceKind
-    from service.engine.lm import _budget
+    from rayeval.actors.layout import DeviceKind
+    from rayeval.service.engine.lm import _budget
 
     auto = EngineConfig.from_kwargs("org/model")
     assert _budget(auto, score_on=DeviceKind.CPU).max_tokens == 2048

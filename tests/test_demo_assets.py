@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from service.demo import (
+from rayeval.service.demo import (
     DATA_DIR,
     DEMO_GROUP,
     DEMO_TASKS,
@@ -21,8 +21,8 @@ from service.demo import (
     build_tiny_model,
     ensure_demo_assets,
 )
-from service.demo.make_data import build_data
-from service.demo.tiny_model import CONTEXT_LENGTH
+from rayeval.service.demo.make_data import build_data
+from rayeval.service.demo.tiny_model import CONTEXT_LENGTH
 
 
 @pytest.fixture(scope="module")

@@ -182,7 +182,7 @@ def test_ray_up_config_has_what_the_launcher_requires() -> None:
 
 def test_rayeval_command_lines_in_the_manifests_parse() -> None:
     """The entrypoints are real ``rayeval`` command lines (flags exist, values have the types)."""
-    from api.cli import build_parser
+    from rayeval.api.cli import build_parser
 
     parser = build_parser()
     job = _kind("RayJob", DEPLOY / "kuberay" / "rayjob.yaml")

@@ -50,7 +50,7 @@ def test_uneven_work_over_2x2_finishes_and_matches(demo: Any, ray_session: None)
     """5 requests over 4 ranks (dummy micro-batches) with generations from 1 to 90 tokens."""
     from lm_eval.models.huggingface import HFLM
 
-    from service.engine.lm import RayEvalLM
+    from rayeval.service.engine.lm import RayEvalLM
 
     reference = HFLM(pretrained=str(demo.model_dir), device="cpu", dtype="float32", batch_size=1)
     expected_text = reference.generate_until(_generate_requests())
@@ -77,8 +77,8 @@ def test_uneven_work_over_2x2_finishes_and_matches(demo: Any, ray_session: None)
 def test_impossible_layout_fails_fast(demo: Any, ray_session: None) -> None:
     import ray
 
-    from actors.errors import ConfigError, LayoutError
-    from service.engine.lm import RayEvalLM
+    from rayeval.actors.errors import ConfigError, LayoutError
+    from rayeval.service.engine.lm import RayEvalLM
 
     started = time.monotonic()
     with pytest.raises(LayoutError, match=r"6 CPU requested, 4 in the cluster"):
@@ -96,9 +96,9 @@ def test_busy_cluster_times_out_with_requested_vs_available(demo: Any, ray_sessi
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from actors.errors import ResourcesUnavailableError
-    from actors.group import Timeouts
-    from service.engine.lm import RayEvalLM
+    from rayeval.actors.errors import ResourcesUnavailableError
+    from rayeval.actors.group import Timeouts
+    from rayeval.service.engine.lm import RayEvalLM
 
     blocker = placement_group([{"CPU": 1.0}] * 3)
     ray.get(blocker.ready(), timeout=30)
@@ -126,7 +126,7 @@ def test_lost_replica_is_dropped_and_its_work_rerun(
     collective), the replica's batches rerun on the other one, and results stay exact."""
     import ray
 
-    from service.engine.lm import RayEvalLM
+    from rayeval.service.engine.lm import RayEvalLM
 
     run = {"limit": 8, "bootstrap_iters": 0}
     tasks = ["demo_cloze", "demo_gen_short"]
@@ -156,8 +156,8 @@ def test_tied_embeddings_gpt2_sharded(tmp_path: Path, task_manager: Any, ray_ses
     """Another architecture family, with tied input/output embeddings, sharded over 2 ranks."""
     import transformers
 
-    from service.demo import build_tiny_model
-    from service.engine.lm import RayEvalLM
+    from rayeval.service.demo import build_tiny_model
+    from rayeval.service.engine.lm import RayEvalLM
 
     model_dir = build_tiny_model(tmp_path / "gpt2", arch="gpt2")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)

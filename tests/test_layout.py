@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.errors import LayoutError
-from actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
+from rayeval.actors.errors import LayoutError
+from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
 
 
 def test_ranks_are_replica_major() -> None:
@@ -48,8 +48,8 @@ def test_shard_strategy_is_settled_from_the_model_and_the_placement() -> None:
     """auto: TP where it can work, else FSDP; tp that cannot work is refused naming why."""
     import transformers
 
-    from actors.errors import ConfigError
-    from actors.sharding import ShardStrategy, settle, tp_obstacles, tp_obstacles_from_json
+    from rayeval.actors.errors import ConfigError
+    from rayeval.actors.sharding import ShardStrategy, settle, tp_obstacles, tp_obstacles_from_json
 
     llama = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2

@@ -5,7 +5,8 @@ and head are one unit) and how a tied parameter finds its one checkpoint tensor;
 vocabulary matrix larger than a decoder block is cut into row-chunk units whose logits are
 bit-identical to the uncut model's, the head multiplied chunk by chunk or as one weight (the
 Llama below is cut in three at G=2). The slow ones run
-real rank actors (:class:`actors.worker.ShardWorker` in Ray actors, joined by a real gloo process
+real rank actors (:class:`rayeval.actors.worker.ShardWorker` in Ray actors, joined by a real gloo
+process
 group of G=2) on small models saved to disk:
 
 * a Llama (untied head) and a tied-embedding GPT-2 each hold half of the parameters per rank,
@@ -31,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from actors.batches import ModelSpec, ScoreMicroBatch, ScoreRow
+from rayeval.actors.batches import ModelSpec, ScoreMicroBatch, ScoreRow
 
 G = 2
 FULL_LOAD_WARNING = "every rank loads the whole model"
@@ -51,7 +52,7 @@ def _meta_model(config: Any) -> Any:
 def test_tied_head_is_one_unit_with_the_embeddings() -> None:
     import transformers
 
-    from actors.model_loading import embedding_units
+    from rayeval.actors.model_loading import embedding_units
 
     gpt2 = _meta_model(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
@@ -64,7 +65,7 @@ def test_tied_head_is_one_unit_with_the_embeddings() -> None:
 def test_tied_parameter_maps_to_the_one_checkpoint_tensor() -> None:
     import transformers
 
-    from actors.model_loading import _aliases, _Checkpoint
+    from rayeval.actors.model_loading import _aliases, _Checkpoint
 
     gpt2 = _meta_model(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
     aliases = _aliases(gpt2)
@@ -90,8 +91,8 @@ class _Rank:
 
     def prepare(self, spec: ModelSpec) -> None:
         """Drop the previous model and its process group; a new ShardWorker for ``spec``."""
-        from actors.layout import DeviceKind, RankCoord
-        from actors.worker import ShardWorker
+        from rayeval.actors.layout import DeviceKind, RankCoord
+        from rayeval.actors.worker import ShardWorker
 
         if self._worker is not None:
             self._worker.shutdown()
@@ -274,7 +275,7 @@ def test_tied_gpt2_loads_its_shard_and_scores_like_the_whole_model(
     import torch
     import transformers
 
-    from service.demo import build_tiny_model
+    from rayeval.service.demo import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "gpt2", arch="gpt2", train_steps=0)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -329,8 +330,8 @@ def test_large_vocabulary_is_cut_into_units_with_bit_identical_logits() -> None:
     import torch
     import transformers
 
-    from actors.model_loading import decoder_blocks
-    from actors.vocab_chunks import ChunkedEmbedding, ChunkedHead, split_vocabulary
+    from rayeval.actors.model_loading import decoder_blocks
+    from rayeval.actors.vocab_chunks import ChunkedEmbedding, ChunkedHead, split_vocabulary
 
     torch.manual_seed(0)
     llama = _llama_config(vocab_size=3001, hidden_size=64, num_hidden_layers=2)
@@ -372,7 +373,7 @@ def test_large_vocabulary_is_cut_into_units_with_bit_identical_logits() -> None:
 def test_embedding_subclasses_and_small_vocabularies_stay_whole() -> None:
     import transformers
 
-    from actors.vocab_chunks import split_vocabulary
+    from rayeval.actors.vocab_chunks import split_vocabulary
 
     gemma = transformers.Gemma3TextConfig(
         hidden_size=32,

@@ -79,8 +79,8 @@ def runs(server: Any, demo: Any, tmp_path_factory: pytest.TempPathFactory) -> di
     import contextlib
     import io
 
-    from api.cli import main
-    from api.client import RayEvalClient
+    from rayeval.api.cli import main
+    from rayeval.api.client import RayEvalClient
 
     out = tmp_path_factory.mktemp("submitted")
     argv = [
@@ -193,7 +193,7 @@ def test_metrics_need_the_token(server: Any) -> None:
 def test_submit_waits_with_progress_bars_and_writes_lm_eval_files(
     runs: dict[str, Any], server: Any
 ) -> None:
-    from api.client import RayEvalClient
+    from rayeval.api.client import RayEvalClient
 
     assert runs["cli"]["status"] == 0, runs["stderr"]
     a = runs["a"]
@@ -217,7 +217,7 @@ def test_submit_waits_with_progress_bars_and_writes_lm_eval_files(
 def test_status_results_cancel_commands(
     runs: dict[str, Any], server: Any, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from api.cli import main
+    from rayeval.api.cli import main
 
     a, b = runs["a"]["id"], runs["b"]["id"]
     monkeypatch.setenv("RAYEVAL_API_TOKEN", TOKEN)
@@ -252,7 +252,7 @@ def test_dashboard_plot_eta_and_comparison(
         pytest.skip(f"{CHROMIUM} is absent: install it with `apt-get install -y chromium`")
     from playwright.sync_api import sync_playwright
 
-    from api.client import RayEvalClient
+    from rayeval.api.client import RayEvalClient
 
     a, b = runs["a"]["id"], runs["b"]["id"]
     with RayEvalClient(server.url, token=TOKEN) as client:
@@ -349,9 +349,9 @@ def _coloured_pixels(page: Any, png: bytes) -> int:
 def test_submit_flags_become_the_request_body(output_path: str | None) -> None:
     """`rayeval submit` reads `rayeval run`'s flags; --log_samples needs no --output_path there
     (the server keeps the samples), and the body is what POST /evaluations takes."""
-    from api.cli import _config_from_args, build_parser
-    from api.remote import submission_body
-    from service.config import EvaluationConfig
+    from rayeval.api.cli import _config_from_args, build_parser
+    from rayeval.api.remote import submission_body
+    from rayeval.service.config import EvaluationConfig
 
     argv = ["submit", "--model_args", "pretrained=/models/m,dtype=float32",
             "--tasks", "demo_mc,demo_cloze", "--log_samples", "--num_replicas", "3",

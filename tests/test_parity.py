@@ -31,7 +31,7 @@ def reference(demo: Any, task_manager: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def layout_runs(demo: Any, task_manager: Any, ray_session: None) -> Any:
     """Run each layout once per module, on demand."""
-    from service.engine.lm import RayEvalLM
+    from rayeval.service.engine.lm import RayEvalLM
 
     cache: dict[tuple[int, int], dict[str, Any]] = {}
 

@@ -1,12 +1,13 @@
 """Multi-node placement: which bundle holds which rank, and which GPU each rank computes on.
 
-The pure parts (:func:`actors.placement.assign_ranks`, ``choose_strategy``, ``cuda_device_index``)
-are unit-tested directly. The rest runs on a real multi-node Ray: ``ray.cluster_utils.Cluster``
-with three simulated nodes (2 CPUs and 2 declared GPUs each, plus a custom resource naming the
-node). It runs in a subprocess — this module run as a script — because a process joins only one
-Ray cluster and the session's own local Ray (the ``ray_session`` fixture, which these tests never
-request) may already be up. The subprocess gets its own ``RAY_TMPDIR``: ``Cluster`` records its
-address in ``<tmp>/ray/ray_current_cluster``, where any other ``ray.init()`` on the machine would
+The pure parts (:func:`rayeval.actors.placement.assign_ranks`, ``choose_strategy``,
+``cuda_device_index``) are unit-tested directly. The rest runs on a real multi-node Ray:
+``ray.cluster_utils.Cluster`` with three simulated nodes (2 CPUs and 2 declared GPUs each, plus a
+custom resource naming the node). It runs in a subprocess — this module run as a script — because a
+process joins only one Ray cluster and the session's own local Ray (the ``ray_session`` fixture,
+which these tests never request) may already be up. The subprocess gets its own ``RAY_TMPDIR``:
+``Cluster`` records its address in ``<tmp>/ray/ray_current_cluster``, where any other
+``ray.init()`` on the machine would
 find it and join it. It reports what it saw as JSON and the tests assert on that report:
 
 * where every rank of several layouts landed (CPU ranks, and GPU ranks on the declared GPUs);
@@ -33,9 +34,9 @@ from typing import Any
 
 import pytest
 
-from actors.errors import LayoutError, ResourcesUnavailableError
-from actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
-from actors.placement import (
+from rayeval.actors.errors import LayoutError, ResourcesUnavailableError
+from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
+from rayeval.actors.placement import (
     BundleSite,
     PlacementStrategy,
     assign_ranks,
@@ -354,7 +355,7 @@ def _record_placement(
 ) -> dict[str, Any]:
     from ray.util.placement_group import remove_placement_group
 
-    from actors.placement import reserve
+    from rayeval.actors.placement import reserve
 
     replicas, shard_size, device = spec
     layout = ParallelLayout(replicas, shard_size, device=DeviceKind(device))
@@ -387,9 +388,9 @@ def _record_gpu_group(model_dir: str, names: dict[str, str]) -> dict[str, Any]:
     """Start a real 1x2 GPU worker group on the declared GPUs and ask every rank where it is."""
     import ray
 
-    from actors.batches import ModelSpec
-    from actors.errors import ModelLoadError
-    from actors.group import Timeouts, WorkerGroup
+    from rayeval.actors.batches import ModelSpec
+    from rayeval.actors.errors import ModelLoadError
+    from rayeval.actors.group import Timeouts, WorkerGroup
 
     layout = ParallelLayout(1, 2, device=DeviceKind.CUDA)
     timeouts = Timeouts(placement_s=120, load_s=180, step_s=60, collective_s=60)
@@ -448,8 +449,8 @@ def _record_evaluation(model_dir: str, tasks_dir: str, names: dict[str, str]) ->
     import ray
     from lm_eval.tasks import TaskManager
 
-    from actors.group import Timeouts
-    from service.engine.lm import RayEvalLM
+    from rayeval.actors.group import Timeouts
+    from rayeval.service.engine.lm import RayEvalLM
     from tests.helpers import evaluate
 
     task_manager = TaskManager(include_defaults=False, include_path=tasks_dir)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from actors.errors import ConfigError
-from service.engine.planner import (
+from rayeval.actors.errors import ConfigError
+from rayeval.service.engine.planner import (
     GenerateRequest,
     TokenBudget,
     model_input,

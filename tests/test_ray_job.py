@@ -7,7 +7,7 @@ API listen on 127.0.0.1; Ray's own services use this machine's address, as every
 (Ray maps a loopback node address to it). The job's log must show
 progress while it runs, and the files it writes must be the files ``lm_eval run`` writes, with the
 same results. Also here: publishing lm-eval's output files to an fsspec URL
-(:mod:`service.engine.outputs`), on fsspec's in-memory filesystem.
+(:mod:`rayeval.service.engine.outputs`), on fsspec's in-memory filesystem.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from actors.errors import ConfigError, RayEvalError
-from service.engine.outputs import OutputTarget, is_url
+from rayeval.actors.errors import ConfigError, RayEvalError
+from rayeval.service.engine.outputs import OutputTarget, is_url
 from tests.helpers import (
     assert_same_results,
     demo_cli_args,

@@ -196,7 +196,7 @@ def _hf(model_dir: Path, **model_args: Any) -> Any:
 
 
 def _rayeval(model_dir: Path, layout: tuple[int, int], **model_args: Any) -> Any:
-    from service.engine.lm import RayEvalLM
+    from rayeval.service.engine.lm import RayEvalLM
 
     return RayEvalLM(
         pretrained=str(model_dir),
@@ -262,7 +262,7 @@ def test_truncation_and_bos_match_lm_eval_hf(shapes: dict[str, Any], ray_session
 def test_a_shape_lm_eval_crashes_on_is_refused_naming_task_and_fix(
     shapes: dict[str, Any], ray_session: None
 ) -> None:
-    from actors.errors import ConfigError
+    from rayeval.actors.errors import ConfigError
 
     run = {**BASE_RUN, "apply_chat_template": True}
     with pytest.raises(AssertionError):  # lm-eval's hf backend: an empty continuation alone
@@ -279,8 +279,8 @@ def test_flagged_requests_reach_the_results_file_and_the_live_callback(
     shapes: dict[str, Any], ray_session: None, tmp_path: Path
 ) -> None:
     """What ``rayeval run`` and the service write: a results field, and a warning as it happens."""
-    from service.config import EvaluationConfig, HostOptions
-    from service.engine.runner import run_evaluation
+    from rayeval.service.config import EvaluationConfig, HostOptions
+    from rayeval.service.engine.runner import run_evaluation
 
     config = EvaluationConfig(
         model_args={"pretrained": str(shapes["gemma"]), "dtype": "float32"},

@@ -64,7 +64,7 @@ class ServerThread:
     def start(self, timeout_s: float = 120.0) -> None:
         import uvicorn
 
-        from api.app import create_app
+        from rayeval.api.app import create_app
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -106,7 +106,7 @@ class ServerThread:
 
 
 def make_settings(data_dir: Path, include_path: Path, **overrides: Any) -> Any:
-    from api.settings import Settings
+    from rayeval.api.settings import Settings
 
     return Settings(
         host="127.0.0.1",
@@ -409,8 +409,8 @@ def test_dashboard_lists_evaluation_and_shows_metrics(
 def test_restart_keeps_finished_and_fails_lost_runs(
     main_run: dict[str, Any], server: ServerThread, client: httpx.Client, demo: Any
 ) -> None:
-    from service.jobs.states import EvaluationStatus
-    from service.jobs.store import EvaluationStore
+    from rayeval.service.jobs.states import EvaluationStatus
+    from rayeval.service.jobs.store import EvaluationStore
 
     evaluation_id = main_run["final"]["id"]
     results_before = client.get(f"/evaluations/{evaluation_id}/results").content
@@ -439,7 +439,7 @@ def test_restart_keeps_finished_and_fails_lost_runs(
 
 def _spec_dict(request: dict[str, Any]) -> dict[str, Any]:
     """A stored config from a public request (the request is the config)."""
-    from service.config import EvaluationConfig
+    from rayeval.service.config import EvaluationConfig
 
     return EvaluationConfig.model_validate(request).to_json()
 
@@ -666,8 +666,8 @@ def test_big_numbers_and_foreign_hosts_are_4xx(client: httpx.Client, server: Ser
 
 
 def test_openapi_is_true_to_the_server(tmp_path: Path) -> None:
-    from api.app import create_app
-    from api.settings import Settings
+    from rayeval.api.app import create_app
+    from rayeval.api.settings import Settings
 
     open_schema = create_app(Settings(data_dir=tmp_path)).openapi()
     assert "securitySchemes" not in open_schema.get("components", {})
@@ -739,7 +739,7 @@ def test_a_stalled_evaluation_fails_naming_where_and_is_released(
     (tasks / "utils.py").write_text(
         "import time\n\n\ndef stall(items):\n    time.sleep(3600)\n    return 0.0\n"
     )
-    from service.demo import DATA_DIR
+    from rayeval.service.demo import DATA_DIR
 
     config = {
         "task": "stall_mc",
@@ -870,7 +870,7 @@ def test_refuses_public_address_without_token(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "api.cli",
+            "rayeval.api.cli",
             "serve",
             "--host",
             "0.0.0.0",
@@ -891,7 +891,7 @@ def test_refuses_public_address_without_token(tmp_path: Path) -> None:
 def test_loopback_rule() -> None:
     from pydantic import ValidationError
 
-    from api.settings import Settings, is_loopback
+    from rayeval.api.settings import Settings, is_loopback
 
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.1", "::", "example.com"))
@@ -904,8 +904,8 @@ def test_loopback_rule() -> None:
 def test_store_state_changes_are_exclusive_and_events_numbered(tmp_path: Path) -> None:
     """A cancel racing a completion and a progress report: exactly one of the two state changes
     wins, results exist only if completion won, and event numbers stay 1, 2, 3, ..."""
-    from service.jobs.states import EvaluationStatus
-    from service.jobs.store import EvaluationStore
+    from rayeval.service.jobs.states import EvaluationStatus
+    from rayeval.service.jobs.store import EvaluationStore
 
     store = EvaluationStore(f"sqlite:///{tmp_path / 'race.db'}")
     store.create_schema()
@@ -925,7 +925,7 @@ def test_store_state_changes_are_exclusive_and_events_numbered(tmp_path: Path) -
 
 def _race(store: Any, record_id: str) -> list[bool]:
     """Cancel, complete and report progress at the same instant; the two state changes' results."""
-    from service.jobs.states import EvaluationStatus, EventKind
+    from rayeval.service.jobs.states import EvaluationStatus, EventKind
 
     barrier = threading.Barrier(3)
     outcomes: list[bool] = []
@@ -952,9 +952,9 @@ def _race(store: Any, record_id: str) -> list[bool]:
 # ----------------------------------------------------------------------- layering rules
 def test_api_never_imports_torch() -> None:
     code = (
-        "import sys; import api.app, api.cli, service.config, service.jobs.manager, "
-        "service.jobs.runner_actor; "
-        "from api.settings import Settings; api.app.create_app(Settings()); "
+        "import sys; import rayeval.api.app, rayeval.api.cli, rayeval.service.config, "
+        "rayeval.service.jobs.manager, rayeval.service.jobs.runner_actor; "
+        "from rayeval.api.settings import Settings; rayeval.api.app.create_app(Settings()); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     done = subprocess.run(
@@ -965,8 +965,8 @@ def test_api_never_imports_torch() -> None:
 
 def test_status_lifecycle(tmp_path: Path) -> None:
     """The state machine: terminal states have no way out, and the store allows only its moves."""
-    from service.jobs.states import EvaluationStatus as S
-    from service.jobs.store import EvaluationStore
+    from rayeval.service.jobs.states import EvaluationStatus as S
+    from rayeval.service.jobs.store import EvaluationStore
 
     assert {s.value for s in S if s.is_terminal} == TERMINAL
     assert {s.value for s in S if s.is_active} == {"starting", "running"}

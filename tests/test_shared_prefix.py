@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from actors.batches import ModelSpec
-from actors.layout import DeviceKind, RankCoord
-from service.engine.planner import TokenBudget, plan_score
+from rayeval.actors.batches import ModelSpec
+from rayeval.actors.layout import DeviceKind, RankCoord
+from rayeval.service.engine.planner import TokenBudget, plan_score
 from tests.helpers import LOGPROB_TOL, assert_same_results, evaluate
 
 TASKS = ["shaped_hellaswag", "shaped_arc", "shaped_mmlu"]
@@ -72,7 +72,7 @@ def test_packed_rows_score_like_plain_rows(arch: str, demo: Any, tmp_path: Path)
     import torch
     import transformers
 
-    from service.demo.tiny_model import make_config
+    from rayeval.service.demo.tiny_model import make_config
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(demo.model_dir)
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def test_packed_rows_score_like_plain_rows(arch: str, demo: Any, tmp_path: Path)
 def _worker(model_dir: Path, attention: str) -> Any:
     import transformers
 
-    from actors.worker import ShardWorker
+    from rayeval.actors.worker import ShardWorker
 
     pad = transformers.AutoTokenizer.from_pretrained(model_dir).pad_token_id
     spec = ModelSpec(
@@ -120,7 +120,7 @@ def _worker(model_dir: Path, attention: str) -> Any:
 def shaped(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from lm_eval.tasks import TaskManager
 
-    from service.demo.shaped import write_shaped_tasks
+    from rayeval.service.demo.shaped import write_shaped_tasks
 
     tasks_dir = write_shaped_tasks(tmp_path_factory.mktemp("shaped"), docs=LIMIT)
     return TaskManager(include_defaults=False, include_path=str(tasks_dir))
@@ -173,7 +173,7 @@ def _ours(
     **kwargs: Any,
 ) -> tuple[Any, dict[str, int]]:
     """rayeval's results, and the tokens its ranks' models were fed, summed over ranks."""
-    from service.engine.lm import RayEvalLM
+    from rayeval.service.engine.lm import RayEvalLM
 
     with RayEvalLM(
         pretrained=str(model_dir),
@@ -237,7 +237,7 @@ def test_bos_tokenizer_and_chat_template(
 
 @pytest.mark.parametrize("value", ["false", "true"])
 def test_share_prefixes_flag_reaches_the_config(value: str, demo: Any) -> None:
-    from api.cli import _config_from_args, build_parser
+    from rayeval.api.cli import _config_from_args, build_parser
 
     model = f"pretrained={demo.model_dir}"
     args = build_parser().parse_args(

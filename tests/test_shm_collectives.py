@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors import shm_collectives
-from actors.shm_collectives import SLOT_BYTES, ShmCollectives
+from rayeval.actors import shm_collectives
+from rayeval.actors.shm_collectives import SLOT_BYTES, ShmCollectives
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64") or not Path("/dev/shm").is_dir(),

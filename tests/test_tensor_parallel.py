@@ -45,8 +45,8 @@ def test_tp_matches_lm_eval_hf(
 ) -> None:
     import transformers
 
-    from actors.sharding import ShardStrategy
-    from service.engine.lm import RayEvalLM
+    from rayeval.actors.sharding import ShardStrategy
+    from rayeval.service.engine.lm import RayEvalLM
 
     if reduced_by == "process group":
         monkeypatch.setenv("RAYEVAL_SHM_COLLECTIVES", "0")  # forwarded to the ranks
@@ -91,9 +91,9 @@ def test_heads_g_does_not_divide_fall_back_to_fsdp_or_are_refused(
 ) -> None:
     import ray
 
-    from actors.errors import ConfigError
-    from actors.sharding import ShardStrategy
-    from service.engine.lm import RayEvalLM
+    from rayeval.actors.errors import ConfigError
+    from rayeval.actors.sharding import ShardStrategy
+    from rayeval.service.engine.lm import RayEvalLM
 
     model_dir = _odd_heads_llama(tmp_path / "odd", demo.model_dir)
     pgs_before = len(ray.util.placement_group_table())

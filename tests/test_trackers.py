@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from api.cli import main
+from rayeval.api.cli import main
 from tests.helpers import read_outputs
 
 pytestmark = pytest.mark.slow
@@ -162,7 +162,7 @@ def test_use_cache_is_rayeval_s_durable_cache(tracked_run: dict[str, Any]) -> No
 def test_service_refuses_tracker_options_in_a_request(tmp_path: Path) -> None:
     from pydantic import ValidationError
 
-    from service.config import EvaluationConfig
+    from rayeval.service.config import EvaluationConfig
 
     for option in ("wandb_args", "hf_hub_log_args", "write_out", "show_config", "use_cache"):
         with pytest.raises(ValidationError) as error:

@@ -1,8 +1,8 @@
 """``/evaluations``: submit, list, inspect, stream, fetch results and samples, cancel.
 
 Handlers are thin: they call the manager or the store and shape the answer. They raise domain
-errors (``RayEvalError`` subclasses), which ``api.app`` turns into HTTP statuses; only HTTP-only
-problems (a malformed Last-Event-ID header) are raised as ``HTTPException`` here.
+errors (``RayEvalError`` subclasses), which ``rayeval.api.app`` turns into HTTP statuses; only
+HTTP-only problems (a malformed Last-Event-ID header) are raised as ``HTTPException`` here.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
-from actors.errors import EvaluationNotFoundError, EvaluationStateError
-from api.deps import FeedDep, ManagerDep, SettingsDep, StoreDep, ViewsDep, require_token
-from api.schemas import (
+from rayeval.actors.errors import EvaluationNotFoundError, EvaluationStateError
+from rayeval.api.deps import FeedDep, ManagerDep, SettingsDep, StoreDep, ViewsDep, require_token
+from rayeval.api.schemas import (
     EVALUATION_ERRORS,
     ErrorBody,
     EvaluationCreate,
@@ -30,10 +30,10 @@ from api.schemas import (
     ProgressPublic,
     Throughput,
 )
-from api.views import EventFeed
-from service.config import EvaluationConfig
-from service.jobs.states import EvaluationStatus, EventKind
-from service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
+from rayeval.api.views import EventFeed
+from rayeval.service.config import EvaluationConfig
+from rayeval.service.jobs.states import EvaluationStatus, EventKind
+from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
 
 router = APIRouter(
     prefix="/evaluations",
@@ -95,7 +95,7 @@ async def get_evaluation(evaluation_id: str, views: ViewsDep) -> Response:
 
 
 def public_json(store: EvaluationStore) -> Callable[[EvaluationRecord], bytes]:
-    """How :class:`api.views.EvaluationViews` renders ``GET /evaluations/{id}``."""
+    """How :class:`rayeval.api.views.EvaluationViews` renders ``GET /evaluations/{id}``."""
 
     def build(record: EvaluationRecord) -> bytes:
         return _public(record, store).model_dump_json(by_alias=True).encode()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import ray
 from fastapi import APIRouter
 
-from api.deps import ServicesDep
-from api.schemas import Health
+from rayeval.api.deps import ServicesDep
+from rayeval.api.schemas import Health
 
 router = APIRouter(tags=["health"])
 

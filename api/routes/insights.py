@@ -12,9 +12,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
-from api.deps import StoreDep, require_token
-from api.schemas import EVALUATION_ERRORS
-from service.jobs.states import EventKind
+from rayeval.api.deps import StoreDep, require_token
+from rayeval.api.schemas import EVALUATION_ERRORS
+from rayeval.service.jobs.states import EventKind
 
 router = APIRouter(
     prefix="/evaluations",

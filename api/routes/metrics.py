@@ -1,4 +1,4 @@
-"""``/metrics``: the service's Prometheus metrics (see :mod:`api.metrics` for the families).
+"""``/metrics``: the service's Prometheus metrics (see :mod:`rayeval.api.metrics` for the families).
 
 With an API token the endpoint requires it, like the data endpoints (evaluation ids are labels):
 give Prometheus the token as ``authorization: {credentials_file: ...}`` (deploy/prometheus/).
@@ -9,9 +9,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from api.deps import ServicesDep, require_token
-from api.metrics import build_registry
-from api.schemas import ErrorBody
+from rayeval.api.deps import ServicesDep, require_token
+from rayeval.api.metrics import build_registry
+from rayeval.api.schemas import ErrorBody
 
 router = APIRouter(
     tags=["metrics"],

@@ -477,7 +477,7 @@ def rehearse(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     if args.model_dir and args.tasks_dir:
         model_dir, tasks_dir = str(args.model_dir), str(args.tasks_dir)
     else:
-        from service.demo import ensure_demo_assets
+        from rayeval.service.demo import ensure_demo_assets
 
         assets = ensure_demo_assets()
         model_dir, tasks_dir = str(assets.model_dir), str(assets.tasks_dir)

@@ -4,7 +4,7 @@ Everything here works offline. :func:`ensure_demo_assets` builds, once, into a c
 directory (``$RAYEVAL_DEMO_DIR`` or ``<repo>/.rayeval/demo``):
 
 * ``model/`` -- a tiny Llama trained on the bundled demo corpus (see
-  :mod:`service.demo.tiny_model`), loadable with ``AutoModelForCausalLM.from_pretrained``
+  :mod:`rayeval.service.demo.tiny_model`), loadable with ``AutoModelForCausalLM.from_pretrained``
   and lm-eval's ``--model hf --model_args pretrained=<model_dir>``;
 * ``tasks/`` -- lm-eval task YAMLs (pass the directory as ``include_path``) for the tasks
   ``demo_mc`` (multiple_choice), ``demo_cloze`` (loglikelihood), ``demo_rolling``
@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from service.demo.tasks import DEMO_GROUP, DEMO_TASKS, write_demo_tasks
-    from service.demo.tiny_model import build_tiny_model
+    from rayeval.service.demo.tasks import DEMO_GROUP, DEMO_TASKS, write_demo_tasks
+    from rayeval.service.demo.tiny_model import build_tiny_model
 
 __all__ = [
     "DATA_DIR",
@@ -48,7 +48,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-"""The committed demo data (JSONL files written by :mod:`service.demo.make_data`)."""
+"""The committed demo data (JSONL files written by :mod:`rayeval.service.demo.make_data`)."""
 ENV_DEMO_DIR = "RAYEVAL_DEMO_DIR"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER_NAME = ".complete"
@@ -57,10 +57,10 @@ BUILD_VERSION = "1"
 
 # Submodules are imported on first use, so importing this package stays cheap (no torch).
 _LAZY_EXPORTS = {
-    "DEMO_GROUP": "service.demo.tasks",
-    "DEMO_TASKS": "service.demo.tasks",
-    "write_demo_tasks": "service.demo.tasks",
-    "build_tiny_model": "service.demo.tiny_model",
+    "DEMO_GROUP": "rayeval.service.demo.tasks",
+    "DEMO_TASKS": "rayeval.service.demo.tasks",
+    "write_demo_tasks": "rayeval.service.demo.tasks",
+    "build_tiny_model": "rayeval.service.demo.tiny_model",
 }
 
 
@@ -131,8 +131,8 @@ def ensure_demo_assets(root: Path | None = None) -> DemoAssets:
         if marker.is_file() and marker.read_text().strip() == fingerprint:
             logger.debug("demo assets up to date at %s", root)
             return assets
-        from service.demo.tasks import write_demo_tasks
-        from service.demo.tiny_model import build_tiny_model
+        from rayeval.service.demo.tasks import write_demo_tasks
+        from rayeval.service.demo.tiny_model import build_tiny_model
 
         logger.info("building demo assets at %s", root)
         marker.unlink(missing_ok=True)

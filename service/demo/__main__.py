@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from service.demo import default_demo_root, ensure_demo_assets
+from rayeval.service.demo import default_demo_root, ensure_demo_assets
 
 
 def main(argv: list[str] | None = None) -> None:

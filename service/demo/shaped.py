@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from service.demo import DATA_DIR
+from rayeval.service.demo import DATA_DIR
 
 SHAPED_TASKS = (
     "shaped_hellaswag",

@@ -36,7 +36,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from service.demo import DATA_DIR
+from rayeval.service.demo import DATA_DIR
 
 logger = logging.getLogger(__name__)
 

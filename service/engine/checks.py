@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from actors.errors import ConfigError
+from rayeval.actors.errors import ConfigError
 
 
 class RequestIssue(StrEnum):

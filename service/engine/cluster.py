@@ -7,8 +7,8 @@ import os
 
 import ray
 
-from actors.errors import ConfigError
-from actors.layout import DeviceKind, ParallelLayout
+from rayeval.actors.errors import ConfigError
+from rayeval.actors.layout import DeviceKind, ParallelLayout
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import ray
 
-from actors.batches import GenerateMicroBatch, MicroBatch, ScoreMicroBatch, StepStats
-from actors.errors import EvaluationTimeoutError, RayEvalError, WorkerLostError
-from actors.group import Replica, WorkerGroup, rank_failure
+from rayeval.actors.batches import GenerateMicroBatch, MicroBatch, ScoreMicroBatch, StepStats
+from rayeval.actors.errors import EvaluationTimeoutError, RayEvalError, WorkerLostError
+from rayeval.actors.group import Replica, WorkerGroup, rank_failure
 
 logger = logging.getLogger(__name__)
 

@@ -38,14 +38,14 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from actors.batches import GenerateMicroBatch, MicroBatch, ModelSpec, ScoreMicroBatch
-from actors.errors import ConfigError, RayEvalError, ResultIntegrityError
-from actors.group import WorkerGroup
-from actors.layout import DeviceKind
-from actors.model_loading import resolve_dtype
-from actors.packing import packing_unsupported
-from actors.sharding import ShardStrategy, refusal, tp_obstacles
-from service.config import (
+from rayeval.actors.batches import GenerateMicroBatch, MicroBatch, ModelSpec, ScoreMicroBatch
+from rayeval.actors.errors import ConfigError, RayEvalError, ResultIntegrityError
+from rayeval.actors.group import WorkerGroup
+from rayeval.actors.layout import DeviceKind
+from rayeval.actors.model_loading import resolve_dtype
+from rayeval.actors.packing import packing_unsupported
+from rayeval.actors.sharding import ShardStrategy, refusal, tp_obstacles
+from rayeval.service.config import (
     DEFAULT_CPU_SCORE_BATCH_TOKENS,
     DEFAULT_MAX_BATCH_ROWS,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -54,17 +54,17 @@ from service.config import (
     EngineConfig,
     HostOptions,
 )
-from service.engine.checks import (
+from rayeval.service.engine.checks import (
     Flagged,
     RequestReport,
     check_empty_context_pairs,
     inspect_requests,
 )
-from service.engine.cluster import connect, pick_device
-from service.engine.dispatch import StepDone, run_steps
-from service.engine.planner import GenerateRequest, TokenBudget, plan_generate, plan_score
-from service.engine.response_cache import generate_key, open_cache, score_key
-from service.engine.warm import KeptReplicas, replica_key
+from rayeval.service.engine.cluster import connect, pick_device
+from rayeval.service.engine.dispatch import StepDone, run_steps
+from rayeval.service.engine.planner import GenerateRequest, TokenBudget, plan_generate, plan_score
+from rayeval.service.engine.response_cache import generate_key, open_cache, score_key
+from rayeval.service.engine.warm import KeptReplicas, replica_key
 
 logger = logging.getLogger(__name__)
 
@@ -152,12 +152,13 @@ class RayEvalLM(TemplateLM):
         host: Where it runs: the Ray address and the actors' name prefix.
         on_progress: Called after every finished step.
         on_warning: Called with ``{task, counts, example}`` when a task has loglikelihood
-            requests whose tokens do not measure it (see :mod:`service.engine.checks`).
+            requests whose tokens do not measure it (see :mod:`rayeval.service.engine.checks`).
         **options: :meth:`EngineConfig.from_kwargs`'s keywords: ``num_replicas``, ``shard_size``,
             ``cpus_per_rank``, ``batch_size``, ``max_batch_size``, ``max_batch_tokens``,
             ``device``, ``seed``, ``timeouts`` (or ``placement_s``, ``load_s``, ...), ``address``,
-            ``name`` and ``use_cache`` (a path prefix: :mod:`service.engine.response_cache`);
-            the rest are lm-eval's HF model args (``dtype``, ``revision``, ...).
+            ``name`` and ``use_cache`` (a path prefix:
+            :mod:`rayeval.service.engine.response_cache`); the rest are lm-eval's HF model args
+            (``dtype``, ``revision``, ...).
 
     Raises:
         ConfigError: a bad option or an unsupported model arg.
@@ -257,7 +258,7 @@ class RayEvalLM(TemplateLM):
         """The engine for ``config`` (an :class:`EvaluationConfig` is one), started on ``host``.
 
         ``replicas``: loaded replicas to use if they match, and where to keep these ones after
-        a successful evaluation (:mod:`service.engine.warm`).
+        a successful evaluation (:mod:`rayeval.service.engine.warm`).
         """
         return cls(
             config=config,

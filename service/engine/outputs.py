@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any
 
-from actors.errors import ConfigError, RayEvalError
+from rayeval.actors.errors import ConfigError, RayEvalError
 
 logger = logging.getLogger(__name__)
 

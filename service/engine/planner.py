@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.batches import GenerateMicroBatch, ScoreMicroBatch, ScoreRow
-from actors.errors import ConfigError
+from rayeval.actors.batches import GenerateMicroBatch, ScoreMicroBatch, ScoreRow
+from rayeval.actors.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,8 @@ def plan_score(
         max_length: The model's context window (lm-eval's ``max_length``).
         budget: Micro-batch size limits.
         share_prefixes: Pack inputs that share a prefix into token-tree rows (the ranks'
-            model must take custom attention masks: :func:`actors.packing.packing_unsupported`).
+            model must take custom attention masks:
+            :func:`rayeval.actors.packing.packing_unsupported`).
 
     Returns:
         The plan; ``locations[i]`` tells where request ``i``'s (logprob, is_greedy) will be.

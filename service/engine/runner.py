@@ -1,10 +1,10 @@
 """Running one evaluation end to end, as ``lm_eval run`` does, but on Ray.
 
-:func:`run_evaluation` takes the evaluation's :class:`service.config.EvaluationConfig` and the
-:class:`service.config.HostOptions` of where it runs, turns them into lm-eval's own
+:func:`run_evaluation` takes the evaluation's :class:`rayeval.service.config.EvaluationConfig` and
+the :class:`rayeval.service.config.HostOptions` of where it runs, turns them into lm-eval's own
 ``EvaluatorConfig`` (so every lm-eval option means what it means in lm-eval), resolves the tasks,
-evaluates with :class:`service.engine.lm.RayEvalLM` and writes what ``lm_eval`` writes, where it
-writes it: ``OUT/<model>/results_<ts>.json`` and, with ``--log_samples``,
+evaluates with :class:`rayeval.service.engine.lm.RayEvalLM` and writes what ``lm_eval`` writes,
+where it writes it: ``OUT/<model>/results_<ts>.json`` and, with ``--log_samples``,
 ``samples_<task>_<ts>.jsonl``.
 """
 
@@ -19,11 +19,11 @@ from typing import Any
 from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.tasks import TaskManager
 
-from actors.errors import ConfigError, RayEvalError
-from service.config import EvaluationConfig, HostOptions
-from service.engine.lm import Progress, RayEvalLM
-from service.engine.outputs import OutputTarget
-from service.engine.warm import KeptReplicas
+from rayeval.actors.errors import ConfigError, RayEvalError
+from rayeval.service.config import EvaluationConfig, HostOptions
+from rayeval.service.engine.lm import Progress, RayEvalLM
+from rayeval.service.engine.outputs import OutputTarget
+from rayeval.service.engine.warm import KeptReplicas
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,9 @@ def run_evaluation(
     """Evaluate like ``lm_eval run --model hf`` with the model spread over Ray actors.
 
     Beyond lm-eval's output, ``results["request_warnings"]`` lists, per task and kind, the
-    loglikelihood requests whose tokens do not measure the task (:mod:`service.engine.checks`);
-    the key is absent when there are none, so a clean run's files have lm-eval's keys only.
+    loglikelihood requests whose tokens do not measure the task
+    (:mod:`rayeval.service.engine.checks`); the key is absent when there are none, so a clean run's
+    files have lm-eval's keys only.
 
     Args:
         config: The evaluation.
@@ -87,7 +88,7 @@ def run_evaluation(
         on_progress: Called after every finished step.
         on_warning: Called when a task has such requests (``{task, counts, example}``).
         replicas: Loaded replicas to use if they match, and to keep these ones in after a
-            successful evaluation (the service's warm replicas; :mod:`service.engine.warm`).
+            successful evaluation (the service's warm replicas; :mod:`rayeval.service.engine.warm`).
 
     Returns:
         The results, or None where lm-eval returns None.

@@ -6,8 +6,8 @@ the next evaluation whose :func:`replica_key` is the same: everything that decid
 ranks hold and how they compute — the model's fingerprint (path or hub id made absolute, every
 model argument such as ``revision`` and ``dtype``, the model's defining files and the size, time
 and head of its weight files), the device, the layout and the collective timeout. The ranks are
-re-seeded for every evaluation (:meth:`actors.group.WorkerGroup.begin_evaluation`), so results
-are the same warm or cold. torch-free: the service computes keys too.
+re-seeded for every evaluation (:meth:`rayeval.actors.group.WorkerGroup.begin_evaluation`), so
+results are the same warm or cold. torch-free: the service computes keys too.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from service.config import EngineConfig, EvaluationConfig
-from service.engine.response_cache import model_fingerprint
+from rayeval.service.config import EngineConfig, EvaluationConfig
+from rayeval.service.engine.response_cache import model_fingerprint
 
 if TYPE_CHECKING:
-    from actors.group import WorkerGroup
+    from rayeval.actors.group import WorkerGroup
 
 
 def replica_key(config: EngineConfig | dict[str, Any]) -> str:
@@ -45,8 +45,8 @@ def replica_key(config: EngineConfig | dict[str, Any]) -> str:
 class KeptReplicas:
     """A slot for a loaded worker group, shared by the evaluations of one runner.
 
-    Given to :class:`service.engine.lm.RayEvalLM`: a group here whose ``key`` matches is used
-    instead of starting ranks; with ``keep``, the group of an evaluation that succeeds is left
+    Given to :class:`rayeval.service.engine.lm.RayEvalLM`: a group here whose ``key`` matches is
+    used instead of starting ranks; with ``keep``, the group of an evaluation that succeeds is left
     here instead of shut down (a failed evaluation always shuts its group down).
 
     Attributes:

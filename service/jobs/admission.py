@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import ray
 
-from service.jobs.ray_resources import group_name
-from service.jobs.store import EvaluationRecord
+from rayeval.service.jobs.ray_resources import group_name
+from rayeval.service.jobs.store import EvaluationRecord
 
 
 def free_resources(
@@ -94,7 +94,7 @@ def plan(
         queued: Queued evaluations, oldest first.
         free: Free resources (:func:`free_resources`; kept replicas' are not in it).
         kept: Kept replicas, least recently kept first.
-        key_of: An evaluation's replica key (:func:`service.engine.warm.replica_key`).
+        key_of: An evaluation's replica key (:func:`rayeval.service.engine.warm.replica_key`).
     """
     remaining = dict(free)
     pool = list(kept)

@@ -1,18 +1,18 @@
 """The evaluation manager: submission, the follow-and-admit loop, cancellation and recovery.
 
 One :class:`EvaluationManager` per API process. Submissions are checked
-(:mod:`service.jobs.validation`) and stored as ``queued``; a background thread then, every
+(:mod:`rayeval.service.jobs.validation`) and stored as ``queued``; a background thread then, every
 ``poll_interval_s``:
 
 1. asks each active evaluation's runner actor for its new events without waiting for slow ones
    (at most one call per runner in flight, a round waits a fraction of a second for answers),
    stores progress, and on the runner's final event stores lm-eval's result and sample files —
    which that event carries — and the terminal state in one transaction;
-2. admits queued evaluations (:mod:`service.jobs.admission`), on warm replicas where it can.
+2. admits queued evaluations (:mod:`rayeval.service.jobs.admission`), on warm replicas where it can.
 
 Warm replicas (``warm_replicas`` > 0): the runner of an evaluation that succeeded keeps its loaded
 ranks and placement group; the next evaluation of the same model and layout
-(:func:`service.engine.warm.replica_key`) runs on that runner without starting or loading
+(:func:`rayeval.service.engine.warm.replica_key`) runs on that runner without starting or loading
 anything. At most ``warm_replicas`` runners are kept; they are released when a queued evaluation
 needs their room (oldest first), and when the manager stops. An evaluation on a kept runner is
 known by its owner: the evaluation whose names the runner, ranks and placement group carry.
@@ -39,18 +39,18 @@ from typing import Any
 
 import ray
 
-from actors.errors import EvaluationNotFoundError, EvaluationStateError
-from actors.group import FORWARDED_ENV
-from service.config import EvaluationConfig
-from service.engine.cluster import pick_device
-from service.engine.warm import replica_key
-from service.jobs.admission import Kept, free_resources, plan
-from service.jobs.ray_resources import brief, release, runner_name
-from service.jobs.runner_actor import EvaluationRunner
-from service.jobs.states import EvaluationStatus, EventKind, RunnerEventKind
-from service.jobs.store import EvaluationRecord, EvaluationStore, NewEvent
-from service.jobs.tasks import TaskCatalog
-from service.jobs.validation import ServerPolicy, check_submission
+from rayeval.actors.errors import EvaluationNotFoundError, EvaluationStateError
+from rayeval.actors.group import FORWARDED_ENV
+from rayeval.service.config import EvaluationConfig
+from rayeval.service.engine.cluster import pick_device
+from rayeval.service.engine.warm import replica_key
+from rayeval.service.jobs.admission import Kept, free_resources, plan
+from rayeval.service.jobs.ray_resources import brief, release, runner_name
+from rayeval.service.jobs.runner_actor import EvaluationRunner
+from rayeval.service.jobs.states import EvaluationStatus, EventKind, RunnerEventKind
+from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, NewEvent
+from rayeval.service.jobs.tasks import TaskCatalog
+from rayeval.service.jobs.validation import ServerPolicy, check_submission
 
 logger = logging.getLogger(__name__)
 

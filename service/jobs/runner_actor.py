@@ -2,8 +2,8 @@
 
 :class:`EvaluationRunner` is a plain class; the service applies ``ray.remote`` where it creates it,
 as a named, detached actor (so it outlives an API restart and can be re-attached). Its constructor
-starts :func:`service.engine.runner.run_evaluation` in a background thread and returns at once
-(later ones start with :meth:`EvaluationRunner.start_next`, on ranks kept loaded); the
+starts :func:`rayeval.service.engine.runner.run_evaluation` in a background thread and returns at
+once (later ones start with :meth:`EvaluationRunner.start_next`, on ranks kept loaded); the
 service polls :meth:`EvaluationRunner.events_since`, whose last event carries the outputs when the
 run succeeded (so nobody waits on a second call for them). lm-eval writes its result and sample
 files into a private temporary directory and the runner hands those files back verbatim, so what
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.errors import RayEvalError
-from service.config import EvaluationConfig, HostOptions
-from service.engine.warm import KeptReplicas
-from service.jobs.ray_resources import group_name
-from service.jobs.states import RunnerEventKind
+from rayeval.actors.errors import RayEvalError
+from rayeval.service.config import EvaluationConfig, HostOptions
+from rayeval.service.engine.warm import KeptReplicas
+from rayeval.service.jobs.ray_resources import group_name
+from rayeval.service.jobs.states import RunnerEventKind
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class EvaluationRunner:
             False when it cannot: an evaluation is still running, no ranks are kept, or they
             were loaded for another model or layout.
         """
-        from service.engine.warm import replica_key
+        from rayeval.service.engine.warm import replica_key
 
         previous = self._thread
         if previous is not None:  # its final event is out; it may still be cleaning up
@@ -159,7 +159,7 @@ class EvaluationRunner:
     def _evaluate(
         self, evaluation_id: str, config: EvaluationConfig, output_dir: Path
     ) -> dict[str, Any]:
-        from service.engine.runner import run_evaluation
+        from rayeval.service.engine.runner import run_evaluation
 
         emit = functools.partial(self._emit, evaluation_id)
 

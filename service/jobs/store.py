@@ -6,9 +6,10 @@ never sees an event whose state is not stored, nor a terminal state without its 
 transitions are conditional updates (``... WHERE status IN (expected)``): whoever changes an
 evaluation first wins and the loser learns it from the return value, which is what makes a
 concurrent cancel and completion safe; the allowed moves are
-:data:`service.jobs.states.TRANSITIONS`. lm-eval's results are stored once, in their own table: the
-``result`` event on the stream holds no copy (the API fills it in from the results table when it
-sends it). Event numbers (``seq``) start at 1 and increase by one per evaluation. No torch here.
+:data:`rayeval.service.jobs.states.TRANSITIONS`. lm-eval's results are stored once, in their own
+table: the ``result`` event on the stream holds no copy (the API fills it in from the results table
+when it sends it). Event numbers (``seq``) start at 1 and increase by one per evaluation. No torch
+here.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from actors.errors import EvaluationNotFoundError
-from service.jobs.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
+from rayeval.actors.errors import EvaluationNotFoundError
+from rayeval.service.jobs.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
 
 logger = logging.getLogger(__name__)
 

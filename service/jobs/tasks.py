@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from enum import StrEnum
 
-from actors.errors import ConfigError, ServiceNotReadyError
+from rayeval.actors.errors import ConfigError, ServiceNotReadyError
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class _BuiltinIndex:
         started = time.monotonic()
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "service.jobs.tasks"],
+                [sys.executable, "-m", "rayeval.service.jobs.tasks"],
                 capture_output=True,
                 text=True,
                 timeout=BUILTIN_SCAN_TIMEOUT_S,

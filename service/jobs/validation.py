@@ -1,6 +1,7 @@
 """The server's checks of a submitted evaluation, before it is queued.
 
-An :class:`service.config.EvaluationConfig` is already well-formed; what is checked here is what
+An :class:`rayeval.service.config.EvaluationConfig` is already well-formed; what is checked here is
+what
 only the server can judge, so that what is accepted with 202 can run:
 
 - its policy (:class:`ServerPolicy`): no code from a request's model repository unless the
@@ -27,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.errors import ConfigError, LayoutError, ServiceNotReadyError
-from actors.sharding import ShardStrategy, refusal, tp_obstacles_from_json
-from service.config import ENCODER_MODEL_ARGS, EvaluationConfig, HostOptions
-from service.jobs.tasks import TaskCatalog
+from rayeval.actors.errors import ConfigError, LayoutError, ServiceNotReadyError
+from rayeval.actors.sharding import ShardStrategy, refusal, tp_obstacles_from_json
+from rayeval.service.config import ENCODER_MODEL_ARGS, EvaluationConfig, HostOptions
+from rayeval.service.jobs.tasks import TaskCatalog
 
 #: lm-eval HF model args a request may set (others reach ``from_pretrained`` and could load
 #: files or code: the operator's business).
