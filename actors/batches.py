@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayeval.actors.layout import DeviceKind
+from rayeval.actors.sharding import ShardStrategy
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -39,6 +42,29 @@ class ModelSpec:
     softmax_dtype: str | None = None
     mixed_precision_dtype: str | None = None
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """How every rank of an evaluation runs (the same for all of them).
+
+    Args:
+        shard_size: Ranks per replica (G).
+        device: CPU or CUDA.
+        collective_timeout_s: Timeout of every collective in the replica's process group.
+        seed: torch seed, for sampled generations (the same on every rank, so that
+            tensor-parallel ranks sample the same tokens).
+        strategy: How the replica shards the model (FSDP for G = 1: the model whole).
+        shm_collectives: Whether ranks of a replica on one node may exchange activations
+            through shared memory (tensor parallelism on CPU).
+    """
+
+    shard_size: int
+    device: DeviceKind = DeviceKind.CPU
+    collective_timeout_s: float = 600.0
+    seed: int = 1234
+    strategy: ShardStrategy = ShardStrategy.FSDP
+    shm_collectives: bool = True
 
 
 @dataclass(frozen=True)

@@ -12,51 +12,21 @@ model. A partial start is cleaned up: no actor or placement group outlives a fai
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from rayeval.actors.batches import MicroBatch, ModelSpec
+from rayeval.actors.batches import MicroBatch, ModelSpec, RankOptions
 from rayeval.actors.errors import EvaluationTimeoutError, ModelLoadError, RayEvalError
-from rayeval.actors.layout import DeviceKind, ParallelLayout
+from rayeval.actors.layout import DeviceKind, ParallelLayout, Timeouts
 from rayeval.actors.placement import Placement, reserve
-from rayeval.actors.sharding import ShardStrategy, settle
+from rayeval.actors.process import rank_environment
+from rayeval.actors.sharding import ShardStrategy, settle, strategy
 
 logger = logging.getLogger(__name__)
-
-# Environment that the ranks need to see as the driver does (offline mode, caches, hub token,
-# RAYEVAL_SHM_COLLECTIVES=0 to keep TP's all-reduces on gloo).
-FORWARDED_ENV = (
-    "HF_HOME",
-    "HF_HUB_OFFLINE",
-    "HF_DATASETS_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "HF_TOKEN",
-    "HF_HUB_CACHE",
-    "RAYEVAL_SHM_COLLECTIVES",
-)
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Every wait of an evaluation, in seconds.
-
-    Args:
-        placement_s: For the placement group to be scheduled.
-        load_s: For every rank to join its process group and load the model.
-        step_s: For one batch on one replica (a stuck replica becomes an error after this).
-        collective_s: For one collective inside a replica's process group.
-    """
-
-    placement_s: float = 120.0
-    load_s: float = 1800.0
-    step_s: float = 900.0
-    collective_s: float = 600.0
 
 
 class Replica:
@@ -134,7 +104,8 @@ class WorkerGroup:
         timeouts: Timeouts,
         seed: int = 1234,
         strategy: ShardStrategy | str = ShardStrategy.FSDP,
-        tp_obstacles: Sequence[str] = (),
+        obstacles: Mapping[ShardStrategy, Sequence[str]] | None = None,
+        shm_collectives: bool = True,
     ) -> WorkerGroup:
         """Reserve resources and start the rank actors; model loading starts in the background.
 
@@ -146,14 +117,18 @@ class WorkerGroup:
             spec: The model.
             timeouts: Every wait.
             seed: The ranks' torch seed.
-            strategy: How replicas shard the model (``auto``: TP where it can work).
-            tp_obstacles: Why tensor parallelism cannot run this model at this G
-                (:func:`rayeval.actors.sharding.tp_obstacles`; empty: it can).
+            strategy: How replicas shard the model (``auto``: the first registered strategy
+                that can run it).
+            obstacles: Per strategy, why it cannot shard this model at this G
+                (:func:`rayeval.actors.sharding.model_obstacles`; None: nothing stands in the
+                way).
+            shm_collectives: Whether ranks of a replica on one node may exchange activations
+                through shared memory.
 
         Raises:
             LayoutError: if the layout is larger than the whole cluster, or ``tp`` was asked
                 and a replica was placed across nodes.
-            ConfigError: ``tp`` was asked for a model it cannot shard.
+            ConfigError: a strategy was asked for a model it cannot shard.
             ResourcesUnavailableError: if the placement group is not ready within the timeout.
         """
         layout.check_fits(ray.cluster_resources())
@@ -167,52 +142,42 @@ class WorkerGroup:
                 for r, sites in enumerate(placement.replica_sites(layout))
                 if len({site.node_id for site in sites}) > 1
             ]
-            group.strategy = settle(strategy, layout.shard_size, list(tp_obstacles), split)
+            group.strategy = settle(strategy, layout.shard_size, obstacles or {}, split)
             if layout.sharded:
                 logger.info("%s: replicas shard the model with %s", name, group.strategy.value)
-            group._start_actors(placement, spec, timeouts, seed)
+            options = RankOptions(
+                shard_size=layout.shard_size,
+                device=layout.device,
+                collective_timeout_s=timeouts.collective_s,
+                seed=seed,
+                strategy=group.strategy,
+                shm_collectives=shm_collectives,
+            )
+            group._start_actors(placement, spec, options)
         except BaseException:
             group.shutdown()
             raise
         return group
 
-    def _start_actors(
-        self, placement: Placement, spec: ModelSpec, timeouts: Timeouts, seed: int
-    ) -> None:
+    def _start_actors(self, placement: Placement, spec: ModelSpec, options: RankOptions) -> None:
         from rayeval.actors.worker import ShardWorker
 
-        env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
-        env["TOKENIZERS_PARALLELISM"] = "false"
-        # torch's CPU allocator backs allocations of 2 MiB or more with transparent huge pages
-        # (where the kernel's THP mode is "madvise"): a forward's activations then cost a page
-        # fault per 2 MiB instead of per 4 KiB. Measured on a 4-layer 512-wide Llama scoring a
-        # [38 x 101] batch on one core: 2.0 s with it, 2.6 s without (docs/performance.md).
-        env["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE", "1")
         remote_cls = ray.remote(ShardWorker)
         workers = []
         for coord in self.layout.coords():
-            options: dict[str, Any] = {
-                "name": f"{self.name}-r{coord.replica}-s{coord.shard_rank}",
-                "num_cpus": self.layout.cpus_per_rank,
-                "num_gpus": 1 if self.layout.device is DeviceKind.CUDA else 0,
-                "max_restarts": 0,
-                "runtime_env": {"env_vars": env},
-                # The bundle chosen for this rank, not bundle == rank: see actors.placement.
-                "scheduling_strategy": placement.scheduling(coord.global_rank),
-            }
             workers.append(
-                remote_cls.options(**options).remote(
-                    spec,
-                    coord,
-                    self.layout.shard_size,
-                    self.layout.device,
-                    timeouts.collective_s,
-                    seed,
-                    self.strategy,
-                )
+                remote_cls.options(
+                    name=f"{self.name}-r{coord.replica}-s{coord.shard_rank}",
+                    num_cpus=self.layout.cpus_per_rank,
+                    num_gpus=1 if self.layout.device is DeviceKind.CUDA else 0,
+                    max_restarts=0,
+                    runtime_env={"env_vars": rank_environment()},
+                    # The bundle chosen for this rank, not bundle == rank: see actors.placement.
+                    scheduling_strategy=placement.scheduling(coord.global_rank),
+                ).remote(spec, coord, options)
             )
         G = self.layout.shard_size
-        same_batch = self.layout.sharded and self.strategy.same_batch_on_every_rank
+        same_batch = self.layout.sharded and strategy(self.strategy).same_batch
         self.replicas = [
             Replica(r, workers[r * G : (r + 1) * G], same_batch)
             for r in range(self.layout.num_replicas)
@@ -227,7 +192,7 @@ class WorkerGroup:
     @property
     def micro_batches_per_step(self) -> int:
         """Micro-batches one step of one replica computes (G under FSDP, 1 under TP)."""
-        if self.layout.sharded and self.strategy.same_batch_on_every_rank:
+        if self.layout.sharded and strategy(self.strategy).same_batch:
             return 1
         return self.layout.shard_size
 

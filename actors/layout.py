@@ -1,5 +1,7 @@
-"""The parallel layout: R data-parallel replicas x G shard ranks, and the resources it needs.
+"""The parallel layout: R data-parallel replicas x G shard ranks, the resources and the waits.
 
+This is the rank layer's vocabulary that the configuration (``rayeval.service.config``) and the
+API need too, so it stays here, beside the ranks it describes, and imports neither torch nor Ray.
 :class:`ParallelLayout` is the only place that does rank arithmetic. It validates itself on
 construction and checks whether a cluster can ever hold it, failing fast with every number in the
 message. No torch here: the driver and the API use it too.
@@ -41,6 +43,24 @@ class PlacementPolicy(StrEnum):
     AUTO = "auto"
     PACK = "pack"
     SPREAD = "spread"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait of an evaluation on its ranks, in seconds (the configuration's
+    ``TimeoutSettings`` takes its defaults from here).
+
+    Args:
+        placement_s: For the placement group to be scheduled.
+        load_s: For every rank to join its process group and load the model.
+        step_s: For one batch on one replica (a stuck replica becomes an error after this).
+        collective_s: For one collective inside a replica's process group.
+    """
+
+    placement_s: float = 120.0
+    load_s: float = 1800.0
+    step_s: float = 900.0
+    collective_s: float = 600.0
 
 
 @dataclass(frozen=True)

@@ -18,43 +18,17 @@ transformers passes a 4D mask through unchanged (``masking_utils._preprocess_mas
 ``sdpa`` takes it as a boolean mask, ``eager`` adds it to the scores, so it gets 0 / -inf-like
 floats. Other attention implementations (flash attention: no arbitrary masks) and models whose
 masks are not plain causal (sliding windows, attention sinks, ALiBi) are not packed: the driver
-asks :func:`packing_unsupported` before it plans, and those models use plain rows.
+asks the model's profile (``rayeval.actors.profiles.ModelShape.packing_unsupported``) before it
+plans, and those models use plain rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from rayeval.actors.batches import ScoreRow
-
-#: Model types whose attention is plain causal attention over position ids, built by
-#: transformers' ``create_causal_mask`` (which passes a custom 4D mask through unchanged).
-PACKABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt2"})
-#: Attention implementations that apply an arbitrary 4D mask.
-PACKABLE_ATTENTION = frozenset({"sdpa", "eager"})
-
-
-def packing_unsupported(config: Any, attn_implementation: str | None) -> str | None:
-    """Why packed rows cannot be scored exactly with this model, or None when they can.
-
-    Args:
-        config: The model's ``transformers`` config.
-        attn_implementation: The attention implementation the ranks load the model with.
-    """
-    model_type = getattr(config, "model_type", None)
-    if model_type not in PACKABLE_MODEL_TYPES:
-        return f"model type {model_type!r} is not one of {sorted(PACKABLE_MODEL_TYPES)}"
-    if attn_implementation not in PACKABLE_ATTENTION:
-        return f"attention implementation {attn_implementation!r} takes no custom 4D mask"
-    layer_types = getattr(config, "layer_types", None) or ()
-    if any(kind != "full_attention" for kind in layer_types):
-        return "the model has sliding-window or other non-causal attention layers"
-    if model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
-        return "the model uses sliding-window attention"
-    return None
 
 
 def packed_inputs(

@@ -1,146 +1,198 @@
-"""How a replica shards its model over its G ranks: FSDP2 or tensor parallelism, and which one.
+"""How a replica shards its model over its G ranks: the strategy interface and its registry.
 
-Two strategies load, shard and run a model on a replica's process group:
+A sharding strategy loads, shards and runs a model on a replica's process group. Everything the
+rest of rayeval needs to know about one is behind :class:`ShardingStrategy`: what it refuses and
+why (:meth:`~ShardingStrategy.model_obstacles`, and :attr:`~ShardingStrategy.one_node` for the
+placement), whether the ranks of a replica compute one micro-batch together
+(:attr:`~ShardingStrategy.same_batch`: the dispatcher sends the same micro-batch to every rank and
+takes one answer) or one each, how a rank loads the model, what carries its collectives, and what
+a rank does after each forward. The planner, the dispatcher and the service never ask which
+strategy runs.
 
-* **FSDP** (``fsdp``): every rank holds a dim-0 slice of every weight and all-gathers each layer
-  before computing it. Any architecture, replicas that span nodes, bit-identical results whatever
-  G. Each rank computes its own micro-batch (data parallel inside the replica), so a decode step
-  all-gathers every layer's weights for a few tokens: slow to generate with.
-* **Tensor parallelism** (``tp``): transformers' own ``tp_plan`` splits the attention heads and the
-  MLP columns; the ranks compute the *same* batch together and exchange only activations (an
-  all-reduce after each attention and MLP block). Needs an architecture with a TP plan, heads
-  that G divides, and the replica's ranks on one node. Partial sums are reduced, so results may
-  differ from one G to another in the last bits (still within the fidelity invariant).
+Two are registered (:data:`STRATEGIES`, in the order ``auto`` prefers them):
 
-``auto`` picks TP wherever it can work and FSDP otherwise. This module decides; it imports no
-torch (the driver and the API use it). Loading lives in :mod:`rayeval.actors.model_loading` (FSDP)
-and :mod:`rayeval.actors.tensor_parallel` (TP).
+* **tensor parallelism** (``tp``, :mod:`rayeval.actors.tensor_parallel`): transformers' own
+  ``tp_plan`` splits the heads and MLP columns; the ranks compute the same batch and exchange
+  activations only. Needs a TP plan, dimensions G divides, and a replica on one node; partial sums
+  are reduced, so results may differ from one G to another in the last bits (within the fidelity
+  invariant). The fast way to generate.
+* **FSDP2** (``fsdp``, :mod:`rayeval.actors.fsdp`): every rank holds a slice of every weight and
+  all-gathers each layer before computing it; each rank computes its own micro-batch. Any
+  architecture, replicas across nodes, bit-identical results for every G. Also what a replica of
+  one rank (G = 1) runs: the model whole, nothing sharded.
+
+A new strategy is one module implementing :class:`ShardingStrategy` (torch imported inside its
+rank-side methods only: the driver and the API read this registry) and one entry here: its name in
+:class:`ShardStrategy` and its class in :data:`STRATEGIES`. This module imports no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rayeval.actors.errors import ConfigError, LayoutError
+from rayeval.actors.profiles import ModelShape
+
+if TYPE_CHECKING:
+    from rayeval.actors.batches import ModelSpec
 
 
 class ShardStrategy(StrEnum):
-    """How a replica of G > 1 ranks shards its model (a replica of one rank holds it whole)."""
+    """The strategies a configuration may name: ``auto`` or a registered one."""
 
     AUTO = "auto"
     FSDP = "fsdp"
     TP = "tp"
 
-    @property
-    def same_batch_on_every_rank(self) -> bool:
-        """True when a replica's ranks compute one batch together (TP), False when each rank
-        computes its own micro-batch (FSDP)."""
-        return self is ShardStrategy.TP
 
-
-def tp_obstacles(model_config: Any, shard_size: int) -> list[str]:
-    """Why tensor parallelism over ``shard_size`` ranks cannot run this model (empty: it can).
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank tells its strategy about itself when it sets up its collectives.
 
     Args:
-        model_config: The model's transformers config (``AutoConfig.from_pretrained``).
-        shard_size: G, the ranks of one replica.
-
-    Returns:
-        One sentence per obstacle: no TP plan for the architecture, or a head count (or MLP
-        width) that G does not divide.
+        replica: The replica's number.
+        shard_rank: This rank's place in its replica's process group.
+        shard_size: G.
+        rendezvous: The replica's rendezvous (address, port): unique per replica and cluster.
+        collective_timeout_s: Longest wait of one collective.
+        shared_memory: Whether the configuration lets ranks on one node exchange activations
+            through shared memory (``parallelism.shm_collectives``).
     """
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else None
-    config = text if text is not None else model_config
-    model_type = getattr(config, "model_type", None) or type(config).__name__
-    if not getattr(config, "base_model_tp_plan", None):
-        return [f"transformers has no tensor-parallel plan for the {model_type} architecture"]
-    return _divisibility_problems(_sharded_dimensions(config), shard_size)
+
+    replica: int
+    shard_rank: int
+    shard_size: int
+    rendezvous: tuple[str, int]
+    collective_timeout_s: float
+    shared_memory: bool = True
 
 
-def tp_obstacles_from_json(config_json: Mapping[str, Any], shard_size: int) -> list[str]:
-    """The head and width checks of :func:`tp_obstacles` from a ``config.json`` alone (no TP-plan
-    check: that needs transformers' config class)."""
-    text = config_json.get("text_config")
-    config = text if isinstance(text, Mapping) else config_json
-    return _divisibility_problems(_sharded_dimensions(_Attrs(config)), shard_size)
+class ShardingStrategy(Protocol):
+    """One way to load, shard and run a model on a replica's G ranks."""
+
+    #: The name a configuration uses for it.
+    name: ShardStrategy
+    #: Whether a replica's ranks compute one micro-batch together (True) or one each (False).
+    same_batch: bool
+    #: Whether a replica's ranks must share one node.
+    one_node: bool
+
+    def model_obstacles(self, shape: ModelShape, shard_size: int) -> list[str]:
+        """Why this strategy cannot shard this model over ``shard_size`` ranks (empty: it can)."""
+        ...
+
+    def prepare_process(self, shard_size: int) -> None:
+        """Tune the rank's process before anything is allocated (rank side)."""
+        ...
+
+    def load(self, spec: ModelSpec, device: Any, shard_size: int) -> Any:
+        """Load this rank's part of the model in eval mode on ``device`` (rank side; the
+        replica's process group is initialised when ``shard_size`` > 1)."""
+        ...
+
+    def collectives(self, rank: RankContext) -> str | None:
+        """Set up what carries the replica's collectives and name it (None for G = 1)."""
+        ...
+
+    def after_forward(self, model: Any) -> None:
+        """Called after every forward or ``generate`` of the rank, even one that raised."""
+        ...
+
+
+def _registry() -> dict[ShardStrategy, ShardingStrategy]:
+    from rayeval.actors.fsdp import FSDP2
+    from rayeval.actors.tensor_parallel import TensorParallel
+
+    return {ShardStrategy.TP: TensorParallel(), ShardStrategy.FSDP: FSDP2()}
+
+
+#: Every registered strategy by name, in the order ``auto`` prefers them (filled on first use).
+STRATEGIES: dict[ShardStrategy, ShardingStrategy] = {}
+
+
+def strategy(name: ShardStrategy | str) -> ShardingStrategy:
+    """The registered strategy called ``name``.
+
+    Raises:
+        ConfigError: ``auto`` or an unknown name (``auto`` is settled by :func:`settle`).
+    """
+    if not STRATEGIES:
+        STRATEGIES.update(_registry())
+    try:
+        return STRATEGIES[ShardStrategy(name)]
+    except (KeyError, ValueError):
+        known = ", ".join(s.value for s in ShardStrategy)
+        raise ConfigError(f"no sharding strategy {name!r}: use one of {known}") from None
+
+
+def registered() -> list[ShardingStrategy]:
+    """Every registered strategy, in the order ``auto`` prefers them."""
+    strategy(ShardStrategy.FSDP)  # fills the registry
+    return list(STRATEGIES.values())
+
+
+def model_obstacles(config: Any, shard_size: int) -> dict[ShardStrategy, list[str]]:
+    """Per registered strategy, why it cannot shard this model over ``shard_size`` ranks.
+
+    Args:
+        config: The model's transformers config, or its ``config.json`` mapping.
+        shard_size: G.
+    """
+    shape = ModelShape(config)
+    return {s.name: s.model_obstacles(shape, shard_size) for s in registered()}
 
 
 def settle(
     requested: ShardStrategy | str,
     shard_size: int,
-    obstacles: list[str],
-    split_replicas: list[int],
+    obstacles: Mapping[ShardStrategy, Sequence[str]],
+    split_replicas: Sequence[int],
 ) -> ShardStrategy:
     """The strategy an evaluation runs with, once its ranks are placed.
 
     Args:
-        requested: The configured strategy (``auto``, ``fsdp`` or ``tp``).
+        requested: The configured strategy (``auto`` or a registered name).
         shard_size: G.
-        obstacles: :func:`tp_obstacles` of the model at this G.
+        obstacles: :func:`model_obstacles` of the model at this G.
         split_replicas: Replicas whose ranks landed on more than one node.
 
     Returns:
-        ``FSDP`` or ``TP`` (``FSDP`` for G = 1, where nothing is sharded).
+        A registered strategy: for ``auto`` the first in preference order that can run; FSDP
+        for G = 1, where nothing is sharded.
 
     Raises:
-        ConfigError: ``tp`` was asked for a model it cannot shard.
-        LayoutError: ``tp`` was asked and a replica spans nodes.
+        ConfigError: the requested strategy cannot shard this model.
+        LayoutError: the requested strategy needs a replica on one node and one spans nodes.
     """
     requested = ShardStrategy(requested)
-    if shard_size == 1 or requested is ShardStrategy.FSDP:
+    if shard_size == 1:
         return ShardStrategy.FSDP
     if requested is ShardStrategy.AUTO:
-        return ShardStrategy.FSDP if obstacles or split_replicas else ShardStrategy.TP
-    if obstacles:
-        raise ConfigError(refusal(obstacles))
-    if split_replicas:
+        for candidate in registered():
+            if not obstacles.get(candidate.name) and not (candidate.one_node and split_replicas):
+                return candidate.name
+        return ShardStrategy.FSDP
+    chosen = strategy(requested)
+    if obstacles.get(requested):
+        raise ConfigError(refusal(requested, obstacles[requested]))
+    if chosen.one_node and split_replicas:
         raise LayoutError(
-            f"shard_strategy tp needs every replica's {shard_size} ranks on one node, but "
-            f"replica(s) {split_replicas} were placed across nodes (other work held parts of "
-            "them): retry when the cluster is quieter, or use --shard_strategy auto or fsdp."
+            f"shard_strategy {requested} needs every replica's {shard_size} ranks on one node, "
+            f"but replica(s) {list(split_replicas)} were placed across nodes (other work held "
+            "parts of them): retry when the cluster is quieter, or use --shard_strategy auto or "
+            "fsdp."
         )
-    return ShardStrategy.TP
+    return requested
 
 
-def refusal(obstacles: list[str]) -> str:
-    """The message refusing ``shard_strategy tp`` for the given obstacles."""
+def refusal(name: ShardStrategy | str, obstacles: Sequence[str]) -> str:
+    """The message refusing ``shard_strategy name`` for the given obstacles."""
     return (
-        "shard_strategy tp cannot shard this model: "
+        f"shard_strategy {ShardStrategy(name)} cannot shard this model: "
         + "; ".join(obstacles)
         + ". Use --shard_strategy auto (falls back to FSDP) or fsdp, or a --shard_size that "
         "divides the head counts."
     )
-
-
-def _sharded_dimensions(config: Any) -> dict[str, int]:
-    """The dimensions a TP plan splits over the ranks, as the config names them."""
-    heads = getattr(config, "num_attention_heads", None)
-    dims = {"num_attention_heads": heads}
-    kv_heads = getattr(config, "num_key_value_heads", None)
-    dims["num_key_value_heads"] = kv_heads if kv_heads is not None else heads
-    intermediate = getattr(config, "intermediate_size", None)
-    if intermediate is not None:
-        dims["intermediate_size"] = intermediate
-    return {name: value for name, value in dims.items() if isinstance(value, int)}
-
-
-def _divisibility_problems(dims: dict[str, int], shard_size: int) -> list[str]:
-    if "num_attention_heads" not in dims:
-        return ["the model config names no num_attention_heads to split"]
-    return [
-        f"{name}={value} is not divisible by shard_size {shard_size}"
-        for name, value in dims.items()
-        if value % shard_size
-    ]
-
-
-class _Attrs:
-    """Attribute access to a config.json mapping."""
-
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        self._values = values
-
-    def __getattr__(self, name: str) -> Any:
-        return self._values.get(name)

@@ -56,11 +56,9 @@ _LIVENESS_S = 0.5
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def enabled() -> bool:
-    """Whether this rank may use them: x86-64 Linux with a ``/dev/shm``, unless the rank's
-    environment sets ``RAYEVAL_SHM_COLLECTIVES=0`` (then gloo carries every collective)."""
-    if os.environ.get("RAYEVAL_SHM_COLLECTIVES", "1") == "0":
-        return False
+def available() -> bool:
+    """Whether this rank can use them: x86-64 Linux with a ``/dev/shm`` (the configuration's
+    ``parallelism.shm_collectives`` decides whether it may)."""
     return platform.machine() in ("x86_64", "AMD64") and Path("/dev/shm").is_dir()
 
 

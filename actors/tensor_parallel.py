@@ -1,64 +1,115 @@
-"""Loading a Hugging Face causal LM tensor-parallel over a replica's ranks (transformers' TP).
+"""Tensor parallelism: transformers' own TP plan over a replica's ranks (strategy ``tp``).
 
-transformers applies the architecture's own ``tp_plan`` (attention heads and MLP columns split
-over the ranks, the head's output gathered) on the meta device, then reads every weight of the
+transformers applies the architecture's ``tp_plan`` (attention heads and MLP columns split over
+the ranks, the head's output gathered) on the meta device, then reads every weight of the
 checkpoint as this rank's slice of it (``get_slice`` on safetensors): no rank ever holds the
 whole model. It runs on the replica's process group, which the rank has already joined (world =
 G), over a device mesh it builds on it; on CPU that is gloo.
 
-The ranks of a replica then compute the same batch: every forward exchanges activations
-(an all-reduce after each attention and MLP block, an all-gather of the logits), never weights.
+The ranks of a replica then compute the same batch: every forward exchanges activations (an
+all-reduce after each attention and MLP block, an all-gather of the logits), never weights. On a
+CPU node those all-reduces go through shared memory where the ranks can
+(:mod:`rayeval.actors.shm_collectives`). Imports no torch until a rank loads.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import TYPE_CHECKING, Any
 
-import torch
-import transformers
-from torch import nn
-
-from rayeval.actors.batches import ModelSpec
 from rayeval.actors.errors import ModelLoadError
-from rayeval.actors.model_loading import from_pretrained_kwargs, load_config, resolve_dtype
+from rayeval.actors.profiles import ModelShape
+from rayeval.actors.sharding import RankContext, ShardStrategy
+
+if TYPE_CHECKING:
+    from rayeval.actors.batches import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 
-def load_tensor_parallel(spec: ModelSpec, device: torch.device, shard_size: int) -> nn.Module:
-    """Load this rank's tensor-parallel part of the model, in eval mode, on ``device``.
+class TensorParallel:
+    """The ``tp`` strategy (see the module docstring)."""
 
-    The process group of the replica (``shard_size`` ranks) must be initialised.
+    name = ShardStrategy.TP
+    same_batch = True
+    one_node = True
 
-    Args:
-        spec: What to load.
-        device: This rank's device (CUDA: already the current device).
-        shard_size: G, the ranks of the replica and the tensor-parallel degree.
+    def model_obstacles(self, shape: ModelShape, shard_size: int) -> list[str]:
+        """No TP plan for the architecture, or a head count (or MLP width) G does not divide."""
+        if shape.has_tp_plan is False:
+            return [
+                f"transformers has no tensor-parallel plan for the {shape.model_type} architecture"
+            ]
+        dims = shape.tp_dimensions()
+        if "num_attention_heads" not in dims:
+            return ["the model config names no num_attention_heads to split"]
+        return [
+            f"{name}={value} is not divisible by shard_size {shard_size}"
+            for name, value in dims.items()
+            if value % shard_size
+        ]
 
-    Returns:
-        The model, its sharded weights ``DTensor`` parameters.
+    def prepare_process(self, shard_size: int) -> None:
+        """Nothing to tune: TP ranks allocate activations, never all-gathered weights."""
 
-    Raises:
-        ModelLoadError: the checkpoint cannot be read, or transformers cannot shard it.
-    """
-    from transformers.distributed import DistributedConfig
+    def load(self, spec: ModelSpec, device: Any, shard_size: int) -> Any:
+        """This rank's tensor-parallel part of the model, its weights ``DTensor`` parameters.
 
-    config = load_config(spec)
-    dtype = resolve_dtype(spec.dtype, config)
-    if device.type == "cuda":
-        # transformers binds the rank to device LOCAL_RANK: this rank's own GPU.
-        os.environ["LOCAL_RANK"] = str(device.index or 0)
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            spec.pretrained,
-            dtype=dtype,
-            distributed_config=DistributedConfig(tp_size=shard_size),
-            **from_pretrained_kwargs(spec),
+        Raises:
+            ModelLoadError: the checkpoint cannot be read, or transformers cannot shard it.
+        """
+        import transformers
+        from transformers.distributed import DistributedConfig
+
+        from rayeval.actors.checkpoints import from_pretrained_kwargs, load_config, resolve_dtype
+
+        config = load_config(spec)
+        dtype = resolve_dtype(spec.dtype, config)
+        if device.type == "cuda":
+            # transformers binds the rank to device LOCAL_RANK: this rank's own GPU.
+            os.environ["LOCAL_RANK"] = str(device.index or 0)
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                spec.pretrained,
+                dtype=dtype,
+                distributed_config=DistributedConfig(tp_size=shard_size),
+                **from_pretrained_kwargs(spec),
+            )
+        except OSError as exc:
+            raise ModelLoadError(f"cannot load {spec.pretrained!r}: {exc}") from exc
+        except (ValueError, RuntimeError, NotImplementedError) as exc:
+            raise ModelLoadError(
+                f"transformers could not load {spec.pretrained!r} tensor-parallel over "
+                f"{shard_size} ranks ({type(exc).__name__}: {exc}): use --shard_strategy fsdp"
+            ) from exc
+        model.eval()
+        return model
+
+    def collectives(self, rank: RankContext) -> str | None:
+        """Shared memory for the activations' all-reduces where every rank of the replica can
+        use it (the rest stays on the process group), else the process group."""
+        import torch.distributed as dist
+
+        from rayeval.actors import shm_collectives
+
+        # Every rank takes part, so that all decide alike (a rank's environment could differ).
+        able: list[Any] = [None] * rank.shard_size
+        dist.all_gather_object(able, rank.shared_memory and shm_collectives.available())
+        if not all(able):
+            return "process group"
+        shm = shm_collectives.ShmCollectives.create(
+            f"{rank.rendezvous[0]}-{rank.rendezvous[1]}-r{rank.replica}",
+            rank.shard_rank,
+            rank.shard_size,
+            rank.collective_timeout_s,
         )
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load {spec.pretrained!r}: {exc}") from exc
-    except (ValueError, RuntimeError, NotImplementedError) as exc:
-        raise ModelLoadError(
-            f"transformers could not load {spec.pretrained!r} tensor-parallel over {shard_size} "
-            f"ranks ({type(exc).__name__}: {exc}): use --shard_strategy fsdp"
-        ) from exc
-    model.eval()
-    return model
+        if shm is None:
+            return "process group"
+        if not shm_collectives.route_tensor_parallel_all_reduces(shm):
+            logger.warning("this transformers reduces TP activations otherwise: staying on gloo")
+            return "process group"
+        return "shared memory"
+
+    def after_forward(self, model: Any) -> None:
+        """Nothing to release: every rank keeps its slices."""

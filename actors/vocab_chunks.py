@@ -20,8 +20,9 @@ each its own FSDP unit:
   multiplies once, holding the weight once (not twice) plus a chunk.
 
 A tied head shares its chunks with the embeddings (one unit per chunk, gathered for each use).
-Only exact ``nn.Embedding`` / bias-free ``nn.Linear`` modules are cut: a subclass may do more
-in its forward (Gemma scales its embeddings), so those stay whole units. CPU ranks only for now
+Only exact ``nn.Embedding`` / bias-free ``nn.Linear`` modules are cut, and embeddings only where
+the architecture's profile says they are a plain lookup (:mod:`rayeval.actors.profiles`: Gemma
+scales its embeddings): others stay whole units. CPU ranks only for now
 (:func:`rayeval.actors.model_loading.shard_model`): nothing here has run on a GPU.
 """
 
@@ -36,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from rayeval.actors.profiles import ModelShape
 
 
 class VocabRows(nn.Module):
@@ -199,7 +202,9 @@ def split_vocabulary(model: nn.Module, largest_unit: int) -> dict[int, tuple[nn.
     tied = isinstance(embed, nn.Module) and getattr(head, "weight", None) is getattr(
         embed, "weight", False
     )
-    if type(embed) is not nn.Embedding or embed.max_norm is not None:
+    config = getattr(model, "config", None)
+    plain = config is None or ModelShape(config).profile.plain_embeddings
+    if not plain or type(embed) is not nn.Embedding or embed.max_norm is not None:
         embed = None
     if type(head) is not nn.Linear or head.bias is not None:
         head = None

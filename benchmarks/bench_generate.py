@@ -10,7 +10,7 @@ them side by side:
 * ``1x2 fsdp`` — two ranks of one core, FSDP2 (each rank generates its own micro-batch);
 * ``1x2 default`` — two ranks of one core, the default ``shard_strategy`` (``auto``: tensor
   parallelism for this model);
-* ``1x2 default gloo`` — the default again with ``RAYEVAL_SHM_COLLECTIVES=0``: the TP ranks'
+* ``1x2 default gloo`` — the default again with ``--shm_collectives false``: the TP ranks'
   all-reduces over gloo's sockets instead of shared memory;
 * ``1x2 fsdp wW`` — FSDP again with micro-batches of ``W`` rows (``--fsdp_widths``): decode
   tokens/s against batch width, since each decode step's all-gathers serve the whole batch.
@@ -169,25 +169,18 @@ def run_row(
     else:
         from rayeval.service.engine.lm import RayEvalLM
 
-        switch = os.environ.get("RAYEVAL_SHM_COLLECTIVES")
-        if spec.gloo:  # read from the driver's environment when the ranks start
-            os.environ["RAYEVAL_SHM_COLLECTIVES"] = "0"
-        try:
-            lm = RayEvalLM(
-                pretrained=str(model_dir),
-                num_replicas=1,
-                shard_size=spec.shard_size,
-                cpus_per_rank=spec.cpus_per_rank,
-                shard_strategy=spec.strategy,
-                dtype=args.dtype,
-                device=args.device,
-                batch_size=batch,
-            )
-            lm.load_reports  # noqa: B018 - waits until every rank has loaded
-        finally:
-            os.environ.pop("RAYEVAL_SHM_COLLECTIVES", None)
-            if switch is not None:
-                os.environ["RAYEVAL_SHM_COLLECTIVES"] = switch
+        lm = RayEvalLM(
+            pretrained=str(model_dir),
+            num_replicas=1,
+            shard_size=spec.shard_size,
+            cpus_per_rank=spec.cpus_per_rank,
+            shard_strategy=spec.strategy,
+            shm_collectives=not spec.gloo,
+            dtype=args.dtype,
+            device=args.device,
+            batch_size=batch,
+        )
+        lm.load_reports  # noqa: B018 - waits until every rank has loaded
         figures.strategy = lm.shard_strategy.value if spec.shard_size > 1 else None
         close = lm.close
     figures.load_s = time.perf_counter() - started

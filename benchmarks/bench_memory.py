@@ -232,7 +232,7 @@ def model_figures(model_dir: Path) -> dict[str, int]:
     import torch
     import transformers
 
-    from rayeval.actors.model_loading import decoder_blocks, embedding_units
+    from rayeval.actors.fsdp_units import decoder_blocks, embedding_units
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):

@@ -24,8 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayeval.actors.errors import ConfigError
-from rayeval.actors.group import Timeouts
-from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
+from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy, Timeouts
 from rayeval.actors.sharding import ShardStrategy
 
 #: lm-eval's default seeds for random, numpy, torch and few-shot sampling (its ``DEFAULT_SEED``).
@@ -111,6 +110,7 @@ HOST_ONLY_OPTIONS = {
     "cpus_per_rank": 'put it under "parallelism": {"cpus_per_rank": N}',
     "shard_strategy": 'put it under "parallelism": {"shard_strategy": "auto"}',
     "placement": 'put it under "parallelism": {"placement": "spread"}',
+    "shm_collectives": 'put it under "parallelism": {"shm_collectives": false}',
     "address": "the server's Ray cluster is fixed by its --ray-address",
     "placement_timeout": 'put it under "timeouts": {"placement_s": ...}',
     "load_timeout": 'put it under "timeouts": {"load_s": ...}',
@@ -159,6 +159,13 @@ class Parallelism(_Frozen):
         ge=1,
         le=1024,
         description="CPU slots per rank (on CPU ranks also torch's threads).",
+    )
+    shm_collectives: bool = Field(
+        default=True,
+        description="Let the ranks of a replica on one CPU node sum their activations through "
+        "shared memory (/dev/shm) instead of the process group's sockets: tensor parallelism "
+        "only, bit-identical to gloo at 2 ranks, much lower latency per decode step; false "
+        "keeps every collective on gloo.",
     )
     placement: PlacementPolicy = Field(
         default=PlacementPolicy.AUTO,
@@ -541,6 +548,7 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("parallelism", "cpus_per_rank"): "--cpus_per_rank",
     ("parallelism", "shard_strategy"): "--shard_strategy",
     ("parallelism", "placement"): "--placement",
+    ("parallelism", "shm_collectives"): "--shm_collectives",
     ("max_batch_tokens",): "--max_batch_tokens",
     ("share_prefixes",): "--share_prefixes",
     ("timeouts", "placement_s"): "--placement_timeout",

@@ -118,7 +118,7 @@ def test_placement_reaches_the_layout_from_every_door() -> None:
 
 def test_python_keywords_split_into_layout_timeouts_and_model_args() -> None:
     from rayeval.actors.errors import ConfigError
-    from rayeval.actors.group import Timeouts
+    from rayeval.actors.layout import Timeouts
 
     config = EngineConfig.from_kwargs(
         "org/model", num_replicas=2, step_s=5, timeouts=Timeouts(load_s=9), dtype="float32"

@@ -97,7 +97,7 @@ def test_busy_cluster_times_out_with_requested_vs_available(demo: Any, ray_sessi
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from rayeval.actors.errors import ResourcesUnavailableError
-    from rayeval.actors.group import Timeouts
+    from rayeval.actors.layout import Timeouts
     from rayeval.service.engine.lm import RayEvalLM
 
     blocker = placement_group([{"CPU": 1.0}] * 3)

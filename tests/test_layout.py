@@ -49,7 +49,16 @@ def test_shard_strategy_is_settled_from_the_model_and_the_placement() -> None:
     import transformers
 
     from rayeval.actors.errors import ConfigError
-    from rayeval.actors.sharding import ShardStrategy, settle, tp_obstacles, tp_obstacles_from_json
+    from rayeval.actors.sharding import ShardStrategy, model_obstacles, settle
+
+    def tp_obstacles(config, shard_size):
+        return model_obstacles(config, shard_size)[ShardStrategy.TP]
+
+    def tp_obstacles_from_json(config_json, shard_size):
+        return model_obstacles(config_json, shard_size)[ShardStrategy.TP]
+
+    def tp(obstacles):
+        return {ShardStrategy.TP: obstacles}
 
     llama = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
@@ -62,12 +71,12 @@ def test_shard_strategy_is_settled_from_the_model_and_the_placement() -> None:
     ]
     assert tp_obstacles_from_json(llama.to_dict(), 4) == tp_obstacles(llama, 4)
 
-    assert settle("auto", 2, [], []) is ShardStrategy.TP
-    assert settle("auto", 1, [], []) is ShardStrategy.FSDP
-    assert settle("auto", 4, ["heads"], []) is ShardStrategy.FSDP
-    assert settle("auto", 2, [], [0]) is ShardStrategy.FSDP  # a replica across nodes
-    assert settle("fsdp", 2, [], []) is ShardStrategy.FSDP
+    assert settle("auto", 2, tp([]), []) is ShardStrategy.TP
+    assert settle("auto", 1, tp([]), []) is ShardStrategy.FSDP
+    assert settle("auto", 4, tp(["heads"]), []) is ShardStrategy.FSDP
+    assert settle("auto", 2, tp([]), [0]) is ShardStrategy.FSDP  # a replica across nodes
+    assert settle("fsdp", 2, tp([]), []) is ShardStrategy.FSDP
     with pytest.raises(ConfigError, match="num_key_value_heads=2 is not divisible"):
-        settle("tp", 4, tp_obstacles(llama, 4), [])
+        settle("tp", 4, tp(tp_obstacles(llama, 4)), [])
     with pytest.raises(LayoutError, match=r"replica\(s\) \[1\] were placed across nodes"):
-        settle("tp", 2, [], [1])
+        settle("tp", 2, tp([]), [1])

@@ -52,7 +52,7 @@ def _meta_model(config: Any) -> Any:
 def test_tied_head_is_one_unit_with_the_embeddings() -> None:
     import transformers
 
-    from rayeval.actors.model_loading import embedding_units
+    from rayeval.actors.fsdp_units import embedding_units
 
     gpt2 = _meta_model(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
@@ -65,7 +65,8 @@ def test_tied_head_is_one_unit_with_the_embeddings() -> None:
 def test_tied_parameter_maps_to_the_one_checkpoint_tensor() -> None:
     import transformers
 
-    from rayeval.actors.model_loading import _aliases, _Checkpoint
+    from rayeval.actors.checkpoints import Checkpoint as _Checkpoint
+    from rayeval.actors.fsdp_loading import _aliases
 
     gpt2 = _meta_model(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
     aliases = _aliases(gpt2)
@@ -92,12 +93,14 @@ class _Rank:
     def prepare(self, spec: ModelSpec) -> None:
         """Drop the previous model and its process group; a new ShardWorker for ``spec``."""
         from rayeval.actors.layout import DeviceKind, RankCoord
-        from rayeval.actors.worker import ShardWorker
+        from rayeval.actors.worker import RankOptions, ShardWorker
 
         if self._worker is not None:
             self._worker.shutdown()
         coord = RankCoord(replica=0, shard_rank=self._shard_rank, global_rank=self._shard_rank)
-        self._worker = ShardWorker(spec, coord, G, DeviceKind.CPU, collective_timeout_s=120)
+        self._worker = ShardWorker(
+            spec, coord, RankOptions(G, DeviceKind.CPU, collective_timeout_s=120)
+        )
 
     def reserve_port(self) -> tuple[str, int]:
         return self._worker.reserve_port()
@@ -116,7 +119,7 @@ class _Rank:
         """Bytes of the parameter tensors this rank holds right now."""
         return sum(
             (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes()
-            for p in self._worker._model.parameters()
+            for p in self._worker._rank.model.parameters()
         )
 
     def score(self, batch: ScoreMicroBatch) -> Any:
@@ -330,7 +333,7 @@ def test_large_vocabulary_is_cut_into_units_with_bit_identical_logits() -> None:
     import torch
     import transformers
 
-    from rayeval.actors.model_loading import decoder_blocks
+    from rayeval.actors.fsdp_units import decoder_blocks
     from rayeval.actors.vocab_chunks import ChunkedEmbedding, ChunkedHead, split_vocabulary
 
     torch.manual_seed(0)

@@ -390,7 +390,8 @@ def _record_gpu_group(model_dir: str, names: dict[str, str]) -> dict[str, Any]:
 
     from rayeval.actors.batches import ModelSpec
     from rayeval.actors.errors import ModelLoadError
-    from rayeval.actors.group import Timeouts, WorkerGroup
+    from rayeval.actors.group import WorkerGroup
+    from rayeval.actors.layout import Timeouts
 
     layout = ParallelLayout(1, 2, device=DeviceKind.CUDA)
     timeouts = Timeouts(placement_s=120, load_s=180, step_s=60, collective_s=60)
@@ -449,7 +450,7 @@ def _record_evaluation(model_dir: str, tasks_dir: str, names: dict[str, str]) ->
     import ray
     from lm_eval.tasks import TaskManager
 
-    from rayeval.actors.group import Timeouts
+    from rayeval.actors.layout import Timeouts
     from rayeval.service.engine.lm import RayEvalLM
     from tests.helpers import evaluate
 

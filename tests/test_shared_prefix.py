@@ -101,7 +101,7 @@ def test_packed_rows_score_like_plain_rows(arch: str, demo: Any, tmp_path: Path)
 def _worker(model_dir: Path, attention: str) -> Any:
     import transformers
 
-    from rayeval.actors.worker import ShardWorker
+    from rayeval.actors.worker import RankOptions, ShardWorker
 
     pad = transformers.AutoTokenizer.from_pretrained(model_dir).pad_token_id
     spec = ModelSpec(
@@ -110,7 +110,9 @@ def _worker(model_dir: Path, attention: str) -> Any:
         pad_token_id=pad,
         extra_kwargs={"attn_implementation": attention},
     )
-    worker = ShardWorker(spec, RankCoord(0, 0, 0), 1, DeviceKind.CPU, collective_timeout_s=60)
+    worker = ShardWorker(
+        spec, RankCoord(0, 0, 0), RankOptions(1, DeviceKind.CPU, collective_timeout_s=60)
+    )
     worker.setup(("127.0.0.1", 0))  # one rank: no process group, the address is not used
     return worker
 

@@ -48,13 +48,12 @@ def test_tp_matches_lm_eval_hf(
     from rayeval.actors.sharding import ShardStrategy
     from rayeval.service.engine.lm import RayEvalLM
 
-    if reduced_by == "process group":
-        monkeypatch.setenv("RAYEVAL_SHM_COLLECTIVES", "0")  # forwarded to the ranks
     with RayEvalLM(
         pretrained=str(demo.model_dir),
         num_replicas=layout[0],
         shard_size=layout[1],
         shard_strategy=strategy,
+        shm_collectives=reduced_by == "shared memory",
         dtype="float32",
         max_batch_tokens=256,  # several micro-batches, so replicas share the work
     ) as lm:

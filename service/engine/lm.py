@@ -39,12 +39,12 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from rayeval.actors.batches import GenerateMicroBatch, MicroBatch, ModelSpec, ScoreMicroBatch
+from rayeval.actors.checkpoints import resolve_dtype
 from rayeval.actors.errors import ConfigError, RayEvalError, ResultIntegrityError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
-from rayeval.actors.model_loading import resolve_dtype
-from rayeval.actors.packing import packing_unsupported
-from rayeval.actors.sharding import ShardStrategy, refusal, tp_obstacles
+from rayeval.actors.profiles import ModelShape
+from rayeval.actors.sharding import ShardStrategy, model_obstacles, refusal
 from rayeval.service.config import (
     DEFAULT_CPU_SCORE_BATCH_TOKENS,
     DEFAULT_MAX_BATCH_ROWS,
@@ -207,9 +207,12 @@ class RayEvalLM(TemplateLM):
         self._encoder, self._dtype = _build_encoder(self.pretrained, model_args)
         self.tokenizer = self._encoder.tokenizer
         shard_size = config.parallelism.shard_size
-        obstacles = tp_obstacles(self._encoder.model.config, shard_size) if shard_size > 1 else []
-        if config.parallelism.shard_strategy is ShardStrategy.TP and obstacles:
-            raise ConfigError(refusal(obstacles))  # before anything starts
+        obstacles = (
+            model_obstacles(self._encoder.model.config, shard_size) if shard_size > 1 else {}
+        )
+        requested = config.parallelism.shard_strategy
+        if obstacles.get(requested):  # before anything starts
+            raise ConfigError(refusal(requested, obstacles[requested]))
         self._cache = open_cache(host.lm_eval.get("use_cache"), config.model_args)
 
         self.connection = connect(host.address, config.layout(DeviceKind.CPU))
@@ -242,7 +245,8 @@ class RayEvalLM(TemplateLM):
             self._timeouts,
             seed=self._seed,
             strategy=config.parallelism.shard_strategy,
-            tp_obstacles=obstacles,
+            obstacles=obstacles,
+            shm_collectives=config.parallelism.shm_collectives,
         )
         self._strategy = self._group.strategy
 
@@ -529,7 +533,7 @@ class RayEvalLM(TemplateLM):
         implementation = model_args.get("attn_implementation") or getattr(
             shell.config, "_attn_implementation", None
         )
-        reason = packing_unsupported(shell.config, implementation)
+        reason = ModelShape(shell.config).packing_unsupported(implementation)
         if reason is not None:
             logger.info("shared prefixes are computed once per request (not packed): %s", reason)
         return reason is None

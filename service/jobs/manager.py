@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -40,7 +39,7 @@ from typing import Any
 import ray
 
 from rayeval.actors.errors import EvaluationNotFoundError, EvaluationStateError
-from rayeval.actors.group import FORWARDED_ENV
+from rayeval.actors.process import runner_environment
 from rayeval.service.config import EvaluationConfig
 from rayeval.service.engine.cluster import pick_device
 from rayeval.service.engine.warm import replica_key
@@ -306,12 +305,7 @@ class EvaluationManager:
         self._release_in_background(owner, handle)
 
     def _start_runner(self, record: EvaluationRecord) -> None:
-        env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
-        env["TOKENIZERS_PARALLELISM"] = "false"
-        # lm-eval's bootstrap forks a multiprocessing pool from the runner's thread; a forked
-        # child inherits Ray's signal handlers and can outlive terminate(). Single-process gives
-        # the same numbers (the same seeded chunks, in order).
-        env["DISABLE_MULTIPROC"] = "1"
+        env = runner_environment()
         try:
             handle = (
                 ray.remote(EvaluationRunner)

@@ -10,10 +10,11 @@ only the server can judge, so that what is accepted with 202 can run:
   one that is forbidden (no file oracle);
 - task names (never paths) that its catalog knows, in ``tasks`` and in ``samples``;
 - options lm-eval accepts together, and a layout the cluster can ever hold;
-- a ``tp`` shard strategy that can work: heads that G divides (read from a local model's
-  ``config.json``) and a node that can hold a replica's G ranks. Whether transformers has a
-  tensor-parallel plan for the architecture needs its config classes (and torch), so that last
-  check is the engine's, before any rank starts.
+- a named shard strategy that can work: what it refuses of the model, read from a local
+  model's ``config.json`` (for ``tp``: heads that G divides), and a node that can hold a replica's
+  G ranks where the strategy needs one. Whether transformers has a tensor-parallel plan for the
+  architecture needs its config classes (and torch), so that last check is the engine's, before
+  any rank starts.
 
 Every problem is collected into one message. No torch here.
 """
@@ -29,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from rayeval.actors.errors import ConfigError, LayoutError, ServiceNotReadyError
-from rayeval.actors.sharding import ShardStrategy, refusal, tp_obstacles_from_json
+from rayeval.actors.profiles import ModelShape
+from rayeval.actors.sharding import ShardStrategy, refusal, strategy
 from rayeval.service.config import ENCODER_MODEL_ARGS, EvaluationConfig, HostOptions
 from rayeval.service.jobs.tasks import TaskCatalog
 
@@ -141,34 +143,34 @@ def check_submission(
 def strategy_problems(
     config: EvaluationConfig, node_totals: Sequence[Mapping[str, float]] = ()
 ) -> list[str]:
-    """Why ``shard_strategy tp`` cannot work for this evaluation (``auto`` and ``fsdp`` always
-    can: ``auto`` falls back to FSDP)."""
+    """Why the named ``shard_strategy`` cannot work for this evaluation (``auto`` always can: it
+    falls back to FSDP). What needs transformers' config classes is the engine's to check."""
     parallelism = config.parallelism
-    if parallelism.shard_strategy is not ShardStrategy.TP or parallelism.shard_size == 1:
+    if parallelism.shard_strategy is ShardStrategy.AUTO or parallelism.shard_size == 1:
         return []
+    chosen = strategy(parallelism.shard_strategy)
     problems = []
     args = config.model_args
     model_dir = Path(str(args["pretrained"])).expanduser() / str(args.get("subfolder") or "")
     config_file = model_dir / "config.json"
     if config_file.is_file():
         try:
-            obstacles = tp_obstacles_from_json(
-                json.loads(config_file.read_text()), parallelism.shard_size
-            )
+            shape = ModelShape(json.loads(config_file.read_text()))
         except (OSError, ValueError):
-            obstacles = []  # the engine reads it again and names the problem
+            shape = None  # the engine reads it again and names the problem
+        obstacles = chosen.model_obstacles(shape, parallelism.shard_size) if shape else []
         if obstacles:
-            problems.append(refusal(obstacles))
+            problems.append(refusal(chosen.name, obstacles))
     bundle = config.layout().bundle()
     holds = [
         min(int(node.get(key, 0.0) // amount) for key, amount in bundle.items())
         for node in node_totals
     ]
-    if holds and max(holds) < parallelism.shard_size:
+    if chosen.one_node and holds and max(holds) < parallelism.shard_size:
         problems.append(
-            f"shard_strategy tp needs a replica's {parallelism.shard_size} ranks on one node, and "
-            f"no node of the cluster holds more than {max(holds)}: lower --shard_size or use "
-            "--shard_strategy auto (FSDP across nodes)"
+            f"shard_strategy {chosen.name} needs a replica's {parallelism.shard_size} ranks on one "
+            f"node, and no node of the cluster holds more than {max(holds)}: lower --shard_size "
+            "or use --shard_strategy auto (FSDP across nodes)"
         )
     return problems
 

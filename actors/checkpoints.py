@@ -1,0 +1,197 @@
+"""Finding and reading a model's checkpoint on one rank: config, dtype, weight files, slices.
+
+Every strategy's loader reads through here. A local directory or a hub snapshot holds
+safetensors (one file or several, through ``model.safetensors.index.json``) or ``.bin`` files
+(one or several, through ``pytorch_model.bin.index.json``); :func:`find_checkpoint` maps each
+tensor name to its file, and :class:`SliceReader` hands out dim-0 slices of a tensor without
+reading the rest: a safetensors slice is read from the file into a new tensor, a ``.bin`` slice is
+a view of the memory-mapped file. Legacy (pre-zip) ``.bin`` files cannot be memory-mapped
+(:class:`CannotStream`): the caller then loads the model whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from safetensors import safe_open
+from torch import nn
+
+from rayeval.actors.batches import ModelSpec
+from rayeval.actors.errors import ModelLoadError
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_SAFETENSORS_SINGLE = "model.safetensors"
+_BIN_INDEX = "pytorch_model.bin.index.json"
+_BIN_SINGLE = "pytorch_model.bin"
+
+
+def load_config(spec: ModelSpec) -> transformers.PretrainedConfig:
+    """The model's transformers config.
+
+    Raises:
+        ModelLoadError: it cannot be found or read.
+    """
+    try:
+        return transformers.AutoConfig.from_pretrained(
+            spec.pretrained,
+            revision=spec.revision,
+            subfolder=spec.subfolder,
+            trust_remote_code=spec.trust_remote_code,
+        )
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot load the model config of {spec.pretrained!r}: {exc}. Pass an existing local "
+            "path or a Hugging Face hub id in model_args pretrained=..."
+        ) from exc
+
+
+def resolve_dtype(name: str | None, config: transformers.PretrainedConfig) -> torch.dtype:
+    """lm-eval's ``dtype`` model arg as a torch dtype (``auto``: the checkpoint's, else fp32)."""
+    if name in (None, "auto"):
+        configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(configured, torch.dtype):
+            return configured
+        return getattr(torch, configured) if isinstance(configured, str) else torch.float32
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype):
+        raise ModelLoadError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16")
+    return value
+
+
+def from_pretrained_kwargs(spec: ModelSpec) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments of ``spec`` other than the path and the dtype."""
+    return {
+        "revision": spec.revision,
+        "subfolder": spec.subfolder,
+        "trust_remote_code": spec.trust_remote_code,
+        **spec.extra_kwargs,
+    }
+
+
+def load_plain(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            spec.pretrained, dtype=dtype, **from_pretrained_kwargs(spec)
+        )
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load {spec.pretrained!r}: {exc}") from exc
+
+
+class CannotStream(Exception):
+    """The checkpoint cannot be read slice by slice (a legacy, non-zip ``.bin`` file)."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where each tensor of a local checkpoint lives: safetensors or ``.bin`` files."""
+
+    files: dict[str, Path]  # tensor name -> file
+    safetensors: bool
+
+    def key_for(self, aliases: list[str], model: nn.Module) -> str | None:
+        """The checkpoint's name for a parameter known by ``aliases``, or None if it has none."""
+        prefix = getattr(model, "base_model_prefix", "")
+        for name in aliases:
+            candidates = [name]
+            if prefix and name.startswith(prefix + "."):
+                candidates.append(name[len(prefix) + 1 :])
+            if prefix:
+                candidates.append(f"{prefix}.{name}")
+            for candidate in candidates:
+                if candidate in self.files:
+                    return candidate
+        return None
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[SliceReader]:
+        with contextlib.ExitStack() as stack:
+            yield SliceReader(self, stack)
+
+
+class SliceReader:
+    """Opens each checkpoint file once and hands out dim-0 slices of its tensors.
+
+    A safetensors slice is read from the file into a new tensor (the slice is the only copy); a
+    ``.bin`` slice is a view of the memory-mapped file (no copy at all).
+    """
+
+    def __init__(self, checkpoint: Checkpoint, stack: contextlib.ExitStack) -> None:
+        self._checkpoint = checkpoint
+        self._stack = stack
+        self._open: dict[Path, Any] = {}
+
+    def rows(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``key`` (all of a 0-d tensor when both are None)."""
+        path = self._checkpoint.files[key]
+        if self._checkpoint.safetensors:
+            if path not in self._open:
+                self._open[path] = self._stack.enter_context(
+                    safe_open(str(path), framework="pt", device="cpu")
+                )
+            tensor_slice = self._open[path].get_slice(key)
+            return tensor_slice[:] if start is None else tensor_slice[start:stop]
+        if path not in self._open:
+            self._open[path] = mmap_bin(path)
+        tensor = self._open[path][key]
+        return tensor if start is None else tensor[start:stop]  # a view of the mapped file
+
+
+def mmap_bin(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as exc:  # e.g. "mmap can only be used with files saved with ..."
+        raise CannotStream(f"{path.name} cannot be memory-mapped ({exc})") from exc
+
+
+def find_checkpoint(spec: ModelSpec) -> Checkpoint | None:
+    """Map every tensor name to its file (safetensors preferred), or None if there is no file.
+
+    Raises:
+        CannotStream: for a single ``.bin`` file in the legacy (pre-zip) format.
+    """
+    root = _checkpoint_dir(spec)
+    if (root / _SAFETENSORS_INDEX).is_file():
+        return Checkpoint(_index_files(root, _SAFETENSORS_INDEX), safetensors=True)
+    if (root / _SAFETENSORS_SINGLE).is_file():
+        with safe_open(str(root / _SAFETENSORS_SINGLE), framework="pt", device="cpu") as handle:
+            names = list(handle.keys())
+        return Checkpoint(dict.fromkeys(names, root / _SAFETENSORS_SINGLE), safetensors=True)
+    if (root / _BIN_INDEX).is_file():
+        return Checkpoint(_index_files(root, _BIN_INDEX), safetensors=False)
+    if (root / _BIN_SINGLE).is_file():
+        names = list(mmap_bin(root / _BIN_SINGLE))
+        return Checkpoint(dict.fromkeys(names, root / _BIN_SINGLE), safetensors=False)
+    return None
+
+
+def _index_files(root: Path, index_name: str) -> dict[str, Path]:
+    weight_map = json.loads((root / index_name).read_text())["weight_map"]
+    return {name: root / file for name, file in weight_map.items()}
+
+
+def _checkpoint_dir(spec: ModelSpec) -> Path:
+    local = Path(spec.pretrained) / spec.subfolder
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+
+    folder = f"{spec.subfolder.rstrip('/')}/" if spec.subfolder else ""
+    try:
+        snapshot = snapshot_download(
+            spec.pretrained,
+            revision=spec.revision,
+            allow_patterns=[f"{folder}*.safetensors", f"{folder}*.json"],
+        )
+    except Exception as exc:
+        raise ModelLoadError(
+            f"cannot find {spec.pretrained!r} locally or on the Hugging Face hub ({exc}). "
+            "Pass an existing local path, or a hub id reachable from every node."
+        ) from exc
+    return Path(snapshot) / spec.subfolder

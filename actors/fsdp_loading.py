@@ -1,0 +1,182 @@
+"""Loading a model on an FSDP2 rank: the model whole (G = 1), or only this rank's shards.
+
+Sharded loading never materialises the whole model on a rank. The model is built on the meta
+device, cut into FSDP units (:func:`rayeval.actors.fsdp_units.shard_model`), and each rank then
+reads only its own dim-0 slice of every tensor from the checkpoint
+(:mod:`rayeval.actors.checkpoints`). Peak host memory per rank is therefore about model/G plus one
+unit. Only checkpoints whose tensor names do not match the model, or legacy (pre-zip) ``.bin``
+files that cannot be memory-mapped, fall back to a full load on every rank followed by sharding,
+with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import transformers
+from accelerate import init_empty_weights
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from rayeval.actors.batches import ModelSpec
+from rayeval.actors.checkpoints import (
+    CannotStream,
+    Checkpoint,
+    find_checkpoint,
+    load_config,
+    load_plain,
+    resolve_dtype,
+)
+from rayeval.actors.errors import ModelLoadError
+from rayeval.actors.fsdp_units import shard_model
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -> nn.Module:
+    """Load the model for one rank, in eval mode, on ``device``.
+
+    Args:
+        spec: What to load.
+        device: This rank's device.
+        mesh: The replica's 1-D device mesh for FSDP2, or None for a plain (unsharded) replica.
+
+    Returns:
+        The model (an ``FSDPModule`` when ``mesh`` is given).
+
+    Raises:
+        ModelLoadError: if the checkpoint cannot be found or read.
+    """
+    config = load_config(spec)
+    dtype = resolve_dtype(spec.dtype, config)
+    model = (
+        load_plain(spec, dtype)
+        if mesh is None
+        else _load_sharded(spec, config, dtype, mesh, device)
+    )
+    if mesh is None:
+        model.to(device)
+    model.eval()
+    return model
+
+
+# -------------------------------------------------------------------------- sharded loading
+def _load_sharded(
+    spec: ModelSpec,
+    config: transformers.PretrainedConfig,
+    dtype: torch.dtype,
+    mesh: DeviceMesh,
+    device: torch.device,
+) -> nn.Module:
+    try:
+        checkpoint = find_checkpoint(spec)
+    except CannotStream as exc:
+        return _full_load_then_shard(spec, dtype, mesh, device, str(exc))
+    if checkpoint is None:
+        return _full_load_then_shard(
+            spec, dtype, mesh, device, "no safetensors or .bin checkpoint file found"
+        )
+    model = _meta_model(spec, config, dtype)
+    keys = {name: checkpoint.key_for(aliases, model) for name, aliases in _aliases(model).items()}
+    missing = sorted(name for name, key in keys.items() if key is None)
+    if missing:
+        return _full_load_then_shard(
+            spec,
+            dtype,
+            mesh,
+            device,
+            f"checkpoint tensor names do not match {len(missing)} model parameters "
+            f"(e.g. {missing[0]})",
+        )
+    # Parameters on meta, buffers real: non-persistent buffers (rotary inv_freq) are computed in
+    # __init__ and are not in the checkpoint, so they must survive to_empty().
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    first_names = {id(param): name for name, param in model.named_parameters()}
+    origins = shard_model(model, mesh)
+    # A vocabulary chunk reads its rows of the tensor it was cut from.
+    offsets: dict[str, int] = {}
+    for name, (origin, start) in origins.items():
+        keys[name] = keys[first_names[id(origin)]]
+        offsets[name] = start
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+        try:
+            _read_local_shards(model, keys, checkpoint, mesh, offsets)
+        except CannotStream as exc:
+            del model
+            return _full_load_then_shard(spec, dtype, mesh, device, str(exc))
+    return model
+
+
+def _full_load_then_shard(
+    spec: ModelSpec, dtype: torch.dtype, mesh: DeviceMesh, device: torch.device, why: str
+) -> nn.Module:
+    logger.warning(
+        "%s for %s: every rank loads the whole model before sharding (peak memory = the whole "
+        "model per rank). Save the checkpoint as safetensors to load only each rank's shard.",
+        why,
+        spec.pretrained,
+    )
+    model = load_plain(spec, dtype)
+    shard_model(model, mesh)
+    model.to(device)
+    return model
+
+
+def _meta_model(
+    spec: ModelSpec, config: transformers.PretrainedConfig, dtype: torch.dtype
+) -> nn.Module:
+    with init_empty_weights(include_buffers=False):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=spec.trust_remote_code
+        )
+    # init_empty_weights re-creates every registered parameter on meta, which unties a tied head
+    # from the embeddings (lm_head.weight is no longer wte.weight): tie them again.
+    model.tie_weights()
+    return model
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each distinct parameter's first name, with every name it has (a tied weight has two)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {aliases[0]: aliases for aliases in names.values()}
+
+
+def _read_local_shards(
+    model: nn.Module,
+    keys: dict[str, str | None],
+    checkpoint: Checkpoint,
+    mesh: DeviceMesh,
+    offsets: dict[str, int],
+) -> None:
+    """Copy each parameter's local rows from the checkpoint (``offsets``: first checkpoint row
+    of a parameter that is a row chunk of a checkpoint tensor)."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    with checkpoint.reader() as reader:
+        for name, param in model.named_parameters():
+            key = keys[name]
+            assert key is not None
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if isinstance(param, DTensor):
+                if tuple(param.placements) != (Shard(0),):
+                    raise ModelLoadError(f"unexpected FSDP placement {param.placements} for {name}")
+                # FSDP2's dim-0 chunks: ceil(rows / world) each, the last ones shorter or empty.
+                chunk = math.ceil(param.shape[0] / world) if param.dim() else 0
+                start = min(rank * chunk, param.shape[0]) + offsets.get(name, 0)
+                value = reader.rows(key, start, start + local.shape[0])
+            else:
+                value = reader.rows(key)
+            if tuple(value.shape) != tuple(local.shape):
+                raise ModelLoadError(
+                    f"checkpoint tensor {key} has shape {tuple(value.shape)} for this rank, the "
+                    f"model expects {tuple(local.shape)}: the checkpoint does not match its config"
+                )
+            local.copy_(value)  # converts the dtype too; the slice is the only temporary
+            del value
