@@ -239,6 +239,21 @@ class WorkerGroup:
         for ref in ready:
             _get_or_raise(ref, RayEvalError, "starting an evaluation")
 
+    def input_token_counts(self, timeout_s: float) -> dict[str, int]:
+        """Tokens the ranks' models were fed so far, summed over ranks
+        (:meth:`rayeval.actors.worker.ShardWorker.input_token_counts`).
+
+        Raises:
+            GetTimeoutError: the ranks did not answer within ``timeout_s``.
+        """
+        self.wait_ready()
+        refs = [w.input_token_counts.remote() for r in self.replicas for w in r.workers]
+        totals: dict[str, int] = {}
+        for counts in ray.get(refs, timeout=timeout_s):
+            for key, value in counts.items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
+
     def rank_sites(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         """Where every rank runs, as each rank actor reports it (not as it was planned).
 

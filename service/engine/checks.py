@@ -21,6 +21,7 @@ hf backend crashes on are refused with a message naming the task, the request an
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from enum import StrEnum
 from typing import Any
 
 from rayeval.actors.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class RequestIssue(StrEnum):
@@ -161,6 +164,30 @@ def check_empty_context_pairs(
                 Flagged(RequestIssue.EMPTY_CONTINUATION, task, doc_id, context, continuation),
                 "both the context and the continuation are empty",
             )
+
+
+def report_flagged(
+    flagged: Sequence[Flagged], on_warning: Callable[[dict[str, Any]], None] | None
+) -> None:
+    """Log, and report through ``on_warning`` (``{task, counts, example}``), the degenerate
+    requests of one call, per task."""
+    by_task: dict[str, list[Flagged]] = defaultdict(list)
+    for item in flagged:
+        by_task[item.task].append(item)
+    for task, items in by_task.items():
+        kinds = Counter(item.kind.value for item in items)
+        example = items[0]
+        logger.warning(
+            "task %s: %s loglikelihood requests whose tokens do not measure the task "
+            "(%s; e.g. doc %s, continuation %r): scored as lm-eval's hf backend scores them",
+            task,
+            sum(kinds.values()),
+            ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
+            example.doc_id,
+            example.continuation,
+        )
+        if on_warning is not None:
+            on_warning({"task": task, "counts": dict(kinds), "example": example.example()})
 
 
 def _crash(flagged: Flagged, what: str) -> ConfigError:

@@ -1,10 +1,11 @@
-"""``RayEvalLM``: an lm-eval ``LM`` whose requests run on Ray replicas of an FSDP2-sharded model.
+"""``RayEvalLM``: an lm-eval ``LM`` whose requests run on Ray replicas of a sharded model.
 
 lm-eval builds every request once, on the driver, and hands them to this class by request type.
 Tokenisation is done here exactly as lm-eval's own HF backend does it — by an ``HFLM`` built over a
-weightless (meta-device) copy of the model, so every tokenizer rule (BOS handling, pad token, chat
-templates, max length) is lm-eval's own code. Only the forward passes leave the driver: the
-planner cuts layout-independent micro-batches and the dispatcher runs them on the replicas.
+weightless (meta-device) copy of the model (:mod:`rayeval.service.engine.encoder`), so every
+tokenizer rule (BOS handling, pad token, chat templates, max length) is lm-eval's own code. Only
+the forward passes leave the driver: the planner cuts layout-independent micro-batches and the
+dispatcher runs them on the replicas.
 
 Usage from Python, one line changed from a plain lm-eval script::
 
@@ -19,123 +20,43 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-import torch
-import transformers
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
-from lm_eval.models.utils import (
-    handle_stop_sequences,
-    has_bos_prefix,
-    normalize_gen_kwargs,
-    postprocess_generated_text,
-)
-from tqdm import tqdm
 
-from rayeval.actors.batches import GenerateMicroBatch, MicroBatch, ModelSpec, ScoreMicroBatch
-from rayeval.actors.checkpoints import resolve_dtype
-from rayeval.actors.errors import ConfigError, RayEvalError, ResultIntegrityError
+from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
 from rayeval.actors.profiles import ModelShape
 from rayeval.actors.sharding import ShardStrategy, model_obstacles, refusal
 from rayeval.service.config import (
-    DEFAULT_CPU_SCORE_BATCH_TOKENS,
-    DEFAULT_MAX_BATCH_ROWS,
-    DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_SEED,
-    ENCODER_MODEL_ARGS,
     EngineConfig,
     HostOptions,
 )
 from rayeval.service.engine.checks import (
-    Flagged,
     RequestReport,
     check_empty_context_pairs,
     inspect_requests,
+    report_flagged,
 )
 from rayeval.service.engine.cluster import connect, pick_device
-from rayeval.service.engine.dispatch import StepDone, run_steps
-from rayeval.service.engine.planner import GenerateRequest, TokenBudget, plan_generate, plan_score
-from rayeval.service.engine.response_cache import generate_key, open_cache, score_key
+from rayeval.service.engine.encoder import (
+    build_encoder,
+    decode_generation,
+    generate_request,
+    model_sha,
+    model_spec,
+)
+from rayeval.service.engine.executor import Executor
+from rayeval.service.engine.phases import PhaseStats, Progress
+from rayeval.service.engine.response_cache import open_cache
 from rayeval.service.engine.warm import KeptReplicas, replica_key
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Progress of one request type, reported after every finished step.
-
-    Beyond the counts: ``seconds`` of the request type so far (its rate and ETA are
-    ``done / seconds`` and ``(total - done) / rate``), requests it answered from the response
-    cache, per replica what it computed (``{replica: {requests, tokens, busy_s}}``), per replica
-    each shard rank's memory after its last micro-batch (``{replica: [{rss_mib, device_mib}]}``),
-    and the engine's start-up: the slowest rank's model load and the seconds from the engine's
-    start to its first batch.
-    """
-
-    phase: str
-    done: int
-    total: int
-    tokens_per_s: float
-    real_token_fraction: float
-    seconds: float = 0.0
-    cached: int = 0
-    replicas: dict[str, dict[str, float]] = field(default_factory=dict)
-    rank_memory: dict[str, list[dict[str, float]]] = field(default_factory=dict)
-    load_s: float | None = None
-    startup_s: float | None = None
-
-
-@dataclass
-class PhaseStats:
-    """Throughput figures of one request type (for reports and benchmarks)."""
-
-    requests: int = 0
-    cached: int = 0
-    micro_batches: int = 0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    seconds: float = 0.0
-    replica_busy_s: dict[int, float] = field(default_factory=dict)
-    replica_requests: dict[int, int] = field(default_factory=dict)
-    replica_tokens: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.real_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def real_token_fraction(self) -> float:
-        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
-
-    @property
-    def replica_utilisation(self) -> dict[int, float]:
-        """Per replica: the share of the phase's wall time its slowest rank spent computing."""
-        if self.seconds <= 0:
-            return {}
-        return {r: busy / self.seconds for r, busy in sorted(self.replica_busy_s.items())}
-
-    def report(self) -> dict[str, Any]:
-        """The figures as plain data (for logs, JSON and the CLI)."""
-        return {
-            "requests": self.requests,
-            "cached": self.cached,
-            "micro_batches": self.micro_batches,
-            "real_tokens": self.real_tokens,
-            "padded_tokens": self.padded_tokens,
-            "seconds": self.seconds,
-            "tokens_per_s": self.tokens_per_s,
-            "real_token_fraction": self.real_token_fraction,
-            "replica_utilisation": self.replica_utilisation,
-        }
 
 
 @register_model("rayeval")
@@ -153,6 +74,8 @@ class RayEvalLM(TemplateLM):
         on_progress: Called after every finished step.
         on_warning: Called with ``{task, counts, example}`` when a task has loglikelihood
             requests whose tokens do not measure it (see :mod:`rayeval.service.engine.checks`).
+        replicas: Loaded replicas to use if they match, and where to keep these ones after a
+            successful evaluation (:mod:`rayeval.service.engine.warm`).
         **options: :meth:`EngineConfig.from_kwargs`'s keywords: ``num_replicas``, ``shard_size``,
             ``cpus_per_rank``, ``batch_size``, ``max_batch_size``, ``max_batch_tokens``,
             ``device``, ``seed``, ``timeouts`` (or ``placement_s``, ``load_s``, ...), ``address``,
@@ -178,76 +101,54 @@ class RayEvalLM(TemplateLM):
     ) -> None:
         super().__init__()
         self._created = time.monotonic()
-        self._startup_s: float | None = None
-        self._rank_memory: dict[str, list[dict[str, float]]] = {}
-        if host is None:
-            use_cache = options.pop("use_cache", None)
-            host = HostOptions(
-                address=options.pop("address", None),
-                name=options.pop("name", None),
-                lm_eval={"use_cache": use_cache} if use_cache else {},
-            )
-        if config is None:
-            if pretrained is None:
-                raise ConfigError("pass pretrained=<hub id or local path> (or a config)")
-            config = EngineConfig.from_kwargs(pretrained, **options)
-        elif pretrained is not None or options:
-            raise ConfigError("pass either a config or pretrained=... with keywords, not both")
+        config, host = _engine_config(pretrained, config, host, options)
         self.config = config
         self.batch_sizes: dict[int, int] = {}
         self._timeouts = config.timeouts.for_ranks()
-        self._on_progress = on_progress
         self._on_warning = on_warning
         self._origins: list[tuple[str, Any]] | None = None
-        self.stats: dict[str, PhaseStats] = {}
         #: Degenerate loglikelihood requests seen so far, per task and kind (see engine.checks).
         self.request_report = RequestReport()
         self.pretrained = config.pretrained
         model_args = {k: v for k, v in config.model_args.items() if k != "pretrained"}
-        self._encoder, self._dtype = _build_encoder(self.pretrained, model_args)
+        self._encoder, self._dtype = build_encoder(self.pretrained, model_args)
         self.tokenizer = self._encoder.tokenizer
-        shard_size = config.parallelism.shard_size
-        obstacles = (
-            model_obstacles(self._encoder.model.config, shard_size) if shard_size > 1 else {}
-        )
-        requested = config.parallelism.shard_strategy
-        if obstacles.get(requested):  # before anything starts
-            raise ConfigError(refusal(requested, obstacles[requested]))
+        obstacles = self._obstacles()
         self._cache = open_cache(host.lm_eval.get("use_cache"), config.model_args)
-
         self.connection = connect(host.address, config.layout(DeviceKind.CPU))
         self.layout = config.layout(pick_device(config.device))
-        self._generate_budget = _budget(config)
-        self._score_budget = _budget(config, score_on=self.layout.device)
         self.name = host.name or f"rayeval-{uuid.uuid4().hex[:8]}"
-        spec = _model_spec(self.pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id)
         self.share_prefixes = config.share_prefixes and self._packing_supported(model_args)
         logger.info("starting %s on %s (%s)", self.name, self.layout.describe(), self.connection)
         torch_seed = config.seeds[2]
-        self._seed = torch_seed if torch_seed is not None else DEFAULT_SEED[2]
+        seed = torch_seed if torch_seed is not None else DEFAULT_SEED[2]
+        self._executor = Executor(
+            config,
+            self.layout.device,
+            self._timeouts,
+            self._cache,
+            self.share_prefixes,
+            seed,
+            on_progress,
+            created=self._created,
+        )
         self._replicas = replicas
         self._key = replica_key(config) if replicas is not None else ""
-        kept = replicas.take(self._key) if replicas is not None else None
-        if kept is not None:
-            try:
-                kept.begin_evaluation(self._seed, timeout_s=min(self._timeouts.step_s, 60.0))
-            except RayEvalError as exc:
-                logger.warning("the kept replicas cannot be reused (%s): starting new ones", exc)
-                kept.shutdown()
-                kept = None
+        kept = None
         if replicas is not None:
-            replicas.reused = kept is not None
-        self._begun = self._reused = kept is not None
+            control_s = min(self._timeouts.step_s, 60.0)
+            kept = replicas.take_ready(self._key, seed, timeout_s=control_s)
         self._group: WorkerGroup | None = kept or WorkerGroup.create(
             self.name,
             self.layout,
-            spec,
+            model_spec(self.pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id),
             self._timeouts,
-            seed=self._seed,
+            seed=seed,
             strategy=config.parallelism.shard_strategy,
             obstacles=obstacles,
             shm_collectives=config.parallelism.shm_collectives,
         )
+        self._executor.attach(self._group, reused=kept is not None)
         self._strategy = self._group.strategy
 
     @classmethod
@@ -291,20 +192,14 @@ class RayEvalLM(TemplateLM):
         """Tokens the ranks' models were fed so far, counted at their input embeddings and
         summed over ranks (``fed``: padding and dummy micro-batches included; ``real``: not
         the padding id; ``calls``). For benchmarks: model work measured, not estimated."""
-        import ray
-
         if self._group is None:
             raise ConfigError("this RayEvalLM was closed: read its token counts before close()")
-        self._group.wait_ready()
-        refs = [
-            worker.input_token_counts.remote()
-            for replica in self._group.replicas
-            for worker in replica.workers
-        ]
-        totals: Counter[str] = Counter()
-        for counts in ray.get(refs, timeout=self._timeouts.step_s):
-            totals.update(counts)
-        return dict(totals)
+        return self._group.input_token_counts(timeout_s=self._timeouts.step_s)
+
+    @property
+    def stats(self) -> dict[str, PhaseStats]:
+        """Per request type, what was computed and how fast (:class:`PhaseStats`)."""
+        return self._executor.stats
 
     @property
     def shard_strategy(self) -> ShardStrategy:
@@ -324,6 +219,7 @@ class RayEvalLM(TemplateLM):
             else:
                 self._group.shutdown()
             self._group = None
+            self._executor.attach(None)
         if self._cache is not None:
             self._cache.close()
             self._cache = None
@@ -369,7 +265,7 @@ class RayEvalLM(TemplateLM):
             "model_num_parameters": self._encoder.model.num_parameters(),
             "model_dtype": str(self._dtype),
             "model_revision": self._encoder.revision,
-            "model_sha": _model_sha(self.pretrained, self._encoder.revision),
+            "model_sha": model_sha(self.pretrained, self._encoder.revision),
             "rayeval_layout": {
                 "num_replicas": self.layout.num_replicas,
                 "shard_size": self.layout.shard_size,
@@ -415,10 +311,13 @@ class RayEvalLM(TemplateLM):
         )
         for flagged in inspection.flagged:
             self.request_report.add(flagged)
-        self._warn_about(inspection.flagged)
+        report_flagged(inspection.flagged, self._on_warning)
         todo = [i for i in range(len(requests)) if i not in inspection.answers]
-        scored = self._score(
-            [(requests[i][1], requests[i][2]) for i in todo], "loglikelihood", disable_tqdm
+        scored = self._executor.score(
+            [(requests[i][1], requests[i][2]) for i in todo],
+            self.max_length,
+            "loglikelihood",
+            disable_tqdm,
         )
         answers = dict(inspection.answers) | dict(zip(todo, scored, strict=True))
         ordered = [answers[i] for i in range(len(requests))]
@@ -426,28 +325,6 @@ class RayEvalLM(TemplateLM):
             if request_str is not None:
                 self.cache_hook.add_partial("loglikelihood", request_str, answer)
         return ordered
-
-    def _warn_about(self, flagged: list[Flagged]) -> None:
-        """Log, and report through ``on_warning``, the degenerate requests of one call per task."""
-        by_task: dict[str, list[Flagged]] = {}
-        for item in flagged:
-            by_task.setdefault(item.task, []).append(item)
-        for task, items in by_task.items():
-            kinds = Counter(item.kind.value for item in items)
-            example = items[0]
-            logger.warning(
-                "task %s: %s loglikelihood requests whose tokens do not measure the task "
-                "(%s; e.g. doc %s, continuation %r): scored as lm-eval's hf backend scores them",
-                task,
-                sum(kinds.values()),
-                ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())),
-                example.doc_id,
-                example.continuation,
-            )
-            if self._on_warning is not None:
-                self._on_warning(
-                    {"task": task, "counts": dict(kinds), "example": example.example()}
-                )
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         windows: list[tuple[list[int], list[int]]] = []
@@ -464,7 +341,9 @@ class RayEvalLM(TemplateLM):
             ]
             windows += doc_windows
             counts.append(len(doc_windows))
-        answers = self._score(windows, "loglikelihood_rolling", disable_tqdm)
+        answers = self._executor.score(
+            windows, self.max_length, "loglikelihood_rolling", disable_tqdm
+        )
         totals: list[float] = []
         start = 0
         for request, count in zip(requests, counts, strict=True):
@@ -477,56 +356,30 @@ class RayEvalLM(TemplateLM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         eos = self._encoder.tok_decode(self.eot_token_id, skip_special_tokens=False)
         prepared = [
-            self._generate_request(context, gen_kwargs, eos)
+            generate_request(self._encoder, context, gen_kwargs, eos)
             for context, gen_kwargs in (r.args for r in requests)
         ]
-        keys = [
-            generate_key(
-                request.context,
-                {
-                    "max_gen_toks": request.max_gen_toks,
-                    "until": list(request.until),
-                    "max_length": request.max_length,
-                    "kwargs": request.kwargs,
-                },
-            )
-            for request in prepared
-        ]
-        cached, todo = self._cached(keys, "generate_until")
-        plan = plan_generate([prepared[i] for i in todo], self._generate_budget)
-        located = [
-            (keys[i], mb, (position,))
-            for i, (mb, position) in zip(todo, plan.locations, strict=True)
-        ]
-        outputs = self._run(
-            plan.micro_batches,
-            "generate_until",
-            Counter(mb for mb, _ in plan.locations),
-            disable_tqdm,
-            on_result=self._store_answers(located),
-        )
-        generated = dict(cached) | {
-            i: outputs[mb][position] for i, (mb, position) in zip(todo, plan.locations, strict=True)
-        }
-        think_end = self._encoder.think_end_token
+        generated = self._executor.generate(prepared, disable_tqdm)
         texts = []
         for index, (request, prepared_request) in enumerate(zip(requests, prepared, strict=True)):
-            tokens = list(generated[index])
-            if isinstance(think_end, int) and think_end in tokens:
-                tokens = tokens[len(tokens) - tokens[::-1].index(think_end) :]
-            text = self._encoder.tok_decode(tokens)
-            if isinstance(think_end, int):
-                text = text.lstrip()
-            text = postprocess_generated_text(
-                generation=text,
-                stop=list(prepared_request.until),
-                think_end_token=think_end if isinstance(think_end, str) else None,
-            )
+            text = decode_generation(self._encoder, generated[index], prepared_request.until)
             texts.append(text)
             self.cache_hook.add_partial("generate_until", request.args, text)
         return texts
 
     # ------------------------------------------------------------------------ internals
+    def _obstacles(self) -> dict[ShardStrategy, list[str]]:
+        """Per strategy, why it cannot shard this model at this G; the requested strategy's
+        obstacles are an error before anything starts."""
+        shard_size = self.config.parallelism.shard_size
+        if shard_size == 1:
+            return {}
+        obstacles = model_obstacles(self._encoder.model.config, shard_size)
+        requested = self.config.parallelism.shard_strategy
+        if obstacles.get(requested):
+            raise ConfigError(refusal(requested, obstacles[requested]))
+        return obstacles
+
     def _packing_supported(self, model_args: dict[str, Any]) -> bool:
         """Whether the ranks' model scores packed rows exactly (else: one row per input)."""
         shell = self._encoder.model
@@ -538,281 +391,29 @@ class RayEvalLM(TemplateLM):
             logger.info("shared prefixes are computed once per request (not packed): %s", reason)
         return reason is None
 
-    def _generate_request(
-        self, context: str, gen_kwargs: dict[str, Any], eos: str
-    ) -> GenerateRequest:
-        """Tokenise one generate_until request as lm-eval's HF ``generate_until`` does."""
-        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
-        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-        max_gen_toks = kwargs.pop("max_gen_toks")
-        max_ctx_len = self.max_length - max_gen_toks
-        if max_ctx_len <= 0:
-            raise ConfigError(
-                f"max_gen_toks ({max_gen_toks}) must be below the model's max_length "
-                f"({self.max_length}): lower max_gen_toks in --gen_kwargs or the task"
-            )
-        # tok_batch_encode's rules for one string: BOS-prefixed text gets no special tokens.
-        special: dict[str, bool] = {}
-        if has_bos_prefix(context, getattr(self.tokenizer, "bos_token", None)):
-            special = {"add_special_tokens": False}
-        elif self._encoder.add_bos_token is not None:
-            special = {"add_special_tokens": self._encoder.add_bos_token}
-        ids = self.tokenizer(context, truncation=self._encoder.truncation, **special)["input_ids"]
-        return GenerateRequest(
-            context=tuple(ids[-max_ctx_len:]),
-            max_gen_toks=max_gen_toks,
-            until=tuple(until),
-            max_length=kwargs.pop("max_length", None),
-            kwargs=kwargs,
-        )
 
-    def _score(
-        self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], phase: str, disable_tqdm: bool
-    ) -> list[tuple[float, bool]]:
-        keys = [
-            score_key(context, continuation, self.max_length) for context, continuation in pairs
-        ]
-        cached, todo = self._cached(keys, phase)
-        plan = plan_score(
-            [pairs[i] for i in todo], self.max_length, self._score_budget, self.share_prefixes
-        )
-        located = [
-            (keys[i], loc.micro_batch, (loc.row, loc.target))
-            for i, loc in zip(todo, plan.locations, strict=True)
-        ]
-        results = self._run(
-            plan.micro_batches,
-            phase,
-            Counter(loc.micro_batch for loc in plan.locations),
-            disable_tqdm,
-            on_result=self._store_answers(located),
-        )
-        answers = dict(cached) | {
-            i: results[loc.micro_batch][loc.row][loc.target]
-            for i, loc in zip(todo, plan.locations, strict=True)
-        }
-        return [answers[i] for i in range(len(pairs))]
+def _engine_config(
+    pretrained: str | None,
+    config: EngineConfig | None,
+    host: HostOptions | None,
+    options: dict[str, Any],
+) -> tuple[EngineConfig, HostOptions]:
+    """The config and host of the keywords form, or those given.
 
-    def _cached(self, keys: Sequence[Any], phase: str) -> tuple[dict[int, Any], list[int]]:
-        """Answers the response cache has (position -> answer), and the positions to compute."""
-        cached = self._cache.get_many(keys) if self._cache is not None else {}
-        if cached:
-            self.stats.setdefault(phase, PhaseStats()).cached += len(cached)
-            logger.info(
-                "%s: %d of %d requests answered from the cache", phase, len(cached), len(keys)
-            )
-        return cached, [i for i in range(len(keys)) if i not in cached]
-
-    def _store_answers(
-        self, located: Sequence[tuple[Any, int, tuple[int, ...]]]
-    ) -> Callable[[int, Any], None] | None:
-        """A callback that stores a finished micro-batch's answers in the response cache.
-
-        Args:
-            located: Per computed request: its cache key, its micro-batch, and where its answer
-                is inside that micro-batch's result.
-        """
-        if self._cache is None:
-            return None
-        cache = self._cache
-        by_micro_batch: dict[int, list[tuple[Any, tuple[int, ...]]]] = {}
-        for key, micro_batch, path in located:
-            by_micro_batch.setdefault(micro_batch, []).append((key, path))
-
-        def store(micro_batch: int, result: Any) -> None:
-            answers = []
-            for key, path in by_micro_batch.get(micro_batch, []):
-                answer = result
-                for part in path:
-                    answer = answer[part]
-                answers.append((key, answer))
-            cache.put_many(answers)
-
-        return store
-
-    def _run(
-        self,
-        micro_batches: Sequence[MicroBatch],
-        phase: str,
-        requests_per_micro_batch: Counter[int],
-        disable_tqdm: bool,
-        on_result: Callable[[int, Any], None] | None = None,
-    ) -> list[Any]:
-        if self._group is None:
-            raise ConfigError("this RayEvalLM was closed: create a new one to evaluate again")
-        load_reports = self._group.wait_ready()
-        if not self._begun:  # seeded after loading, as kept replicas are: same samples
-            self._group.begin_evaluation(self._seed, timeout_s=self._timeouts.step_s)
-            self._begun = True
-        if self._startup_s is None:
-            self._startup_s = time.monotonic() - self._created
-        # Kept replicas loaded nothing for this evaluation.
-        load_s = 0.0 if self._reused else max((r["seconds"] for r in load_reports), default=None)
-        total = sum(requests_per_micro_batch.values())
-        stats = self.stats.setdefault(phase, PhaseStats())
-        stats.requests += total
-        stats.micro_batches += len(micro_batches)
-        for replica in range(self.layout.num_replicas):  # idle replicas report 0, not nothing
-            stats.replica_busy_s.setdefault(replica, 0.0)
-        started = time.monotonic()
-        base_seconds = stats.seconds
-        bar = tqdm(total=total, desc=f"rayeval {phase}", disable=disable_tqdm, unit="req")
-        done = 0
-
-        def on_step(step: StepDone) -> None:
-            nonlocal done
-            count = sum(requests_per_micro_batch[i] for i in step.micro_batches)
-            done += count
-            stats.real_tokens += sum(s.real_tokens for s in step.stats)
-            stats.padded_tokens += sum(s.padded_tokens for s in step.stats)
-            busy = max(s.seconds for s in step.stats)
-            replica = step.replica
-            stats.replica_busy_s[replica] = stats.replica_busy_s.get(replica, 0.0) + busy
-            stats.replica_requests[replica] = stats.replica_requests.get(replica, 0) + count
-            stats.replica_tokens[replica] = stats.replica_tokens.get(replica, 0) + sum(
-                s.real_tokens for s in step.stats
-            )
-            self._rank_memory[str(replica)] = [
-                {"rss_mib": s.rss_mib, "device_mib": s.device_mib} for s in step.stats
-            ]
-            stats.seconds = base_seconds + time.monotonic() - started
-            if on_result is not None:
-                for micro_batch, result in zip(step.micro_batches, step.results, strict=True):
-                    on_result(micro_batch, result)
-            bar.update(count)
-            bar.set_postfix(
-                tok_s=f"{stats.tokens_per_s:,.0f}", real=f"{stats.real_token_fraction:.2f}"
-            )
-            if self._on_progress is not None:
-                self._on_progress(
-                    Progress(
-                        phase,
-                        done,
-                        total,
-                        stats.tokens_per_s,
-                        stats.real_token_fraction,
-                        seconds=stats.seconds,
-                        cached=stats.cached,
-                        replicas={
-                            str(r): {
-                                "requests": stats.replica_requests.get(r, 0),
-                                "tokens": stats.replica_tokens.get(r, 0),
-                                "busy_s": busy_s,
-                            }
-                            for r, busy_s in sorted(stats.replica_busy_s.items())
-                        },
-                        rank_memory=dict(self._rank_memory),
-                        load_s=load_s,
-                        startup_s=self._startup_s,
-                    )
-                )
-
-        try:
-            results = run_steps(self._group, micro_batches, self._timeouts.step_s, on_step)
-        finally:
-            bar.close()
-        _check_exactly_once(micro_batches, results)
-        return results
-
-
-def _check_exactly_once(micro_batches: Sequence[MicroBatch], results: Sequence[Any]) -> None:
-    """Every micro-batch came back once, with one answer per row (per target for scores)."""
-    for index, (batch, result) in enumerate(zip(micro_batches, results, strict=True)):
-        if isinstance(batch, ScoreMicroBatch):
-            expected = [len(row.targets) for row in batch.rows]
-            got = [len(row) for row in result] if result is not None else None
-        else:
-            assert isinstance(batch, GenerateMicroBatch)
-            expected = [1] * len(batch.contexts)
-            got = [1] * len(result) if result is not None else None
-        if got != expected:
-            raise ResultIntegrityError(
-                f"micro-batch {index} came back with {got} answers, expected {expected} "
-                "(a request id is missing or duplicated: please report this bug)"
-            )
-
-
-def _budget(config: EngineConfig, score_on: DeviceKind | None = None) -> TokenBudget:
-    """Micro-batch limits: a token budget with ``auto``, lm-eval's rows per batch otherwise.
-
-    ``score_on``: the budget of scoring micro-batches on ranks of that device. CPU ranks score
-    with a smaller default token budget than GPUs: a CPU forward over 1-2k tokens runs faster
-    per token than one over 4-8k, whose activations outgrow the caches (measured in
-    docs/performance.md), and narrower micro-batches pad less. Generation keeps the larger
-    budget on every device: each decode step costs a forward of one token per row, and under
-    FSDP one all-gather of every weight for the whole micro-batch, so wider is faster.
+    Raises:
+        ConfigError: neither or both forms, or a bad keyword.
     """
-    if isinstance(config.batch_size, str):  # "auto" or "auto:N" (validated by the config)
-        default = DEFAULT_MAX_BATCH_TOKENS
-        if score_on is DeviceKind.CPU:
-            default = DEFAULT_CPU_SCORE_BATCH_TOKENS
-        return TokenBudget(
-            max_tokens=config.max_batch_tokens or default,
-            max_rows=config.max_batch_size or DEFAULT_MAX_BATCH_ROWS,
+    if host is None:
+        use_cache = options.pop("use_cache", None)
+        host = HostOptions(
+            address=options.pop("address", None),
+            name=options.pop("name", None),
+            lm_eval={"use_cache": use_cache} if use_cache else {},
         )
-    return TokenBudget(max_tokens=config.max_batch_tokens or 2**62, max_rows=config.batch_size)
-
-
-def _build_encoder(pretrained: str, model_args: dict[str, Any]) -> tuple[HFLM, torch.dtype]:
-    """lm-eval's own HFLM over a weightless copy of the model: the driver's tokeniser."""
-    common = {
-        "revision": str(model_args.get("revision", "main")),
-        "subfolder": model_args.get("subfolder", ""),
-        "trust_remote_code": bool(model_args.get("trust_remote_code", False)),
-    }
-    try:
-        config = transformers.AutoConfig.from_pretrained(pretrained, **common)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot load model {pretrained!r}: {exc}. Pass an existing local path or a Hugging "
-            "Face hub id as pretrained=..."
-        ) from exc
-    dtype = resolve_dtype(model_args.get("dtype", "auto"), config)
-    with torch.device("meta"):
-        shell = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=common["trust_remote_code"]
-        )
-    encoder_kwargs = {k: v for k, v in model_args.items() if k in ENCODER_MODEL_ARGS}
-    encoder_kwargs.setdefault("tokenizer", pretrained)
-    encoder = HFLM(pretrained=shell, backend="causal", **common, **encoder_kwargs)
-    return encoder, dtype
-
-
-def _model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -> ModelSpec:
-    handled = ENCODER_MODEL_ARGS | {
-        "revision",
-        "subfolder",
-        "trust_remote_code",
-        "dtype",
-        "backend",
-        "logits_cache",
-        "softmax_dtype",
-        "mixed_precision_dtype",
-    }
-    tokenizer = model_args.get("tokenizer")
-    return ModelSpec(
-        pretrained=pretrained,
-        revision=str(model_args.get("revision", "main")),
-        subfolder=model_args.get("subfolder", ""),
-        dtype=str(model_args.get("dtype", "auto")),
-        trust_remote_code=bool(model_args.get("trust_remote_code", False)),
-        tokenizer=tokenizer if isinstance(tokenizer, str) else None,
-        pad_token_id=pad_token_id,
-        softmax_dtype=model_args.get("softmax_dtype"),
-        mixed_precision_dtype=model_args.get("mixed_precision_dtype"),
-        extra_kwargs={k: v for k, v in model_args.items() if k not in handled},
-    )
-
-
-def _model_sha(pretrained: str, revision: str) -> str:
-    """The hub commit of the model, as lm-eval records it; empty for local paths or offline."""
-    import os
-
-    if os.path.isdir(pretrained) or os.environ.get("HF_HUB_OFFLINE") == "1":
-        return ""
-    try:
-        from huggingface_hub import HfApi
-
-        return HfApi().model_info(repo_id=pretrained, revision=revision).sha or ""
-    except Exception:  # lm-eval records "" whenever the hub cannot say
-        return ""
+    if config is None:
+        if pretrained is None:
+            raise ConfigError("pass pretrained=<hub id or local path> (or a config)")
+        config = EngineConfig.from_kwargs(pretrained, **options)
+    elif pretrained is not None or options:
+        raise ConfigError("pass either a config or pretrained=... with keywords, not both")
+    return config, host

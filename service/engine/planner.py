@@ -78,6 +78,16 @@ class GenerateRequest:
     max_length: int | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def settings(self) -> dict[str, Any]:
+        """Every generation setting of the request (what its answer depends on besides the
+        context)."""
+        return {
+            "max_gen_toks": self.max_gen_toks,
+            "until": list(self.until),
+            "max_length": self.max_length,
+            "kwargs": self.kwargs,
+        }
+
     def config_key(self) -> str:
         """Requests with equal keys may share a ``generate`` call (lm-eval groups by gen_kwargs)."""
         return json.dumps(

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,33 @@ class ResponseCache:
         with self._db:
             self._db.executemany("INSERT OR REPLACE INTO answers VALUES (?, ?)", rows)
         self.stored += len(rows)
+
+    def storer(
+        self, located: Sequence[tuple[Any, int, tuple[int, ...]]]
+    ) -> Callable[[int, Any], None]:
+        """A callback that stores a finished micro-batch's answers, in one transaction.
+
+        Args:
+            located: Per computed request: its key, its micro-batch, and where its answer is
+                inside that micro-batch's result (indices, outermost first).
+
+        Returns:
+            ``store(micro_batch, result)``, to call once per finished micro-batch.
+        """
+        by_micro_batch: dict[int, list[tuple[Any, tuple[int, ...]]]] = {}
+        for key, micro_batch, path in located:
+            by_micro_batch.setdefault(micro_batch, []).append((key, path))
+
+        def store(micro_batch: int, result: Any) -> None:
+            answers = []
+            for key, path in by_micro_batch.get(micro_batch, []):
+                answer = result
+                for part in path:
+                    answer = answer[part]
+                answers.append((key, answer))
+            self.put_many(answers)
+
+        return store
 
     def close(self) -> None:
         """Close the database (answers are committed as they are stored)."""

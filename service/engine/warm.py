@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,8 @@ from rayeval.service.engine.response_cache import model_fingerprint
 
 if TYPE_CHECKING:
     from rayeval.actors.group import WorkerGroup
+
+logger = logging.getLogger(__name__)
 
 
 def replica_key(config: EngineConfig | dict[str, Any]) -> str:
@@ -68,6 +71,23 @@ class KeptReplicas:
             group.shutdown()
             group = None
         self.key = None
+        return group
+
+    def take_ready(self, key: str, seed: int, timeout_s: float) -> WorkerGroup | None:
+        """The kept group if it matches ``key`` and its ranks answer, seeded for a new
+        evaluation with ``seed``; None otherwise (a group that does not answer is shut down).
+        Records in :attr:`reused` whether a group was handed out."""
+        from rayeval.actors.errors import RayEvalError
+
+        group = self.take(key)
+        if group is not None:
+            try:
+                group.begin_evaluation(seed, timeout_s=timeout_s)
+            except RayEvalError as exc:
+                logger.warning("the kept replicas cannot be reused (%s): starting new ones", exc)
+                group.shutdown()
+                group = None
+        self.reused = group is not None
         return group
 
     def put(self, group: WorkerGroup, key: str) -> None:

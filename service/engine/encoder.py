@@ -1,0 +1,152 @@
+"""The driver's tokeniser: lm-eval's own ``HFLM`` over a weightless copy of the model.
+
+Every tokeniser rule lm-eval's HF backend applies (BOS handling, pad token, chat templates, max
+length, thinking tokens) is its own code here: :func:`build_encoder` builds an ``HFLM`` over a
+meta-device model, which holds no weights. :func:`generate_request` tokenises one
+``generate_until`` request and :func:`decode_generation` turns generated ids back into lm-eval's
+answer text, both as lm-eval's ``generate_until`` does; :func:`model_spec` says how the ranks load
+the model the encoder describes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import transformers
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
+
+from rayeval.actors.batches import ModelSpec
+from rayeval.actors.checkpoints import resolve_dtype
+from rayeval.actors.errors import ConfigError
+from rayeval.service.config import ENCODER_MODEL_ARGS
+from rayeval.service.engine.planner import GenerateRequest
+
+#: Model args the ranks' ModelSpec carries in its own fields (the rest go to from_pretrained).
+_SPEC_FIELDS = ENCODER_MODEL_ARGS | {
+    "revision",
+    "subfolder",
+    "trust_remote_code",
+    "dtype",
+    "backend",
+    "logits_cache",
+    "softmax_dtype",
+    "mixed_precision_dtype",
+}
+
+
+def build_encoder(pretrained: str, model_args: dict[str, Any]) -> tuple[HFLM, torch.dtype]:
+    """lm-eval's own HFLM over a weightless copy of the model, and the model's dtype.
+
+    Raises:
+        ConfigError: the model's config cannot be found.
+    """
+    common = {
+        "revision": str(model_args.get("revision", "main")),
+        "subfolder": model_args.get("subfolder", ""),
+        "trust_remote_code": bool(model_args.get("trust_remote_code", False)),
+    }
+    try:
+        config = transformers.AutoConfig.from_pretrained(pretrained, **common)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot load model {pretrained!r}: {exc}. Pass an existing local path or a Hugging "
+            "Face hub id as pretrained=..."
+        ) from exc
+    dtype = resolve_dtype(model_args.get("dtype", "auto"), config)
+    with torch.device("meta"):
+        shell = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=common["trust_remote_code"]
+        )
+    encoder_kwargs = {k: v for k, v in model_args.items() if k in ENCODER_MODEL_ARGS}
+    encoder_kwargs.setdefault("tokenizer", pretrained)
+    encoder = HFLM(pretrained=shell, backend="causal", **common, **encoder_kwargs)
+    return encoder, dtype
+
+
+def model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -> ModelSpec:
+    """How every rank loads the model (``pad_token_id``: the encoder's, after lm-eval's fix-up)."""
+    tokenizer = model_args.get("tokenizer")
+    return ModelSpec(
+        pretrained=pretrained,
+        revision=str(model_args.get("revision", "main")),
+        subfolder=model_args.get("subfolder", ""),
+        dtype=str(model_args.get("dtype", "auto")),
+        trust_remote_code=bool(model_args.get("trust_remote_code", False)),
+        tokenizer=tokenizer if isinstance(tokenizer, str) else None,
+        pad_token_id=pad_token_id,
+        softmax_dtype=model_args.get("softmax_dtype"),
+        mixed_precision_dtype=model_args.get("mixed_precision_dtype"),
+        extra_kwargs={k: v for k, v in model_args.items() if k not in _SPEC_FIELDS},
+    )
+
+
+def generate_request(
+    encoder: HFLM, context: str, gen_kwargs: dict[str, Any], eos: str
+) -> GenerateRequest:
+    """Tokenise one generate_until request as lm-eval's HF ``generate_until`` does.
+
+    Raises:
+        ConfigError: ``max_gen_toks`` leaves no room for a context.
+    """
+    kwargs = normalize_gen_kwargs(gen_kwargs, encoder.max_gen_toks)
+    until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+    max_gen_toks = kwargs.pop("max_gen_toks")
+    max_ctx_len = encoder.max_length - max_gen_toks
+    if max_ctx_len <= 0:
+        raise ConfigError(
+            f"max_gen_toks ({max_gen_toks}) must be below the model's max_length "
+            f"({encoder.max_length}): lower max_gen_toks in --gen_kwargs or the task"
+        )
+    # tok_batch_encode's rules for one string: BOS-prefixed text gets no special tokens.
+    tokenizer = encoder.tokenizer
+    special: dict[str, bool] = {}
+    if has_bos_prefix(context, getattr(tokenizer, "bos_token", None)):
+        special = {"add_special_tokens": False}
+    elif encoder.add_bos_token is not None:
+        special = {"add_special_tokens": encoder.add_bos_token}
+    ids = tokenizer(context, truncation=encoder.truncation, **special)["input_ids"]
+    return GenerateRequest(
+        context=tuple(ids[-max_ctx_len:]),
+        max_gen_toks=max_gen_toks,
+        until=tuple(until),
+        max_length=kwargs.pop("max_length", None),
+        kwargs=kwargs,
+    )
+
+
+def decode_generation(encoder: HFLM, generated: Sequence[int], until: Sequence[str]) -> str:
+    """lm-eval's answer text for generated token ids: after the last think-end token, decoded,
+    cut at the first stop string."""
+    think_end = encoder.think_end_token
+    tokens = list(generated)
+    if isinstance(think_end, int) and think_end in tokens:
+        tokens = tokens[len(tokens) - tokens[::-1].index(think_end) :]
+    text = encoder.tok_decode(tokens)
+    if isinstance(think_end, int):
+        text = text.lstrip()
+    return postprocess_generated_text(
+        generation=text,
+        stop=list(until),
+        think_end_token=think_end if isinstance(think_end, str) else None,
+    )
+
+
+def model_sha(pretrained: str, revision: str) -> str:
+    """The hub commit of the model, as lm-eval records it; empty for local paths or offline."""
+    if os.path.isdir(pretrained) or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return ""
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().model_info(repo_id=pretrained, revision=revision).sha or ""
+    except Exception:  # lm-eval records "" whenever the hub cannot say
+        return ""

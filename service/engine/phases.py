@@ -1,0 +1,192 @@
+"""What one request type (a *phase*: loglikelihood, generate_until, ...) did, step by step.
+
+:class:`PhaseStats` accumulates a request type's figures over an evaluation (requests, tokens,
+seconds, per-replica work) for the results and the benchmarks. :class:`PhaseTracker` follows one
+run of micro-batches: after every finished step it adds the step's figures, moves the progress
+bar and reports a :class:`Progress`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from rayeval.service.engine.dispatch import StepDone
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Progress of one request type, reported after every finished step.
+
+    Beyond the counts: ``seconds`` of the request type so far (its rate and ETA are
+    ``done / seconds`` and ``(total - done) / rate``), requests it answered from the response
+    cache, per replica what it computed (``{replica: {requests, tokens, busy_s}}``), per replica
+    each shard rank's memory after its last micro-batch (``{replica: [{rss_mib, device_mib}]}``),
+    and the engine's start-up: the slowest rank's model load and the seconds from the engine's
+    start to its first batch.
+    """
+
+    phase: str
+    done: int
+    total: int
+    tokens_per_s: float
+    real_token_fraction: float
+    seconds: float = 0.0
+    cached: int = 0
+    replicas: dict[str, dict[str, float]] = field(default_factory=dict)
+    rank_memory: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    load_s: float | None = None
+    startup_s: float | None = None
+
+
+@dataclass
+class PhaseStats:
+    """Throughput figures of one request type (for reports and benchmarks)."""
+
+    requests: int = 0
+    cached: int = 0
+    micro_batches: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    seconds: float = 0.0
+    replica_busy_s: dict[int, float] = field(default_factory=dict)
+    replica_requests: dict[int, int] = field(default_factory=dict)
+    replica_tokens: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.real_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def real_token_fraction(self) -> float:
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+    @property
+    def replica_utilisation(self) -> dict[int, float]:
+        """Per replica: the share of the phase's wall time its slowest rank spent computing."""
+        if self.seconds <= 0:
+            return {}
+        return {r: busy / self.seconds for r, busy in sorted(self.replica_busy_s.items())}
+
+    def report(self) -> dict[str, Any]:
+        """The figures as plain data (for logs, JSON and the CLI)."""
+        return {
+            "requests": self.requests,
+            "cached": self.cached,
+            "micro_batches": self.micro_batches,
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": self.tokens_per_s,
+            "real_token_fraction": self.real_token_fraction,
+            "replica_utilisation": self.replica_utilisation,
+        }
+
+
+@dataclass(frozen=True)
+class StartUp:
+    """The engine's start-up, reported with every progress: the slowest rank's model load
+    (0 on kept ranks) and the seconds from the engine's start to its first batch."""
+
+    load_s: float | None
+    startup_s: float | None
+
+
+class PhaseTracker:
+    """Follows one run of a request type's micro-batches.
+
+    Args:
+        phase: The request type.
+        stats: Its figures so far (this run adds to them).
+        requests_per_micro_batch: How many requests each micro-batch answers.
+        replicas: The replicas' numbers (idle ones report zero work, not nothing).
+        rank_memory: Per replica, its ranks' memory after their last micro-batch (shared by
+            every phase of the evaluation, updated here).
+        start: The engine's start-up figures.
+        on_progress: Called with the request type's progress after every step.
+        disable_tqdm: No progress bar.
+    """
+
+    def __init__(
+        self,
+        phase: str,
+        stats: PhaseStats,
+        requests_per_micro_batch: Counter[int],
+        replicas: range,
+        rank_memory: dict[str, list[dict[str, float]]],
+        start: StartUp,
+        on_progress: Callable[[Progress], None] | None,
+        disable_tqdm: bool,
+    ) -> None:
+        self._phase = phase
+        self._stats = stats
+        self._counts = requests_per_micro_batch
+        self._rank_memory = rank_memory
+        self._start = start
+        self._on_progress = on_progress
+        self.total = sum(requests_per_micro_batch.values())
+        self.done = 0
+        stats.requests += self.total
+        for replica in replicas:
+            stats.replica_busy_s.setdefault(replica, 0.0)
+        self._started = time.monotonic()
+        self._base_seconds = stats.seconds
+        self._bar = tqdm(
+            total=self.total, desc=f"rayeval {phase}", disable=disable_tqdm, unit="req"
+        )
+
+    def step(self, step: StepDone) -> None:
+        """Add a finished step's figures and report progress."""
+        stats = self._stats
+        count = sum(self._counts[i] for i in step.micro_batches)
+        real = sum(s.real_tokens for s in step.stats)
+        self.done += count
+        stats.real_tokens += real
+        stats.padded_tokens += sum(s.padded_tokens for s in step.stats)
+        replica = step.replica
+        stats.replica_busy_s[replica] += max(s.seconds for s in step.stats)
+        stats.replica_requests[replica] = stats.replica_requests.get(replica, 0) + count
+        stats.replica_tokens[replica] = stats.replica_tokens.get(replica, 0) + real
+        self._rank_memory[str(replica)] = [
+            {"rss_mib": s.rss_mib, "device_mib": s.device_mib} for s in step.stats
+        ]
+        stats.seconds = self._base_seconds + time.monotonic() - self._started
+        self._bar.update(count)
+        self._bar.set_postfix(
+            tok_s=f"{stats.tokens_per_s:,.0f}", real=f"{stats.real_token_fraction:.2f}"
+        )
+        if self._on_progress is not None:
+            self._on_progress(self.progress())
+
+    def progress(self) -> Progress:
+        """The request type's progress as it stands."""
+        stats = self._stats
+        return Progress(
+            self._phase,
+            self.done,
+            self.total,
+            stats.tokens_per_s,
+            stats.real_token_fraction,
+            seconds=stats.seconds,
+            cached=stats.cached,
+            replicas={
+                str(r): {
+                    "requests": stats.replica_requests.get(r, 0),
+                    "tokens": stats.replica_tokens.get(r, 0),
+                    "busy_s": busy_s,
+                }
+                for r, busy_s in sorted(stats.replica_busy_s.items())
+            },
+            rank_memory=dict(self._rank_memory),
+            load_s=self._start.load_s,
+            startup_s=self._start.startup_s,
+        )
+
+    def close(self) -> None:
+        """Close the progress bar."""
+        self._bar.close()
