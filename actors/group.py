@@ -137,11 +137,7 @@ class WorkerGroup:
         group._load_timeout_s = timeouts.load_s
         group._deadline = time.monotonic() + timeouts.load_s
         try:
-            split = [
-                r
-                for r, sites in enumerate(placement.replica_sites(layout))
-                if len({site.node_id for site in sites}) > 1
-            ]
+            split = placement.split_replicas(layout)
             group.strategy = settle(strategy, layout.shard_size, obstacles or {}, split)
             if layout.sharded:
                 logger.info("%s: replicas shard the model with %s", name, group.strategy.value)

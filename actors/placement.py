@@ -168,6 +168,14 @@ class Placement:
             replicas[coord.replica].append(self.sites[coord.global_rank])
         return replicas
 
+    def split_replicas(self, layout: ParallelLayout) -> list[int]:
+        """The replicas whose ranks landed on more than one node."""
+        return [
+            replica
+            for replica, sites in enumerate(self.replica_sites(layout))
+            if len({site.node_id for site in sites}) > 1
+        ]
+
     def describe(self, layout: ParallelLayout) -> str:
         """One entry per replica for the logs, e.g. ``r0: 3f2a61c0[gpu 0] 3f2a61c0[gpu 1]``."""
         return "; ".join(

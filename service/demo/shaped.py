@@ -100,13 +100,22 @@ def write_shaped_tasks(out_dir: Path, seed: int = 0, docs: int = 40) -> Path:
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
+    for name, config in _shaped_configs(out_dir, random.Random(seed), docs).items():
+        config = {"task": name, **config, "metadata": {"version": 1.0}}
+        if name in SHAPED_FEWSHOT:
+            config["num_fewshot"] = SHAPED_FEWSHOT[name]
+        (out_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return out_dir
+
+
+def _shaped_configs(out_dir: Path, rng: random.Random, docs: int) -> dict[str, dict[str, Any]]:
+    """Each shaped task's config (its data files written under ``out_dir``)."""
     hellaswag = _hellaswag_docs(rng, docs + 20)
     mc_train, mc_test = _read("mc_train.jsonl"), _read("mc_test.jsonl")[:docs]
     gen_train, gen_test = _read("gen_short_train.jsonl"), _read("gen_short_test.jsonl")[:docs]
     rolling = _read("rolling_train.jsonl") + _read("rolling_test.jsonl")
     acc = [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]
-    configs = {
+    return {
         "shaped_hellaswag": {
             **_dataset(out_dir, "hellaswag", hellaswag[docs:], hellaswag[:docs]),
             "output_type": "multiple_choice",
@@ -150,9 +159,3 @@ def write_shaped_tasks(out_dir: Path, seed: int = 0, docs: int = 40) -> Path:
             "metric_list": [{"metric": "exact_match", "aggregation": "mean"}],
         },
     }
-    for name, config in configs.items():
-        config = {"task": name, **config, "metadata": {"version": 1.0}}
-        if name in SHAPED_FEWSHOT:
-            config["num_fewshot"] = SHAPED_FEWSHOT[name]
-        (out_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    return out_dir

@@ -74,81 +74,92 @@ def _dataset(stem: str, data_dir: Path) -> dict[str, Any]:
     }
 
 
+#: Every demo task's lm-eval config, but for its data files: ``_data`` names them (see
+#: :func:`_dataset`).
+_TASKS: dict[str, dict[str, Any]] = {
+    "demo_mc": {
+        "task": "demo_mc",
+        "_data": "mc",
+        "output_type": "multiple_choice",
+        "doc_to_text": "Question: {{question}}\nAnswer:",
+        "doc_to_target": "{{answer}}",
+        "doc_to_choice": "{{choices}}",
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
+    },
+    "demo_cloze": {
+        "task": "demo_cloze",
+        "_data": "cloze",
+        "output_type": "loglikelihood",
+        "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}",
+        "doc_to_target": "{{' ' + text.split(' ')[-1]}}",
+        "target_delimiter": "",
+        "metric_list": [
+            {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+        ],
+    },
+    "demo_rolling": {
+        "task": "demo_rolling",
+        "_data": "rolling",
+        "output_type": "loglikelihood_rolling",
+        "doc_to_text": "",
+        "doc_to_target": "{{text}}",
+        "metric_list": [
+            {"metric": "word_perplexity"},
+            {"metric": "byte_perplexity"},
+            {"metric": "bits_per_byte"},
+        ],
+    },
+    "demo_gen_short": {
+        "task": "demo_gen_short",
+        "_data": "gen_short",
+        "output_type": "generate_until",
+        "doc_to_text": "Question: {{question}}\nAnswer:",
+        "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 12, "do_sample": False},
+        "metric_list": [
+            {
+                "metric": "exact_match",
+                "aggregation": "mean",
+                "higher_is_better": True,
+                "regexes_to_ignore": _STRIP_WHITESPACE,
+            }
+        ],
+    },
+    "demo_gen_long": {
+        "task": "demo_gen_long",
+        "_data": "gen_long",
+        "output_type": "generate_until",
+        "doc_to_text": "{{prompt}}",
+        "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": ["."], "max_gen_toks": 40, "do_sample": False},
+        "metric_list": [
+            {
+                "metric": "exact_match",
+                "aggregation": "mean",
+                "higher_is_better": True,
+                "ignore_case": True,
+                "regexes_to_ignore": _STRIP_WHITESPACE,
+            }
+        ],
+    },
+}
+
+
 def task_configs(data_dir: Path = DATA_DIR) -> dict[str, dict[str, Any]]:
     """Return the lm-eval config dict of every demo task and of the group, keyed by name."""
-    configs: dict[str, dict[str, Any]] = {
-        "demo_mc": {
-            "task": "demo_mc",
-            **_dataset("mc", data_dir),
-            "output_type": "multiple_choice",
-            "doc_to_text": "Question: {{question}}\nAnswer:",
-            "doc_to_target": "{{answer}}",
-            "doc_to_choice": "{{choices}}",
-            "metric_list": [
-                {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-                {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
-            ],
-        },
-        "demo_cloze": {
-            "task": "demo_cloze",
-            **_dataset("cloze", data_dir),
-            "output_type": "loglikelihood",
-            "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}",
-            "doc_to_target": "{{' ' + text.split(' ')[-1]}}",
-            "target_delimiter": "",
-            "metric_list": [
-                {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
-                {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-            ],
-        },
-        "demo_rolling": {
-            "task": "demo_rolling",
-            **_dataset("rolling", data_dir),
-            "output_type": "loglikelihood_rolling",
-            "doc_to_text": "",
-            "doc_to_target": "{{text}}",
-            "metric_list": [
-                {"metric": "word_perplexity"},
-                {"metric": "byte_perplexity"},
-                {"metric": "bits_per_byte"},
-            ],
-        },
-        "demo_gen_short": {
-            "task": "demo_gen_short",
-            **_dataset("gen_short", data_dir),
-            "output_type": "generate_until",
-            "doc_to_text": "Question: {{question}}\nAnswer:",
-            "doc_to_target": "{{answer}}",
-            "generation_kwargs": {"until": ["\n"], "max_gen_toks": 12, "do_sample": False},
-            "metric_list": [
-                {
-                    "metric": "exact_match",
-                    "aggregation": "mean",
-                    "higher_is_better": True,
-                    "regexes_to_ignore": _STRIP_WHITESPACE,
-                }
-            ],
-        },
-        "demo_gen_long": {
-            "task": "demo_gen_long",
-            **_dataset("gen_long", data_dir),
-            "output_type": "generate_until",
-            "doc_to_text": "{{prompt}}",
-            "doc_to_target": "{{answer}}",
-            "generation_kwargs": {"until": ["."], "max_gen_toks": 40, "do_sample": False},
-            "metric_list": [
-                {
-                    "metric": "exact_match",
-                    "aggregation": "mean",
-                    "higher_is_better": True,
-                    "ignore_case": True,
-                    "regexes_to_ignore": _STRIP_WHITESPACE,
-                }
-            ],
-        },
-    }
-    for config in configs.values():
-        config["metadata"] = dict(_METADATA)
+    configs: dict[str, dict[str, Any]] = {}
+    for name, spec in _TASKS.items():
+        config = {key: value for key, value in spec.items() if key != "_data"}
+        configs[name] = {
+            "task": config.pop("task"),
+            **_dataset(spec["_data"], data_dir),
+            **config,
+            "metadata": dict(_METADATA),
+        }
     configs[DEMO_GROUP] = {
         "group": DEMO_GROUP,
         "task": list(DEMO_TASKS),

@@ -32,6 +32,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
@@ -183,6 +184,15 @@ def _train(model: torch.nn.Module, stream: torch.Tensor, *, steps: int, seed: in
     return float(loss.item())
 
 
+def _save(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
+    """Save model and tokenizer, the generation config naming the tokenizer's special ids."""
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
 def build_tiny_model(
     out_dir: Path,
     *,
@@ -228,11 +238,7 @@ def build_tiny_model(
     finally:
         torch.set_num_threads(previous_threads)
 
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    _save(model, tokenizer, out_dir)
     logger.info(
         "built tiny %s model (%d parameters, vocab %d, %d corpus tokens, %d steps, "
         "final loss %.3f) in %.1fs at %s",

@@ -134,21 +134,7 @@ class RayEvalLM(TemplateLM):
         )
         self._replicas = replicas
         self._key = replica_key(config) if replicas is not None else ""
-        kept = None
-        if replicas is not None:
-            control_s = min(self._timeouts.step_s, 60.0)
-            kept = replicas.take_ready(self._key, seed, timeout_s=control_s)
-        self._group: WorkerGroup | None = kept or WorkerGroup.create(
-            self.name,
-            self.layout,
-            model_spec(self.pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id),
-            self._timeouts,
-            seed=seed,
-            strategy=config.parallelism.shard_strategy,
-            obstacles=obstacles,
-            shm_collectives=config.parallelism.shm_collectives,
-        )
-        self._executor.attach(self._group, reused=kept is not None)
+        self._group: WorkerGroup | None = self._start_group(model_args, obstacles, seed)
         self._strategy = self._group.strategy
 
     @classmethod
@@ -368,6 +354,29 @@ class RayEvalLM(TemplateLM):
         return texts
 
     # ------------------------------------------------------------------------ internals
+    def _start_group(
+        self, model_args: dict[str, Any], obstacles: dict[ShardStrategy, list[str]], seed: int
+    ) -> WorkerGroup:
+        """The kept replicas if they match and answer, else new ranks (loading in the
+        background); the executor computes on them."""
+        kept = None
+        if self._replicas is not None:
+            control_s = min(self._timeouts.step_s, 60.0)
+            kept = self._replicas.take_ready(self._key, seed, timeout_s=control_s)
+        parallelism = self.config.parallelism
+        group = kept or WorkerGroup.create(
+            self.name,
+            self.layout,
+            model_spec(self.pretrained, model_args, pad_token_id=self.tokenizer.pad_token_id),
+            self._timeouts,
+            seed=seed,
+            strategy=parallelism.shard_strategy,
+            obstacles=obstacles,
+            shm_collectives=parallelism.shm_collectives,
+        )
+        self._executor.attach(group, reused=kept is not None)
+        return group
+
     def _obstacles(self) -> dict[ShardStrategy, list[str]]:
         """Per strategy, why it cannot shard this model at this G; the requested strategy's
         obstacles are an error before anything starts."""

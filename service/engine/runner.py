@@ -129,8 +129,6 @@ def _evaluate(
     # lm-eval's W&B logger, set up before the run as `lm_eval run` does (wandb.init happens here).
     wandb_logger = _wandb_logger(cfg)
     # lm-eval may have changed model args (--trust_remote_code): the engine uses its copy.
-    seed = cfg.seed or [None, None, None, None]
-
     with RayEvalLM.from_config(
         config.model_copy(update={"model_args": dict(cfg.model_args)}),
         host,
@@ -140,36 +138,8 @@ def _evaluate(
     ) as lm:
         results = simple_evaluate(
             model=lm,
-            model_args=cfg.model_args,
-            tasks=cfg.tasks,
-            num_fewshot=cfg.num_fewshot,
-            batch_size=cfg.batch_size,
-            max_batch_size=cfg.max_batch_size,
-            # --use_cache is rayeval's own cache, keyed by the model (engine.response_cache):
-            # lm-eval's would hand one model's answers to another.
-            use_cache=None,
-            cache_requests=cfg.cache_requests.get("cache_requests", False),
-            rewrite_requests_cache=cfg.cache_requests.get("rewrite_requests_cache", False),
-            delete_requests_cache=cfg.cache_requests.get("delete_requests_cache", False),
-            limit=cfg.limit,
-            samples=cfg.samples,
-            check_integrity=cfg.check_integrity,
-            write_out=cfg.write_out,
-            log_samples=cfg.log_samples,
             evaluation_tracker=tracker,
-            system_instruction=cfg.system_instruction,
-            apply_chat_template=cfg.apply_chat_template,
-            fewshot_as_multiturn=cfg.fewshot_as_multiturn,
-            gen_kwargs=cfg.gen_kwargs,
-            task_manager=task_manager,
-            predict_only=cfg.predict_only,
-            bootstrap_iters=config.bootstrap_iters,
-            random_seed=seed[0],
-            numpy_random_seed=seed[1],
-            torch_random_seed=seed[2],
-            fewshot_random_seed=seed[3],
-            confirm_run_unsafe_code=cfg.confirm_run_unsafe_code,
-            metadata=cfg.metadata,
+            **_simple_evaluate_kwargs(config, cfg, task_manager),
         )
         stats = {phase: phase_stats.report() for phase, phase_stats in lm.stats.items()}
         request_warnings = lm.request_report.as_dict()
@@ -188,17 +158,60 @@ def _evaluate(
     samples = results.pop("samples", None) if cfg.log_samples else None
     if wandb_logger is not None:
         _log_to_wandb(wandb_logger, results, samples)
-    # As `lm_eval run`: the tracker writes where its output_path says (--output_path, or
-    # --hf_hub_log_args output_path=...; nothing without one) and pushes to the hub if asked.
+    _save(tracker, results, samples)
+    if target is not None:
+        target.publish()
+    return EvaluationOutput(results=results, samples=samples, stats=stats, ranks=ranks)
+
+
+def _simple_evaluate_kwargs(
+    config: EvaluationConfig, cfg: EvaluatorConfig, task_manager: TaskManager
+) -> dict[str, Any]:
+    """lm-eval's ``simple_evaluate`` arguments for this evaluation, as ``lm_eval run`` passes
+    them (the model and the tracker aside)."""
+    seed = cfg.seed or [None, None, None, None]
+    return {
+        "model_args": cfg.model_args,
+        "tasks": cfg.tasks,
+        "num_fewshot": cfg.num_fewshot,
+        "batch_size": cfg.batch_size,
+        "max_batch_size": cfg.max_batch_size,
+        # --use_cache is rayeval's own cache, keyed by the model (engine.response_cache):
+        # lm-eval's would hand one model's answers to another.
+        "use_cache": None,
+        "cache_requests": cfg.cache_requests.get("cache_requests", False),
+        "rewrite_requests_cache": cfg.cache_requests.get("rewrite_requests_cache", False),
+        "delete_requests_cache": cfg.cache_requests.get("delete_requests_cache", False),
+        "limit": cfg.limit,
+        "samples": cfg.samples,
+        "check_integrity": cfg.check_integrity,
+        "write_out": cfg.write_out,
+        "log_samples": cfg.log_samples,
+        "system_instruction": cfg.system_instruction,
+        "apply_chat_template": cfg.apply_chat_template,
+        "fewshot_as_multiturn": cfg.fewshot_as_multiturn,
+        "gen_kwargs": cfg.gen_kwargs,
+        "task_manager": task_manager,
+        "predict_only": cfg.predict_only,
+        "bootstrap_iters": config.bootstrap_iters,
+        "random_seed": seed[0],
+        "numpy_random_seed": seed[1],
+        "torch_random_seed": seed[2],
+        "fewshot_random_seed": seed[3],
+        "confirm_run_unsafe_code": cfg.confirm_run_unsafe_code,
+        "metadata": cfg.metadata,
+    }
+
+
+def _save(tracker: Any, results: dict[str, Any], samples: dict[str, Any] | None) -> None:
+    """As `lm_eval run`: the tracker writes where its output_path says (--output_path, or
+    --hf_hub_log_args output_path=...; nothing without one) and pushes to the hub if asked."""
     tracker.save_results_aggregated(results=results, samples=samples)
     if samples is not None:
         for task_name in results["configs"]:
             tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
     if tracker.push_results_to_hub or tracker.push_samples_to_hub:
         tracker.recreate_metadata_card()
-    if target is not None:
-        target.publish()
-    return EvaluationOutput(results=results, samples=samples, stats=stats, ranks=ranks)
 
 
 def _wandb_logger(cfg: EvaluatorConfig) -> Any:
