@@ -55,6 +55,7 @@ from rayeval.service.engine.executor import Executor
 from rayeval.service.engine.phases import PhaseStats, Progress
 from rayeval.service.engine.response_cache import open_cache
 from rayeval.service.engine.warm import KeptReplicas, replica_key
+from rayeval.service.private_apis import check_private_apis
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class RayEvalLM(TemplateLM):
         **options: Any,
     ) -> None:
         super().__init__()
+        check_private_apis()  # names a package version that moved, before anything starts
         self._created = time.monotonic()
         config, host = _engine_config(pretrained, config, host, options)
         self.config = config
