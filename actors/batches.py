@@ -129,12 +129,70 @@ class GenerateMicroBatch:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-MicroBatch = ScoreMicroBatch | GenerateMicroBatch
+@dataclass(frozen=True)
+class SlotRequest:
+    """One generate_until request for the continuous-batching engine.
+
+    Args:
+        context: Context token ids, already left-truncated to leave room for generation.
+        max_gen_toks: Most tokens it may generate.
+        until: Its stop strings (the EOS token's text included, as lm-eval adds it).
+        seed: Seed of its own sampling generator (sampled generations); None when greedy.
+    """
+
+    context: tuple[int, ...]
+    max_gen_toks: int
+    until: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @property
+    def kv_tokens(self) -> int:
+        """The most KV-cache positions it can hold: its context and every token it may add."""
+        return len(self.context) + self.max_gen_toks
+
+
+@dataclass(frozen=True)
+class GenerateGroup:
+    """Requests one rank generates with the continuous-batching engine: ``slots`` rows decode
+    together, a finished row's slot goes to the next request in order, and the rows held at once
+    never need more than ``kv_tokens`` cache positions together. An empty group is a dummy: the
+    rank steps along with the replica's other ranks until they are done.
+
+    Args:
+        requests: In admission order.
+        slots: Most rows decoded at once.
+        kv_tokens: Most KV-cache positions held at once (sum of the rows' ``kv_tokens``).
+        kwargs: Generation settings shared by the requests (lm-eval's gen_kwargs, sampling).
+    """
+
+    requests: tuple[SlotRequest, ...] = ()
+    slots: int = 1
+    kv_tokens: int = 1
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerationPiece:
+    """What a rank streams back while it works through a :class:`GenerateGroup`.
+
+    Args:
+        finished: Requests that finished since the last piece: (position in the group, the
+            generated token ids, the EOS or stop that ended it included).
+        stats: The rank's figures for the work since the last piece.
+    """
+
+    finished: tuple[tuple[int, tuple[int, ...]], ...]
+    stats: StepStats
+
+
+MicroBatch = ScoreMicroBatch | GenerateMicroBatch | GenerateGroup
 
 #: Per row, per target: (sum of log-probs, whether every target token was the greedy argmax).
 ScoreResult = list[list[tuple[float, bool]]]
 #: Per context: the generated token ids after the (padded) context.
 GenerateResult = list[list[int]]
+#: Per request of a :class:`GenerateGroup`: its generated token ids.
+GroupResult = list[tuple[int, ...]]
 
 
 @dataclass(frozen=True)

@@ -49,16 +49,23 @@ class Replica:
         """Micro-batches one step computes: one per rank, or one for all ranks together."""
         return 1 if self.same_batch else len(self.workers)
 
-    def submit(self, method: str, micro_batches: list[MicroBatch]) -> list[ray.ObjectRef]:
+    def submit(
+        self, method: str, micro_batches: list[MicroBatch], streaming: bool = False
+    ) -> list[Any]:
         """Send one step to every rank: micro-batch ``i`` to shard rank ``i``, or the one
-        micro-batch to all ranks when they compute it together. Returns one ref per rank."""
+        micro-batch to all ranks when they compute it together. Returns one ref per rank, or
+        with ``streaming`` one Ray streaming generator per rank."""
         if len(micro_batches) != self.micro_batches_per_step:
             raise ValueError(
                 f"a step needs {self.micro_batches_per_step} micro-batches, got "
                 f"{len(micro_batches)}"
             )
         per_rank = micro_batches * len(self.workers) if self.same_batch else micro_batches
-        return [getattr(w, method).remote(mb) for w, mb in zip(self.workers, per_rank, strict=True)]
+        options = {"num_returns": "streaming"} if streaming else {}
+        return [
+            getattr(w, method).options(**options).remote(mb)
+            for w, mb in zip(self.workers, per_rank, strict=True)
+        ]
 
     def answers(self, outputs: list[Any]) -> list[Any]:
         """The answers of one step from what its ranks returned (one per rank): one per

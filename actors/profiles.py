@@ -14,6 +14,9 @@ per-architecture knowledge that a config does not say:
   stays whole;
 - **decoder blocks**: the class names of the repeated blocks FSDP wraps one by one, where the
   model's own ``_no_split_modules`` does not name them (none known today);
+- **continuous batching**: whether rayeval's continuous-batching engine
+  (:mod:`rayeval.actors.continuous`) was checked against ``generate`` for the architecture (its
+  cache is transformers' plain dynamic cache, its forward takes position ids and a 2D mask);
 - **tensor parallelism**: the dimensions a TP plan splits over the ranks (each must be divisible
   by G); whether transformers has a plan for the architecture at all is the config class's
   ``base_model_tp_plan``.
@@ -38,12 +41,14 @@ class ModelProfile:
             attention (no sliding windows, sinks or ALiBi): packed rows score exactly.
         plain_embeddings: Its input embedding module is a plain lookup (no scaling): a large
             vocabulary may be cut into row chunks.
+        continuous: The continuous-batching engine gives ``generate``'s tokens for it.
         block_classes: Class names of its decoder blocks, where ``_no_split_modules`` is missing.
     """
 
     model_type: str
     packable: bool = False
     plain_embeddings: bool = True
+    continuous: bool = False
     block_classes: tuple[str, ...] = ()
 
 
@@ -52,11 +57,11 @@ class ModelProfile:
 PROFILES: dict[str, ModelProfile] = {
     profile.model_type: profile
     for profile in (
-        ModelProfile("llama", packable=True),
-        ModelProfile("mistral", packable=True),
-        ModelProfile("qwen2", packable=True),
-        ModelProfile("qwen3", packable=True),
-        ModelProfile("gpt2", packable=True),
+        ModelProfile("llama", packable=True, continuous=True),
+        ModelProfile("mistral", packable=True, continuous=True),
+        ModelProfile("qwen2", packable=True, continuous=True),
+        ModelProfile("qwen3", packable=True, continuous=True),
+        ModelProfile("gpt2", packable=True, continuous=True),
         ModelProfile("gemma", plain_embeddings=False),
         ModelProfile("gemma2", plain_embeddings=False),
         ModelProfile("gemma3_text", plain_embeddings=False),
@@ -105,6 +110,16 @@ class ModelShape:
             "intermediate_size": self.attribute("intermediate_size"),
         }
         return {name: value for name, value in dims.items() if isinstance(value, int)}
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """Bytes of KV cache one token holds in the whole model (keys and values, every layer;
+        0 when the config does not say)."""
+        layers = self.attribute("num_hidden_layers") or self.attribute("n_layer") or 0
+        heads = self.attribute("num_attention_heads") or self.attribute("n_head") or 0
+        kv_heads = self.attribute("num_key_value_heads") or heads
+        hidden = self.attribute("hidden_size") or self.attribute("n_embd") or 0
+        head_dim = self.attribute("head_dim") or (hidden // heads if heads else 0)
+        return int(2 * layers * kv_heads * head_dim * itemsize)
 
     def packing_unsupported(self, attn_implementation: str | None) -> str | None:
         """Why packed rows cannot be scored exactly with this model, or None when they can.

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -23,14 +24,17 @@ import torch.distributed as dist
 import transformers
 
 from rayeval.actors.batches import (
+    GenerateGroup,
     GenerateMicroBatch,
     GenerateResult,
+    GenerationPiece,
     ModelSpec,
     RankOptions,
     ScoreMicroBatch,
     ScoreResult,
     StepStats,
 )
+from rayeval.actors.continuous import generate_group
 from rayeval.actors.generation import generate
 from rayeval.actors.layout import DeviceKind, RankCoord
 from rayeval.actors.placement import cuda_device_index
@@ -111,8 +115,9 @@ class ShardWorker:
         """Join the replica's process group at ``rendezvous`` (address, port) and load the model.
 
         Returns:
-            Load figures: seconds, local parameter count, strategy (None for G = 1), what
-            carries the replica's collectives (``collectives``), peak resident memory (MiB).
+            Load figures: seconds, local parameter count, the device's total memory (MiB; None
+            on CPU), strategy (None for G = 1), what carries the replica's collectives
+            (``collectives``), peak resident memory (MiB).
         """
         started = time.monotonic()
         options = self._options
@@ -144,9 +149,13 @@ class ShardWorker:
         local_params = sum(
             (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
         )
+        total_mib = None
+        if device.type == "cuda":
+            total_mib = torch.cuda.get_device_properties(device).total_memory / 2**20
         return {
             "seconds": time.monotonic() - started,
             "local_parameters": local_params,
+            "device_total_mib": total_mib,
             "strategy": self._strategy.name.value if options.shard_size > 1 else None,
             "collectives": collectives,
             "peak_rss_mib": peak_rss_mib(),
@@ -182,6 +191,12 @@ class ShardWorker:
         """Greedy or sampled continuations, as lm-eval's HF backend calls ``generate``."""
         assert self._rank is not None, "setup() loads the model first"
         return generate(self._rank, batch)
+
+    def generate_stream(self, group: GenerateGroup) -> Iterator[GenerationPiece]:
+        """Continuous batching over a group's requests, streaming each answer as its request
+        finishes (:mod:`rayeval.actors.continuous`); a Ray streaming generator."""
+        assert self._rank is not None, "setup() loads the model first"
+        yield from generate_group(self._rank, group, synced=self._options.shard_size > 1)
 
     def input_token_counts(self) -> dict[str, int]:
         """Tokens this rank's model was fed since it loaded, counted at its input embeddings.

@@ -235,6 +235,22 @@ class EngineConfig(_Frozen):
         "results equal to scoring each request alone; false: one row per distinct input, as "
         "lm-eval. Models that cannot take a custom attention mask always use one row per input.",
     )
+    continuous_batching: bool = Field(
+        default=True,
+        description="Generate with continuous batching: a row leaves as soon as it stops and the "
+        "next request takes its slot, with lm-eval hf's greedy answers. Settings it cannot "
+        "reproduce exactly (beams, repetition penalties, an explicit max_length, thinking "
+        "tokens, architectures not checked) fall back to static batches, as lm-eval.",
+    )
+    kv_cache_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**40,
+        description="KV-cache positions one rank holds while generating with continuous "
+        "batching (a request holds its context plus its max_gen_toks); default: "
+        "max_batch_tokens if set, else on GPUs what half the memory left beside the model holds, "
+        f"else {DEFAULT_MAX_BATCH_TOKENS}.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="What a rank holds; auto: GPUs when the cluster has any."
     )
@@ -551,6 +567,8 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("parallelism", "shm_collectives"): "--shm_collectives",
     ("max_batch_tokens",): "--max_batch_tokens",
     ("share_prefixes",): "--share_prefixes",
+    ("continuous_batching",): "--continuous_batching",
+    ("kv_cache_tokens",): "--kv_cache_tokens",
     ("timeouts", "placement_s"): "--placement_timeout",
     ("timeouts", "load_s"): "--load_timeout",
     ("timeouts", "step_s"): "--step_timeout",

@@ -3,6 +3,9 @@
 A *step* is what one replica computes at once: G micro-batches, one per rank, when its ranks
 compute their own (FSDP; dummies fill a short last step so every rank issues the same
 collectives), or one micro-batch that all its ranks compute together (tensor parallelism).
+Continuous-batching groups (:class:`~rayeval.actors.batches.GenerateGroup`) are streamed: each
+rank sends back a piece whenever some of its requests finish, and the step ends when every rank's
+stream has ended.
 Each replica keeps ``depth`` steps queued on its actors so it never idles between steps; a
 replica that finishes pulls the next step. A replica whose actor dies is dropped and its
 unfinished steps go back to the front of the queue for the others; a step that runs past the
@@ -15,12 +18,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from rayeval.actors.batches import GenerateMicroBatch, MicroBatch, ScoreMicroBatch, StepStats
+from rayeval.actors.batches import (
+    GenerateGroup,
+    GenerateMicroBatch,
+    GenerationPiece,
+    MicroBatch,
+    ScoreMicroBatch,
+    StepStats,
+)
 from rayeval.actors.errors import EvaluationTimeoutError, RayEvalError, WorkerLostError
 from rayeval.actors.group import Replica, WorkerGroup, rank_failure
 
@@ -43,11 +53,27 @@ class StepDone:
 
 
 @dataclass(frozen=True)
+class PieceDone:
+    """Requests of a streamed micro-batch that finished, as reported to the piece callback.
+
+    ``finished`` holds only answers not reported before (a step re-run after a lost replica
+    sends its earlier answers again). ``shard_rank``: which rank of the replica sent it.
+    """
+
+    replica: int
+    shard_rank: int
+    micro_batch: int | None  # None: a dummy group's piece (figures only)
+    finished: tuple[tuple[int, tuple[int, ...]], ...]
+    stats: StepStats
+
+
+@dataclass
 class _InFlight:
-    """A step sent to a replica: one ref per rank."""
+    """A step sent to a replica: one ref (or one stream) per rank."""
 
     step: int
-    refs: list[ray.ObjectRef]
+    refs: list[Any]
+    ended: list[bool] = field(default_factory=list)
 
 
 class Dispatcher:
@@ -71,11 +97,18 @@ class Dispatcher:
         self._timeout_s = step_timeout_s
         self._depth = depth
         self._width = width = group.micro_batches_per_step
-        scoring = bool(micro_batches) and isinstance(micro_batches[0], ScoreMicroBatch)
-        self._method = "score" if scoring else "generate"
-        self._dummy: MicroBatch = (
-            ScoreMicroBatch() if self._method == "score" else GenerateMicroBatch()
-        )
+        first = micro_batches[0] if micro_batches else None
+        self._streaming = isinstance(first, GenerateGroup)
+        self._same_batch = any(r.same_batch for r in group.replicas)
+        self._dummy: MicroBatch = GenerateMicroBatch()
+        self._method = "generate"
+        if isinstance(first, ScoreMicroBatch):
+            self._dummy, self._method = ScoreMicroBatch(), "score"
+        elif self._streaming:
+            self._dummy, self._method = GenerateGroup(), "generate_stream"
+        #: Streamed micro-batches: the answers received so far, by position.
+        self._answers: dict[int, dict[int, tuple[int, ...]]] = {}
+        self._on_piece: Callable[[PieceDone], None] | None = None
         self._steps = [
             list(range(i, min(i + width, len(micro_batches))))
             for i in range(0, len(micro_batches), width)
@@ -88,22 +121,27 @@ class Dispatcher:
         #: Per replica, since when its oldest step in flight has been its head.
         self._head_since: dict[int, float] = {}
 
-    def run(self, on_step: Callable[[StepDone], None] | None = None) -> list[Any]:
-        """Compute every micro-batch; return one result per micro-batch, in the order given.
+    def run(
+        self,
+        on_step: Callable[[StepDone], None] | None = None,
+        on_piece: Callable[[PieceDone], None] | None = None,
+    ) -> list[Any]:
+        """Compute every micro-batch; return one result per micro-batch, in the order given
+        (a streamed group's: each request's answer, by position).
 
         Args:
             on_step: Called on the driver after each finished step.
+            on_piece: Called with each streamed piece's new answers.
 
         Raises:
             EvaluationTimeoutError: a step ran past the step timeout.
             WorkerLostError: every replica was lost.
             RayEvalError: a rank raised while computing (its message is passed on).
         """
+        self._on_piece = on_piece
         self._refill()
         while any(self._inflight.values()):
-            heads = [
-                ref for r in self._alive if self._inflight[r] for ref in self._inflight[r][0].refs
-            ]
+            heads = [ref for r in self._alive if self._inflight[r] for ref in self._waiting(r)]
             ray.wait(heads, num_returns=1, timeout=self._time_left())
             for index in list(self._alive):
                 done = self._poll(index)
@@ -111,6 +149,11 @@ class Dispatcher:
                     on_step(done)
             self._refill()
         return self._results
+
+    def _waiting(self, index: int) -> list[Any]:
+        """The refs (or streams that have not ended) of the replica's head step."""
+        head = self._inflight[index][0]
+        return [ref for ref, ended in zip(head.refs, head.ended, strict=True) if not ended]
 
     def _refill(self) -> None:
         """Level by level: every replica gets a step before any gets a second one."""
@@ -121,7 +164,8 @@ class Dispatcher:
                 step = self._pending.popleft()
                 batch = [self._micro_batches[i] for i in self._steps[step]]
                 batch += [self._dummy] * (self._width - len(batch))
-                self._inflight[index].append(_InFlight(step, replica.submit(self._method, batch)))
+                refs = replica.submit(self._method, batch, streaming=self._streaming)
+                self._inflight[index].append(_InFlight(step, refs, [False] * len(refs)))
                 self._head_since.setdefault(index, time.monotonic())
 
     def _poll(self, index: int) -> StepDone | None:
@@ -129,21 +173,83 @@ class Dispatcher:
         if not self._inflight[index]:
             return None
         head = self._inflight[index][0]
-        done, _ = ray.wait(head.refs, num_returns=len(head.refs), timeout=0)
         try:
-            # A rank that died fails its ref at once while its peers wait in a collective: look
-            # at the finished refs first so a lost replica is noticed immediately.
-            ray.get(done, timeout=self._timeout_s)
-            if len(done) < len(head.refs):
-                self._check_deadline(index)
+            outputs = self._drain(index, head) if self._streaming else self._collect(index, head)
+            if outputs is None:
                 return None
-            outputs = self._alive[index].answers(ray.get(head.refs, timeout=self._timeout_s))
         except ray.exceptions.RayActorError as exc:
             self._drop(index, exc)
             return None
         except ray.exceptions.RayTaskError as exc:
             raise rank_failure(exc, RayEvalError, "computing a batch", hint=_OOM_HINT) from None
         return self._accept(index, head.step, outputs)
+
+    def _collect(self, index: int, head: _InFlight) -> list[Any] | None:
+        """A plain step's (result, stats) per micro-batch, once every rank returned."""
+        done, _ = ray.wait(head.refs, num_returns=len(head.refs), timeout=0)
+        # A rank that died fails its ref at once while its peers wait in a collective: look at
+        # the finished refs first so a lost replica is noticed immediately.
+        ray.get(done, timeout=self._timeout_s)
+        if len(done) < len(head.refs):
+            self._check_deadline(index)
+            return None
+        return self._alive[index].answers(ray.get(head.refs, timeout=self._timeout_s))
+
+    def _drain(self, index: int, head: _InFlight) -> list[Any] | None:
+        """Read every piece the replica's streams have ready; once all ended, the step's
+        (answers by position, no stats: pieces carried them) per micro-batch."""
+        while not all(head.ended):
+            streams = [s for s, ended in zip(head.refs, head.ended, strict=True) if not ended]
+            ready, _ = ray.wait(streams, num_returns=len(streams), timeout=0)
+            if not ready:
+                self._check_deadline(index)
+                return None
+            stream: Any
+            for stream in ready:
+                rank = head.refs.index(stream)
+                try:
+                    piece = ray.get(next(stream), timeout=self._timeout_s)
+                except StopIteration:
+                    head.ended[rank] = True
+                    continue
+                self._head_since[index] = time.monotonic()
+                self._take(index, head.step, rank, piece)
+        mbs = self._steps[head.step]
+        outputs = [(self._group_result(mb), None) for mb in mbs]
+        return outputs + [(None, None)] * (self._width - len(mbs))
+
+    def _take(self, index: int, step: int, rank: int, piece: GenerationPiece) -> None:
+        """Record a piece's new answers and report them."""
+        if self._same_batch and rank > 0:
+            return  # the replica's ranks computed the same group: rank 0 reports it
+        mbs = self._steps[step]
+        micro_batch = mbs[rank] if rank < len(mbs) else None
+        new = []
+        if micro_batch is not None:
+            known = self._answers.setdefault(micro_batch, {})
+            for position, tokens in piece.finished:
+                if position in known:
+                    if known[position] != tokens:
+                        logger.warning(
+                            "micro-batch %d request %d: a re-run answered otherwise; the first "
+                            "answer stands",
+                            micro_batch,
+                            position,
+                        )
+                    continue
+                known[position] = tokens
+                new.append((position, tokens))
+        if self._on_piece is not None:
+            self._on_piece(PieceDone(index, rank, micro_batch, tuple(new), piece.stats))
+
+    def _group_result(self, micro_batch: int) -> list[tuple[int, ...]] | None:
+        """A streamed group's answers in position order (None if one is missing)."""
+        group = self._micro_batches[micro_batch]
+        assert isinstance(group, GenerateGroup)
+        known = self._answers.get(micro_batch, {})
+        if len(known) != len(group.requests):
+            return None
+        return [known[position] for position in range(len(group.requests))]
 
     def _check_deadline(self, index: int) -> None:
         if time.monotonic() - self._head_since[index] > self._timeout_s:
@@ -168,7 +274,7 @@ class Dispatcher:
             step,
             index,
             tuple(self._steps[step]),
-            tuple(stats for _, stats in outputs),
+            tuple(stats for _, stats in outputs if stats is not None),
             tuple(self._results[i] for i in self._steps[step]),
         )
 
@@ -201,8 +307,9 @@ def run_steps(
     step_timeout_s: float,
     on_step: Callable[[StepDone], None] | None = None,
     depth: int = 2,
+    on_piece: Callable[[PieceDone], None] | None = None,
 ) -> list[Any]:
     """Compute every micro-batch on the group's replicas (:class:`Dispatcher`), in input order."""
     if not micro_batches:
         return []
-    return Dispatcher(group, micro_batches, step_timeout_s, depth).run(on_step)
+    return Dispatcher(group, micro_batches, step_timeout_s, depth).run(on_step, on_piece)

@@ -10,13 +10,14 @@ every micro-batch came back exactly once, and keeps the request type's figures
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rayeval.actors.batches import GenerateMicroBatch, MicroBatch, ScoreMicroBatch
+from rayeval.actors.batches import GenerateGroup, GenerateMicroBatch, MicroBatch, ScoreMicroBatch
 from rayeval.actors.errors import ConfigError, ResultIntegrityError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, Timeouts
@@ -26,13 +27,16 @@ from rayeval.service.config import (
     DEFAULT_MAX_BATCH_TOKENS,
     EngineConfig,
 )
-from rayeval.service.engine.dispatch import StepDone, run_steps
+from rayeval.service.engine.dispatch import PieceDone, StepDone, run_steps
 from rayeval.service.engine.phases import PhaseStats, PhaseTracker, Progress, StartUp
 from rayeval.service.engine.planner import (
     GenerateRequest,
+    SlotBudget,
     TokenBudget,
     plan_generate,
+    plan_generate_groups,
     plan_score,
+    request_seeds,
 )
 from rayeval.service.engine.response_cache import ResponseCache, generate_key, score_key
 
@@ -51,6 +55,9 @@ class Executor:
         seed: The ranks' torch seed for this evaluation.
         on_progress: Called with a request type's progress after every finished step.
         created: When the engine started (``time.monotonic()``), for its start-up figure.
+        shell: The model on the meta device (its generation config decides what continuous
+            batching can reproduce).
+        static_only: Why generation cannot use continuous batching at all (None: it may).
     """
 
     def __init__(
@@ -63,8 +70,14 @@ class Executor:
         seed: int,
         on_progress: Callable[[Progress], None] | None,
         created: float,
+        shell: Any = None,
+        static_only: str | None = "no model shell given",
     ) -> None:
         self.stats: dict[str, PhaseStats] = {}
+        self._config = config
+        self._device = device
+        self._shell = shell
+        self._static_only = static_only
         self._score_budget = budget(config, score_on=device)
         self._generate_budget = budget(config)
         self._timeouts = timeouts
@@ -114,15 +127,49 @@ class Executor:
         }
         return [answers[i] for i in range(len(pairs))]
 
-    def generate(self, requests: Sequence[GenerateRequest], disable_tqdm: bool) -> list[list[int]]:
-        """The generated token ids of each request, in order."""
+    def generate(
+        self,
+        requests: Sequence[GenerateRequest],
+        disable_tqdm: bool,
+        names: Sequence[str] | None = None,
+    ) -> list[list[int]]:
+        """The generated token ids of each request, in order (``names``: per request, how an
+        error names it)."""
         keys = [generate_key(request.context, request.settings()) for request in requests]
         cached, todo = self._cached(keys, "generate_until")
-        plan = plan_generate([requests[i] for i in todo], self._generate_budget)
-        located = [
-            (keys[i], mb, (position,))
-            for i, (mb, position) in zip(todo, plan.locations, strict=True)
-        ]
+        pending = [requests[i] for i in todo]
+        pending_keys = [keys[i] for i in todo]
+        reason = self._static_reason(pending)
+        if reason is None:
+            pending_names = [names[i] for i in todo] if names else None
+            outputs = self._generate_continuous(pending, pending_keys, pending_names, disable_tqdm)
+        else:
+            if pending:
+                logger.info("generate_until runs in static batches: %s", reason)
+            outputs = self._generate_static(pending, pending_keys, disable_tqdm)
+        generated = dict(cached) | dict(zip(todo, outputs, strict=True))
+        return [list(generated[i]) for i in range(len(requests))]
+
+    def _static_reason(self, requests: Sequence[GenerateRequest]) -> str | None:
+        """Why these requests cannot use continuous batching (None: they can)."""
+        if self._static_only is not None or not requests:
+            return self._static_only
+        if any(request.max_length is not None for request in requests):
+            return "a request sets max_length (lm-eval counts it from a batch's padded width)"
+        from rayeval.actors.continuous import unsupported
+
+        for kwargs in {json.dumps(r.kwargs, sort_keys=True, default=str) for r in requests}:
+            reason = unsupported(self._shell, json.loads(kwargs))
+            if reason is not None:
+                return reason
+        return None
+
+    def _generate_static(
+        self, requests: Sequence[GenerateRequest], keys: Sequence[Any], disable_tqdm: bool
+    ) -> list[list[int]]:
+        """lm-eval's static batches: a micro-batch decodes until its longest row is done."""
+        plan = plan_generate(requests, self._generate_budget)
+        located = [(keys[i], mb, (position,)) for i, (mb, position) in enumerate(plan.locations)]
         outputs = self._run(
             plan.micro_batches,
             "generate_until",
@@ -130,10 +177,69 @@ class Executor:
             disable_tqdm,
             on_result=self._cache.storer(located) if self._cache is not None else None,
         )
-        generated = dict(cached) | {
-            i: outputs[mb][position] for i, (mb, position) in zip(todo, plan.locations, strict=True)
-        }
-        return [list(generated[i]) for i in range(len(requests))]
+        return [list(outputs[mb][position]) for mb, position in plan.locations]
+
+    def _generate_continuous(
+        self,
+        requests: Sequence[GenerateRequest],
+        keys: Sequence[Any],
+        names: Sequence[str] | None,
+        disable_tqdm: bool,
+    ) -> list[list[int]]:
+        """Continuous batching: groups streamed back request by request."""
+        start = self._start_up()
+        seeds = request_seeds(requests, self._seed)
+        plan = plan_generate_groups(requests, self._slot_budget(), seeds, names)
+        key_at = dict(zip(plan.locations, keys, strict=True))
+        cache = self._cache
+
+        def store(piece: PieceDone) -> None:
+            if cache is not None and piece.micro_batch is not None:
+                cache.put_many(
+                    (key_at[(piece.micro_batch, position)], list(tokens))
+                    for position, tokens in piece.finished
+                )
+
+        outputs = self._run(
+            plan.groups,
+            "generate_until",
+            Counter(group for group, _ in plan.locations),
+            disable_tqdm,
+            on_piece=store,
+            start=start,
+        )
+        return [list(outputs[group][position]) for group, position in plan.locations]
+
+    def _slot_budget(self) -> SlotBudget:
+        """The continuous-batching engine's slots and KV-cache budget, from the configuration
+        (and on GPUs the device's memory: the same for every layout of one cluster)."""
+        config = self._config
+        slots = config.batch_size if isinstance(config.batch_size, int) else None
+        slots = slots or config.max_batch_size or DEFAULT_MAX_BATCH_ROWS
+        if config.kv_cache_tokens:
+            return SlotBudget(slots, config.kv_cache_tokens, "--kv_cache_tokens")
+        if config.max_batch_tokens:
+            return SlotBudget(slots, config.max_batch_tokens, "--max_batch_tokens")
+        derived = self._kv_tokens_from_memory()
+        return SlotBudget(slots, derived or DEFAULT_MAX_BATCH_TOKENS, "--kv_cache_tokens")
+
+    def _kv_tokens_from_memory(self) -> int | None:
+        """On GPUs: the KV-cache positions half the device memory left beside the whole model
+        holds (the whole model, whatever G: the budget must not depend on the layout)."""
+        if self._device is not DeviceKind.CUDA or self._group is None or self._shell is None:
+            return None
+        reports = self._group.wait_ready()
+        totals = [float(r["device_total_mib"]) for r in reports if r.get("device_total_mib")]
+        if not totals or len(totals) < len(reports):
+            return None
+        from rayeval.actors.profiles import ModelShape
+
+        itemsize = self._shell.dtype.itemsize
+        per_token = ModelShape(self._shell.config).kv_bytes_per_token(itemsize)
+        free = min(totals) * 2**20 * 0.9 - self._shell.num_parameters() * itemsize
+        if per_token <= 0 or free <= 0:
+            return None
+        return max(1, int(free * 0.5 // per_token))
 
     def _cached(self, keys: Sequence[Any], phase: str) -> tuple[dict[int, Any], list[int]]:
         """Answers the response cache has (position -> answer), and the positions to compute."""
@@ -166,10 +272,13 @@ class Executor:
         requests_per_micro_batch: Counter[int],
         disable_tqdm: bool,
         on_result: Callable[[int, Any], None] | None = None,
+        on_piece: Callable[[PieceDone], None] | None = None,
+        start: StartUp | None = None,
     ) -> list[Any]:
-        """Compute the micro-batches of one request type, reporting progress after each step;
-        ``on_result(micro_batch, result)`` for each finished micro-batch."""
-        start = self._start_up()
+        """Compute the micro-batches of one request type, reporting progress after each step
+        (for streamed groups: as each request finishes); ``on_result(micro_batch, result)`` for
+        each finished micro-batch, ``on_piece`` for each streamed piece."""
+        start = start or self._start_up()
         assert self._group is not None
         stats = self.stats.setdefault(phase, PhaseStats())
         stats.micro_batches += len(micro_batches)
@@ -185,13 +294,25 @@ class Executor:
         )
 
         def on_step(step: StepDone) -> None:
-            tracker.step(step)
+            if on_piece is None:  # streamed groups reported their pieces already
+                tracker.step(step)
             if on_result is not None:
                 for micro_batch, result in zip(step.micro_batches, step.results, strict=True):
                     on_result(micro_batch, result)
 
+        def on_streamed(piece: PieceDone) -> None:
+            tracker.piece(piece)
+            if on_piece is not None:
+                on_piece(piece)
+
         try:
-            results = run_steps(self._group, micro_batches, self._timeouts.step_s, on_step)
+            results = run_steps(
+                self._group,
+                micro_batches,
+                self._timeouts.step_s,
+                on_step,
+                on_piece=on_streamed if on_piece is not None else None,
+            )
         finally:
             tracker.close()
         check_exactly_once(micro_batches, results)
@@ -204,6 +325,9 @@ def check_exactly_once(micro_batches: Sequence[MicroBatch], results: Sequence[An
         if isinstance(batch, ScoreMicroBatch):
             expected = [len(row.targets) for row in batch.rows]
             got = [len(row) for row in result] if result is not None else None
+        elif isinstance(batch, GenerateGroup):
+            expected = [1] * len(batch.requests)
+            got = [1] * len(result) if result is not None else None
         else:
             assert isinstance(batch, GenerateMicroBatch)
             expected = [1] * len(batch.contexts)

@@ -133,6 +133,8 @@ class RayEvalLM(TemplateLM):
             seed,
             on_progress,
             created=self._created,
+            shell=self._encoder.model,
+            static_only=self._static_generation_reason(),
         )
         self._replicas = replicas
         self._key = replica_key(config) if replicas is not None else ""
@@ -347,7 +349,8 @@ class RayEvalLM(TemplateLM):
             generate_request(self._encoder, context, gen_kwargs, eos)
             for context, gen_kwargs in (r.args for r in requests)
         ]
-        generated = self._executor.generate(prepared, disable_tqdm)
+        names = [f"task {r.task_name} doc {r.doc_id}" for r in requests]
+        generated = self._executor.generate(prepared, disable_tqdm, names)
         texts = []
         for index, (request, prepared_request) in enumerate(zip(requests, prepared, strict=True)):
             text = decode_generation(self._encoder, generated[index], prepared_request.until)
@@ -390,6 +393,18 @@ class RayEvalLM(TemplateLM):
         if obstacles.get(requested):
             raise ConfigError(refusal(requested, obstacles[requested]))
         return obstacles
+
+    def _static_generation_reason(self) -> str | None:
+        """Why this evaluation generates in static batches only (None: continuous batching
+        may run, request settings permitting)."""
+        if not self.config.continuous_batching:
+            return "continuous_batching is off"
+        shape = ModelShape(self._encoder.model.config)
+        if not shape.profile.continuous:
+            return f"continuous batching is not checked for {shape.model_type!r} models"
+        if self._encoder.think_end_token is not None:
+            return "think_end_token is set (lm-eval cuts stop strings after the thinking part)"
+        return None
 
     def _packing_supported(self, model_args: dict[str, Any]) -> bool:
         """Whether the ranks' model scores packed rows exactly (else: one row per input)."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rayeval.service.engine.dispatch import StepDone
+from rayeval.service.engine.dispatch import PieceDone, StepDone
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,40 @@ class PhaseTracker:
         self._rank_memory[str(replica)] = [
             {"rss_mib": s.rss_mib, "device_mib": s.device_mib} for s in step.stats
         ]
+        self._moved(count)
+
+    def piece(self, piece: PieceDone) -> None:
+        """Add a streamed piece's figures (its requests finished) and report progress.
+
+        Under FSDP a replica's ranks each stream their own group, in lockstep: their tokens add
+        up, and the replica's busy time is its first rank's.
+        """
+        stats = self._stats
+        replica, count = piece.replica, len(piece.finished)
+        self.done += count
+        stats.real_tokens += piece.stats.real_tokens
+        stats.padded_tokens += piece.stats.padded_tokens
+        if piece.shard_rank == 0:
+            stats.replica_busy_s[replica] = stats.replica_busy_s.get(replica, 0.0) + (
+                piece.stats.seconds
+            )
+        stats.replica_requests[replica] = stats.replica_requests.get(replica, 0) + count
+        stats.replica_tokens[replica] = (
+            stats.replica_tokens.get(replica, 0) + piece.stats.real_tokens
+        )
+        ranks = self._rank_memory.setdefault(str(replica), [])
+        ranks.extend(
+            {"rss_mib": 0.0, "device_mib": 0.0} for _ in range(piece.shard_rank + 1 - len(ranks))
+        )
+        ranks[piece.shard_rank] = {
+            "rss_mib": piece.stats.rss_mib,
+            "device_mib": piece.stats.device_mib,
+        }
+        self._moved(count)
+
+    def _moved(self, count: int) -> None:
+        """The phase's seconds so far, the bar, and a progress report."""
+        stats = self._stats
         stats.seconds = self._base_seconds + time.monotonic() - self._started
         self._bar.update(count)
         self._bar.set_postfix(

@@ -16,12 +16,19 @@ shared context the inputs simply stop sharing and go their own way.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayeval.actors.batches import GenerateMicroBatch, ScoreMicroBatch, ScoreRow
+from rayeval.actors.batches import (
+    GenerateGroup,
+    GenerateMicroBatch,
+    ScoreMicroBatch,
+    ScoreRow,
+    SlotRequest,
+)
 from rayeval.actors.errors import ConfigError
 
 
@@ -294,6 +301,107 @@ def plan_generate(requests: Sequence[GenerateRequest], budget: TokenBudget) -> G
                 )
             )
     return GeneratePlan(micro_batches, locations)
+
+
+#: A continuous-batching group holds this many requests per slot: enough that refilled slots stay
+#: busy for most of the group, few enough that replicas share the work.
+REQUESTS_PER_SLOT = 4
+
+
+@dataclass(frozen=True)
+class SlotBudget:
+    """How a rank's continuous-batching engine may hold requests.
+
+    Args:
+        slots: Most rows decoded together.
+        kv_tokens: Most KV-cache positions held together (a request holds its context plus
+            its ``max_gen_toks``).
+        setting: The option that sets ``kv_tokens``, for error messages.
+    """
+
+    slots: int
+    kv_tokens: int
+    setting: str = "--max_batch_tokens"
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Groups to generate with continuous batching and, per request, (group, position in it)."""
+
+    groups: list[GenerateGroup]
+    locations: list[tuple[int, int]]
+
+
+def plan_generate_groups(
+    requests: Sequence[GenerateRequest],
+    budget: SlotBudget,
+    seeds: Sequence[int | None],
+    names: Sequence[str] | None = None,
+) -> GroupPlan:
+    """Group generate requests by their settings, sort each longest first, and cut them into
+    groups of ``slots x REQUESTS_PER_SLOT`` requests (never depending on the layout).
+
+    Args:
+        requests: Tokenised requests, in lm-eval's order.
+        budget: The engine's slots and KV-cache budget.
+        seeds: Per request, its sampling seed (None: greedy).
+        names: Per request, how to name it in an error (task and document).
+
+    Raises:
+        ConfigError: a request needs more KV-cache positions than the budget holds.
+    """
+    for index, request in enumerate(requests):
+        need = len(request.context) + request.max_gen_toks
+        if need > budget.kv_tokens:
+            name = names[index] if names else f"request {index}"
+            raise ConfigError(
+                f"{name} needs {need} KV-cache positions ({len(request.context)} context tokens "
+                f"+ max_gen_toks {request.max_gen_toks}), more than the budget of "
+                f"{budget.kv_tokens}: raise {budget.setting}, or lower max_gen_toks"
+            )
+    by_settings: dict[str, list[int]] = {}
+    for index, request in enumerate(requests):
+        key = json.dumps([request.max_length, request.kwargs], sort_keys=True, default=str)
+        by_settings.setdefault(key, []).append(index)
+    groups: list[GenerateGroup] = []
+    locations: list[tuple[int, int]] = [(-1, -1)] * len(requests)
+    size = budget.slots * REQUESTS_PER_SLOT
+    for indices in by_settings.values():
+        indices.sort(key=lambda i: (-len(requests[i].context), requests[i].context))
+        for start in range(0, len(indices), size):
+            chunk = indices[start : start + size]
+            for position, index in enumerate(chunk):
+                locations[index] = (len(groups), position)
+            groups.append(
+                GenerateGroup(
+                    requests=tuple(_slot_request(requests[i], seeds[i]) for i in chunk),
+                    slots=budget.slots,
+                    kv_tokens=budget.kv_tokens,
+                    kwargs=dict(requests[chunk[0]].kwargs),
+                )
+            )
+    return GroupPlan(groups, locations)
+
+
+def _slot_request(request: GenerateRequest, seed: int | None) -> SlotRequest:
+    return SlotRequest(request.context, request.max_gen_toks, request.until, seed)
+
+
+def request_seeds(requests: Sequence[GenerateRequest], seed: int) -> list[int | None]:
+    """Per request, the seed of its own sampling generator (None for a greedy request): a hash
+    of the evaluation's seed, the request's tokens and settings, and how many identical requests
+    came before it (lm-eval's repeats), so a sampled answer is the same in every layout."""
+    seen: dict[str, int] = {}
+    seeds: list[int | None] = []
+    for request in requests:
+        if not request.kwargs.get("do_sample"):
+            seeds.append(None)
+            continue
+        identity = json.dumps([request.context, request.settings()], sort_keys=True, default=str)
+        occurrence = seen[identity] = seen.get(identity, -1) + 1
+        digest = hashlib.sha256(json.dumps([seed, identity, occurrence]).encode()).digest()
+        seeds.append(int.from_bytes(digest[:8], "little") >> 1)
+    return seeds
 
 
 def _cut(

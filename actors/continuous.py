@@ -1,0 +1,342 @@
+"""Continuous batching on a rank: a row leaves as soon as it stops, the next request takes its slot.
+
+lm-eval's HF backend (and ``generate``) decodes a static batch until its longest row is done;
+every row that stopped earlier is still computed at every step. Here a :class:`GenerateGroup`'s
+requests flow through ``slots`` rows instead: each step admits the next requests while slots
+and the KV-cache budget allow (their prompts prefilled together, left-padded, as ``generate``
+prefills a batch), decodes one token for every live row, and drops the rows that stopped, their
+answers streamed back at once (:class:`GenerationPiece`). The rows' KV caches live in one
+transformers ``DynamicCache``, left-padded to a common length and masked, as ``generate`` holds a
+left-padded batch; columns no live row uses any more are trimmed.
+
+A row stops exactly where lm-eval's answer is settled: on an EOS token (``generate`` pads the row
+from there), after ``max_gen_toks`` tokens, or once one of its stop strings appears in its
+decoded text (lm-eval cuts its answer at the first stop string: what follows never reaches the
+answer). Greedy steps take the argmax of float32 logits as ``generate`` does; sampled steps apply
+transformers' own logits warpers, then draw from the request's own generator, so a sampled answer
+is the same whatever rows share its steps.
+
+The ranks of a sharded replica step together: before every step they agree, with one small
+all-reduce, on whether anyone admits or decodes, and a rank with nothing of its own runs a dummy
+forward, so every rank issues the same collectives. Which requests a group holds, the slots and
+the budget come from the driver's plan, so a request's steps never depend on the layout or on
+timing. :func:`unsupported` says when this engine cannot give ``generate``'s tokens (beams,
+repetition penalties, other cache kinds): the driver then uses the static path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from rayeval.actors.batches import GenerateGroup, GenerationPiece, SlotRequest
+from rayeval.actors.generation import lm_eval_generation_kwargs
+from rayeval.actors.rank_model import RankModel
+
+#: Warpers that read the scores alone (never the input ids), so rows can be processed together.
+_ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def sampling_setup(model: Any, kwargs: dict[str, Any]) -> tuple[GenerationConfig, Any] | str:
+    """The generation config ``generate`` would use for ``kwargs`` and its logits processors, or
+    why this engine cannot reproduce them (then the static path runs).
+
+    Uses transformers' own ``_prepare_generation_config`` and ``_get_logits_processor`` (private;
+    see rayeval.service.private_apis), so every default of the model's generation config applies.
+    """
+    try:
+        config, _ = model._prepare_generation_config(None, **lm_eval_generation_kwargs(kwargs))
+        processors = model._get_logits_processor(generation_config=config, device=str(model.device))
+    except (AttributeError, TypeError, ValueError) as exc:
+        return f"transformers' generation set-up changed ({type(exc).__name__}: {exc})"
+    if (config.num_beams or 1) > 1:
+        return "beam search"
+    others = sorted({type(p).__name__ for p in processors if not isinstance(p, _ROW_WISE)})
+    if others:
+        return f"logits processors that read the input ids ({', '.join(others)})"
+    return config, processors
+
+
+def unsupported(model: Any, kwargs: dict[str, Any]) -> str | None:
+    """Why a group with these generation settings cannot run here, or None when it can."""
+    setup = sampling_setup(model, kwargs)
+    if isinstance(setup, str):
+        return setup
+    layers = DynamicCache(config=model.config).layers
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        return "the model's KV cache is not a plain dynamic cache (sliding windows?)"
+    return None
+
+
+@dataclass
+class _Row:
+    """One request in a slot."""
+
+    position: int
+    request: SlotRequest
+    generated: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    @property
+    def next_position(self) -> int:
+        """Position id of the row's next input token (its last generated one)."""
+        return len(self.request.context) + len(self.generated) - 1
+
+
+class ContinuousGenerator:
+    """Generates one group's requests on one rank (see the module docstring).
+
+    Args:
+        rank: The rank's loaded model.
+        group: The group (empty: a dummy that steps with the replica's other ranks).
+        synced: Whether the replica has other ranks to step together with.
+    """
+
+    def __init__(self, rank: RankModel, group: GenerateGroup, synced: bool) -> None:
+        self._rank = rank
+        self._group = group
+        self._synced = synced
+        self._pending = deque(range(len(group.requests)))
+        self._rows: list[_Row] = []
+        self._cache: DynamicCache | None = None
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=rank.device)
+        self._finished: list[tuple[int, tuple[int, ...]]] = []
+        self._fed = self._real = 0
+        self._busy_s = 0.0
+        eos = rank.model.generation_config.eos_token_id
+        self._eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        setup = sampling_setup(rank.model, group.kwargs) if group.requests else None
+        if isinstance(setup, str):
+            raise ValueError(f"this group cannot be generated here: {setup}")
+        self._sample = bool(setup and setup[0].do_sample)
+        self._processors = setup[1] if setup else LogitsProcessorList()
+        accepted = inspect.signature(rank.model.forward).parameters
+        self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
+
+    def run(self) -> Iterator[GenerationPiece]:
+        """Step until every rank of the replica is done; a piece whenever requests finish."""
+        with self._rank.computing():
+            while True:
+                admit = self._admissible()
+                wants = [int(bool(admit)), int(bool(admit) or bool(self._rows))]
+                prefill, decode = self._agree(wants)
+                if not decode:
+                    break
+                started = time.monotonic()
+                if prefill:
+                    self._prefill(admit)
+                self._decode()
+                self._busy_s += time.monotonic() - started
+                if self._finished:
+                    yield self._piece()
+        if self._finished or self._fed:
+            yield self._piece()
+
+    # ------------------------------------------------------------------------------ steps
+    def _admissible(self) -> list[int]:
+        """The next requests in order that fit the free slots and the KV-cache budget."""
+        held = sum(row.request.kv_tokens for row in self._rows)
+        admit: list[int] = []
+        for position in self._pending:
+            if len(self._rows) + len(admit) >= self._group.slots:
+                break
+            need = self._group.requests[position].kv_tokens
+            if held + need > self._group.kv_tokens and (self._rows or admit):
+                break  # in order: a later, smaller request does not overtake it
+            admit.append(position)
+            held += need
+        return admit
+
+    def _agree(self, wants: list[int]) -> tuple[bool, bool]:
+        """Whether any rank of the replica prefills, and whether any still works."""
+        if self._synced:
+            flags = torch.tensor(wants, dtype=torch.int32, device=self._rank.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            wants = [int(v) for v in flags.tolist()]
+        return bool(wants[0]), bool(wants[1])
+
+    def _prefill(self, admit: list[int]) -> None:
+        """Prefill the admitted requests together (left-padded) and give each its first token."""
+        if not admit:
+            self._dummy_forward()
+            return
+        for position in admit:
+            self._pending.remove(position)
+        rows = [self._new_row(position) for position in admit]
+        contexts = [row.request.context for row in rows]
+        width = max(len(context) for context in contexts)
+        pad = self._rank.spec.pad_token_id
+        device = self._rank.device
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, context in enumerate(contexts):
+            ids[i, width - len(context) :] = torch.tensor(context, dtype=torch.long)
+            mask[i, width - len(context) :] = 1
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = DynamicCache(config=self._rank.model.config)
+        logits = self._forward(ids.to(device), mask.to(device), positions.to(device), cache)
+        self._count(ids, mask)
+        self._join(rows, cache, mask.to(device))
+        self._advance(logits, first=len(self._rows) - len(rows))
+
+    def _decode(self) -> None:
+        """One token for every live row (a dummy forward when this rank has none)."""
+        if not self._rows:
+            self._dummy_forward()
+            return
+        device = self._rank.device
+        ids = torch.tensor([[row.generated[-1]] for row in self._rows], device=device)
+        positions = torch.tensor([[row.next_position] for row in self._rows], device=device)
+        ones = torch.ones((len(self._rows), 1), dtype=torch.long, device=device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        logits = self._forward(ids, self._mask, positions, self._cache)
+        self._count(ids, ones)
+        self._advance(logits, first=0)
+
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """The model's float32 logits at each row's last position, as ``generate`` takes them."""
+        model = self._rank.model
+        output = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            **self._keep_last,
+        )
+        self._rank.strategy.after_forward(model)
+        return output.logits[:, -1].to(copy=True, dtype=torch.float32)
+
+    def _dummy_forward(self) -> None:
+        """One padding token through the model, so that this rank's collectives line up."""
+        pad = torch.full((1, 1), self._rank.spec.pad_token_id, device=self._rank.device)
+        self._rank.model(input_ids=pad, use_cache=False, **self._keep_last)
+        self._rank.strategy.after_forward(self._rank.model)
+        self._fed += 1
+
+    # --------------------------------------------------------------------------- rows
+    def _new_row(self, position: int) -> _Row:
+        request = self._group.requests[position]
+        generator = None
+        if self._sample:
+            generator = torch.Generator(device=self._rank.device)
+            generator.manual_seed(request.seed if request.seed is not None else 0)
+        return _Row(position, request, generator=generator)
+
+    def _advance(self, logits: torch.Tensor, first: int) -> None:
+        """Append the next token of the live rows from ``first`` on (``logits``: theirs, in
+        order); drop the rows that stopped, keeping their answers."""
+        rows = self._rows[first:]
+        stopped = set()
+        for offset, (row, token) in enumerate(zip(rows, self._choose(rows, logits), strict=True)):
+            row.generated.append(token)
+            if self._stopped(row):
+                self._finished.append((row.position, tuple(row.generated)))
+                stopped.add(first + offset)
+        if stopped:
+            self._keep_rows([i for i in range(len(self._rows)) if i not in stopped])
+
+    def _choose(self, rows: Sequence[_Row], logits: torch.Tensor) -> list[int]:
+        """Each row's next token: the argmax (greedy), or a draw from its own generator after
+        transformers' warpers (sampling)."""
+        if not self._sample:
+            return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
+        no_ids = torch.zeros((len(rows), 0), dtype=torch.long, device=logits.device)
+        probs = torch.softmax(self._processors(no_ids, logits), dim=-1)  # type: ignore[arg-type]
+        return [
+            int(torch.multinomial(probs[i], 1, generator=row.generator))
+            for i, row in enumerate(rows)
+        ]
+
+    def _stopped(self, row: _Row) -> bool:
+        """EOS, ``max_gen_toks``, or a stop string in the decoded text (lm-eval's answer is
+        cut at the first one, so it is settled)."""
+        if row.generated[-1] in self._eos or len(row.generated) >= row.request.max_gen_toks:
+            return True
+        if not row.request.until:
+            return False
+        text = self._rank.tokenizer.decode(row.generated, skip_special_tokens=True)
+        return any(stop and stop in text for stop in row.request.until)
+
+    # --------------------------------------------------------------------------- cache
+    def _join(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Add prefilled rows to the live batch: caches and masks left-padded to one length."""
+        if self._cache is None or not self._rows:
+            self._rows, self._cache, self._mask = list(rows), cache, mask
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        for old, new in zip(_layers(self._cache), _layers(cache), strict=True):
+            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
+            old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+        self._mask = torch.cat([_left_pad(self._mask, width), _left_pad(mask, width)])
+        self._rows += rows
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Only the rows at ``keep`` stay live; columns no live row uses are trimmed."""
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._cache, self._mask = None, self._mask[:0, :0]
+            return
+        assert self._cache is not None
+        index = torch.tensor(keep, device=self._mask.device)
+        self._mask = self._mask[index]
+        first = int(self._mask.argmax(dim=1).min())  # the earliest column a live row uses
+        for layer in _layers(self._cache):
+            layer.keys = layer.keys[index, :, first:]
+            layer.values = layer.values[index, :, first:]
+        self._mask = self._mask[:, first:]
+
+    # --------------------------------------------------------------------------- figures
+    def _count(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        self._fed += ids.numel()
+        self._real += int(mask.sum())
+
+    def _piece(self) -> GenerationPiece:
+        # step_stats counts seconds from `started`: the busy seconds since the last piece.
+        stats = self._rank.step_stats(self._real, self._fed, time.monotonic() - self._busy_s)
+        piece = GenerationPiece(tuple(self._finished), stats)
+        self._finished, self._fed, self._real, self._busy_s = [], 0, 0, 0.0
+        return piece
+
+
+def _layers(cache: DynamicCache) -> list[Any]:
+    """The cache's layers (plain dynamic layers: :func:`unsupported` checked), whose ``keys``
+    and ``values`` tensors are [rows, heads, positions, head dim]."""
+    return list(cache.layers)
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """``tensor`` with zero columns added on the left of its sequence dimension up to ``width``
+    (dim -2 of a cache tensor [rows, heads, seq, dim], dim 1 of a mask [rows, seq])."""
+    dim = 1 if tensor.dim() == 2 else -2
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def generate_group(
+    rank: RankModel, group: GenerateGroup, synced: bool
+) -> Iterator[GenerationPiece]:
+    """Stream a group's answers as its requests finish (:class:`ContinuousGenerator`)."""
+    yield from ContinuousGenerator(rank, group, synced).run()
