@@ -140,6 +140,8 @@ class Executor:
         pending = [requests[i] for i in todo]
         pending_keys = [keys[i] for i in todo]
         reason = self._static_reason(pending)
+        phase = self.stats.setdefault("generate_until", PhaseStats())
+        phase.batching = "continuous" if reason is None else "static"
         if reason is None:
             pending_names = [names[i] for i in todo] if names else None
             outputs = self._generate_continuous(pending, pending_keys, pending_names, disable_tqdm)

@@ -57,6 +57,8 @@ class PhaseStats:
     replica_busy_s: dict[int, float] = field(default_factory=dict)
     replica_requests: dict[int, int] = field(default_factory=dict)
     replica_tokens: dict[int, int] = field(default_factory=dict)
+    #: How generate_until requests were batched: "continuous" or "static" (None: not generated).
+    batching: str | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,6 +87,7 @@ class PhaseStats:
             "tokens_per_s": self.tokens_per_s,
             "real_token_fraction": self.real_token_fraction,
             "replica_utilisation": self.replica_utilisation,
+            **({"batching": self.batching} if self.batching else {}),
         }
 
 
