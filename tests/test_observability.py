@@ -349,8 +349,9 @@ def _coloured_pixels(page: Any, png: bytes) -> int:
 def test_submit_flags_become_the_request_body(output_path: str | None) -> None:
     """`rayeval submit` reads `rayeval run`'s flags; --log_samples needs no --output_path there
     (the server keeps the samples), and the body is what POST /evaluations takes."""
-    from rayeval.api.cli import _config_from_args, build_parser
-    from rayeval.api.remote import submission_body
+    from rayeval.api.cli import build_parser
+    from rayeval.api.cli.evaluation_flags import config_from_args as _config_from_args
+    from rayeval.api.cli.remote import submission_body
     from rayeval.service.config import EvaluationConfig
 
     argv = ["submit", "--model_args", "pretrained=/models/m,dtype=float32",

@@ -237,7 +237,8 @@ def test_bos_tokenizer_and_chat_template(
 
 @pytest.mark.parametrize("value", ["false", "true"])
 def test_share_prefixes_flag_reaches_the_config(value: str, demo: Any) -> None:
-    from rayeval.api.cli import _config_from_args, build_parser
+    from rayeval.api.cli import build_parser
+    from rayeval.api.cli.evaluation_flags import config_from_args as _config_from_args
 
     model = f"pretrained={demo.model_dir}"
     args = build_parser().parse_args(
