@@ -13,113 +13,20 @@ import sys
 import threading
 from typing import Any
 
-#: The flags whose values override the environment (each named as its ``Settings`` field).
-_SETTINGS_FLAGS = (
-    "host",
-    "port",
-    "data_dir",
-    "database_url",
-    "include_paths",
-    "model_roots",
-    "allow_remote_code",
-    "allowed_hosts",
-    "stall_timeout_s",
-    "warm_replicas",
-    "api_token",
-    "ray_address",
-    "num_cpus",
-)
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``serve``: the server's settings as flags, plus ``--log-level`` and ``--demo``."""
+    """Add ``serve``: one flag per ``Settings`` field, plus ``--log-level`` and ``--demo``."""
+    from rayeval.api.cli.settings_flags import add_settings_flags
+    from rayeval.api.settings import Settings
+
     serve = subparsers.add_parser(
         "serve",
         help="run the REST service (POST /evaluations, dashboard at /)",
-        description="Run the rayeval REST service. Every flag can also be set by an environment "
-        "variable RAYEVAL_<NAME> (e.g. RAYEVAL_API_TOKEN); flags win.",
+        description="Run the rayeval REST service. Every server flag can also be set by the "
+        "environment variable its help names (lists as JSON, e.g. "
+        "RAYEVAL_INCLUDE_PATHS='[\"/srv/tasks\"]'); flags win.",
     )
-    serve.add_argument(
-        "--host", help="address to listen on (default 127.0.0.1; others need --api-token)"
-    )
-    serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
-    serve.add_argument(
-        "--data-dir",
-        dest="data_dir",
-        metavar="DIR",
-        help="where the SQLite database lives (default ./rayeval-data)",
-    )
-    serve.add_argument(
-        "--database-url",
-        dest="database_url",
-        metavar="URL",
-        help="any SQLAlchemy URL instead of the SQLite file under --data-dir",
-    )
-    serve.add_argument(
-        "--include-path",
-        dest="include_paths",
-        action="append",
-        metavar="DIR",
-        help="directory of lm-eval task YAMLs that evaluations may use (repeatable)",
-    )
-    serve.add_argument(
-        "--model-root",
-        dest="model_roots",
-        action="append",
-        metavar="DIR",
-        help="directory under which requests may name local models and tokenizers (repeatable; "
-        "none: hub ids only)",
-    )
-    serve.add_argument(
-        "--allow-remote-code",
-        dest="allow_remote_code",
-        action="store_true",
-        default=None,
-        help="let requests set trust_remote_code (runs model repositories' Python on the "
-        "cluster as this server's user)",
-    )
-    serve.add_argument(
-        "--allowed-host",
-        dest="allowed_hosts",
-        action="append",
-        metavar="HOST",
-        help="Host header accepted without an API token besides loopback names (repeatable)",
-    )
-    serve.add_argument(
-        "--stall-timeout",
-        dest="stall_timeout_s",
-        type=float,
-        metavar="S",
-        help="fail an evaluation that makes no progress for this long (default 1800)",
-    )
-    serve.add_argument(
-        "--warm-replicas",
-        dest="warm_replicas",
-        type=int,
-        metavar="N",
-        help="keep up to N runners loaded after their evaluation succeeds, for the next "
-        "evaluation of the same model and layout (default 0)",
-    )
-    serve.add_argument(
-        "--api-token",
-        dest="api_token",
-        metavar="TOKEN",
-        help="bearer token every endpoint but /healthz requires (prefer RAYEVAL_API_TOKEN: "
-        "command lines are visible to other users)",
-    )
-    serve.add_argument(
-        "--ray-address",
-        dest="ray_address",
-        metavar="ADDRESS",
-        help="existing Ray cluster (default: $RAY_ADDRESS, else an embedded local Ray)",
-    )
-    serve.add_argument(
-        "--num-cpus",
-        dest="num_cpus",
-        type=int,
-        metavar="N",
-        help="logical CPUs of the embedded Ray (default: the machine's cores)",
-    )
+    add_settings_flags(serve.add_argument_group("the server (rayeval.api.settings)"), Settings)
     _add_cli_only_flags(serve)
 
 
@@ -149,11 +56,12 @@ def command(args: argparse.Namespace) -> int:
     Returns:
         The exit status: 0, or 2 when the settings are refused (the message names the fix).
     """
-    overrides = {
-        flag: getattr(args, flag) for flag in _SETTINGS_FLAGS if getattr(args, flag) is not None
-    }
-    demo_model = _prepare_demo(args, overrides) if args.demo else None
-    settings = _settings(overrides)
+    from rayeval.api.cli.settings_flags import overrides
+    from rayeval.api.settings import Settings
+
+    given = overrides(args, Settings)
+    demo_model = _prepare_demo(args, given) if args.demo else None
+    settings = _settings(given)
     if settings is None:
         return 2
     logging.getLogger().setLevel(args.log_level.upper())
