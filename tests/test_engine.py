@@ -10,8 +10,6 @@ import pytest
 
 from tests.helpers import assert_same_results, evaluate, hf_reference
 
-pytestmark = pytest.mark.slow
-
 
 def _generate_requests() -> list[Any]:
     """Five generate_until requests whose generations have very different lengths."""
@@ -46,6 +44,7 @@ def _loglikelihood_requests() -> list[Any]:
     ]
 
 
+@pytest.mark.e2e
 def test_uneven_work_over_2x2_finishes_and_matches(demo: Any, ray_session: None) -> None:
     """5 requests over 4 ranks (dummy micro-batches) with generations from 1 to 90 tokens."""
     from lm_eval.models.huggingface import HFLM
@@ -74,6 +73,7 @@ def test_uneven_work_over_2x2_finishes_and_matches(demo: Any, ray_session: None)
         assert abs(ref_lp - lp) <= 1e-4 and ref_greedy == greedy
 
 
+@pytest.mark.service
 def test_impossible_layout_fails_fast(demo: Any, ray_session: None) -> None:
     import ray
 
@@ -91,6 +91,7 @@ def test_impossible_layout_fails_fast(demo: Any, ray_session: None) -> None:
     assert not _live_placement_groups(ray)
 
 
+@pytest.mark.service
 def test_busy_cluster_times_out_with_requested_vs_available(demo: Any, ray_session: None) -> None:
     """A layout that fits the cluster but not its free resources fails after the timeout."""
     import ray
@@ -119,6 +120,7 @@ def test_busy_cluster_times_out_with_requested_vs_available(demo: Any, ray_sessi
     assert not _live_placement_groups(ray)
 
 
+@pytest.mark.e2e
 def test_lost_replica_is_dropped_and_its_work_rerun(
     demo: Any, task_manager: Any, ray_session: None
 ) -> None:
@@ -152,6 +154,7 @@ def test_lost_replica_is_dropped_and_its_work_rerun(
     assert_same_results(reference, ours)
 
 
+@pytest.mark.e2e
 def test_tied_embeddings_gpt2_sharded(tmp_path: Path, task_manager: Any, ray_session: None) -> None:
     """Another architecture family, with tied input/output embeddings, sharded over 2 ranks."""
     import transformers

@@ -30,8 +30,6 @@ from tests.test_service import (
     make_settings,
 )
 
-pytestmark = pytest.mark.slow
-
 TOKEN = "observability-token"
 #: demo_gen_long generates up to 40 tokens per request: with one request per micro-batch its
 #: request type lasts seconds, long enough to watch its progress move between scrapes.
@@ -139,6 +137,7 @@ def runs(server: Any, demo: Any, tmp_path_factory: pytest.TempPathFactory) -> di
     }  # fmt: skip
 
 
+@pytest.mark.service
 def test_metrics_move_during_a_run(runs: dict[str, Any]) -> None:
     a, b, scrapes = runs["a"]["id"], runs["b"]["id"], runs["scrapes"]
     assert runs["a"]["status"] == runs["b"]["status"] == "succeeded", (runs["a"], runs["b"])
@@ -185,11 +184,13 @@ def test_metrics_move_during_a_run(runs: dict[str, Any]) -> None:
     assert runs["after"]["process_resident_memory_bytes"][0][1] > 0
 
 
+@pytest.mark.service
 def test_metrics_need_the_token(server: Any) -> None:
     response = httpx.get(server.url + "/metrics", timeout=30)
     assert response.status_code == 401 and "Authorization: Bearer" in response.json()["detail"]
 
 
+@pytest.mark.service
 def test_submit_waits_with_progress_bars_and_writes_lm_eval_files(
     runs: dict[str, Any], server: Any
 ) -> None:
@@ -214,6 +215,7 @@ def test_submit_waits_with_progress_bars_and_writes_lm_eval_files(
     assert runs["cli"]["cancel"] == 0 and "cancelled" in runs["cli"]["cancel_out"]
 
 
+@pytest.mark.service
 def test_status_results_cancel_commands(
     runs: dict[str, Any], server: Any, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -245,6 +247,7 @@ def test_status_results_cancel_commands(
     assert "--include_path" in err and "--use_cache" in err and "server's operator" in err
 
 
+@pytest.mark.e2e
 def test_dashboard_plot_eta_and_comparison(
     runs: dict[str, Any], server: Any, tmp_path: Path
 ) -> None:
@@ -345,6 +348,7 @@ def _coloured_pixels(page: Any, png: bytes) -> int:
     return int(page.evaluate(script, base64.b64encode(png).decode()))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("output_path", [None, "out"])
 def test_submit_flags_become_the_request_body(output_path: str | None) -> None:
     """`rayeval submit` reads `rayeval run`'s flags; --log_samples needs no --output_path there

@@ -18,6 +18,8 @@ from rayeval.api.cli import build_parser
 from rayeval.api.cli.settings_flags import add_settings_flags, flag_of, overrides
 from rayeval.api.settings import Settings
 
+pytestmark = pytest.mark.unit
+
 #: The spellings `rayeval serve` has always had, and the field each sets.
 EXISTING = {
     "--host": "host",

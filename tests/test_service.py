@@ -291,7 +291,7 @@ def main_run(
     return {"submitted": evaluation, "final": final, "live_events": live}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_results_and_samples_equal_lm_eval_hf(
     main_run: dict[str, Any], reference: Any, client: httpx.Client
 ) -> None:
@@ -335,7 +335,7 @@ def test_results_and_samples_equal_lm_eval_hf(
     )
 
 
-@pytest.mark.slow
+@pytest.mark.service
 def test_event_stream_live_backlog_and_resume(
     main_run: dict[str, Any], server: ServerThread, client: httpx.Client
 ) -> None:
@@ -367,7 +367,7 @@ def test_event_stream_live_backlog_and_resume(
     assert response.status_code == 422 and "Last-Event-ID" in response.json()["detail"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_dashboard_lists_evaluation_and_shows_metrics(
     main_run: dict[str, Any], server: ServerThread, client: httpx.Client
 ) -> None:
@@ -405,7 +405,7 @@ def test_dashboard_lists_evaluation_and_shows_metrics(
             browser.close()
 
 
-@pytest.mark.slow
+@pytest.mark.service
 def test_restart_keeps_finished_and_fails_lost_runs(
     main_run: dict[str, Any], server: ServerThread, client: httpx.Client, demo: Any
 ) -> None:
@@ -445,7 +445,7 @@ def _spec_dict(request: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------- admission, restart, cancel
-@pytest.mark.slow
+@pytest.mark.service
 def test_admission_fifo_cancel_and_reattach(
     server: ServerThread, client: httpx.Client, demo: Any
 ) -> None:
@@ -590,7 +590,7 @@ def task_index_ready(client: httpx.Client) -> None:
         time.sleep(1.0)
 
 
-@pytest.mark.slow
+@pytest.mark.service
 @pytest.mark.parametrize(("overrides", "message"), BAD_BODIES, ids=lambda v: str(v)[:40])
 def test_bad_input_is_a_422_naming_the_fix(
     overrides: Any, message: str, client: httpx.Client, demo: Any, task_index_ready: None
@@ -608,7 +608,7 @@ def test_bad_input_is_a_422_naming_the_fix(
     assert message in detail, detail
 
 
-@pytest.mark.slow
+@pytest.mark.service
 def test_unknown_ids_and_bad_queries(client: httpx.Client, main_run: dict[str, Any]) -> None:
     for path in (
         "/evaluations/nope",
@@ -635,7 +635,7 @@ def test_unknown_ids_and_bad_queries(client: httpx.Client, main_run: dict[str, A
     assert succeeded and all(e["status"] == "succeeded" for e in succeeded)
 
 
-@pytest.mark.slow
+@pytest.mark.service
 def test_missing_and_forbidden_paths_get_one_answer(client: httpx.Client, demo: Any) -> None:
     """No file oracle: a path that exists outside the model roots reads like a missing one."""
 
@@ -650,7 +650,7 @@ def test_missing_and_forbidden_paths_get_one_answer(client: httpx.Client, demo: 
     assert detail(str(demo.model_dir.parent / "tasks")) == detail("/etc"), "not a model dir"
 
 
-@pytest.mark.slow
+@pytest.mark.service
 def test_big_numbers_and_foreign_hosts_are_4xx(client: httpx.Client, server: ServerThread) -> None:
     for params in ({"offset": 2**63}, {"offset": -1}, {"limit": 10**30}):
         assert client.get("/evaluations", params=params).status_code == 422, params
@@ -665,6 +665,7 @@ def test_big_numbers_and_foreign_hosts_are_4xx(client: httpx.Client, server: Ser
     assert client.get("/healthz", headers={"Host": f"localhost:{port}"}).status_code == 200
 
 
+@pytest.mark.unit
 def test_openapi_is_true_to_the_server(tmp_path: Path) -> None:
     from rayeval.api.app import create_app
     from rayeval.api.settings import Settings
@@ -681,7 +682,7 @@ def test_openapi_is_true_to_the_server(tmp_path: Path) -> None:
     assert guarded["paths"]["/evaluations"]["post"]["security"]
 
 
-@pytest.mark.slow
+@pytest.mark.service
 def test_killed_runner_then_retry_computes_only_the_rest(
     server: ServerThread, client: httpx.Client, demo: Any, task_manager: Any, tmp_path: Path
 ) -> None:
@@ -726,7 +727,7 @@ def test_killed_runner_then_retry_computes_only_the_rest(
     )
 
 
-@pytest.mark.slow
+@pytest.mark.service
 def test_a_stalled_evaluation_fails_naming_where_and_is_released(
     demo: Any, ray_session: None, tmp_path: Path
 ) -> None:
@@ -775,6 +776,7 @@ def test_a_stalled_evaluation_fails_naming_where_and_is_released(
         stalled_server.stop()
 
 
+@pytest.mark.service
 def test_warm_replicas_serve_the_next_evaluation_then_give_way(
     demo: Any, ray_session: None, tmp_path: Path
 ) -> None:
@@ -829,7 +831,7 @@ def _rank_pids(owner: str) -> list[int]:
 
 
 # --------------------------------------------------------------------- auth and binding
-@pytest.mark.slow
+@pytest.mark.service
 def test_token_guards_every_endpoint_but_healthz(
     demo: Any, ray_session: None, tmp_path: Path
 ) -> None:
@@ -864,6 +866,7 @@ def test_token_guards_every_endpoint_but_healthz(
         guarded.stop()
 
 
+@pytest.mark.unit
 def test_refuses_public_address_without_token(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAYEVAL_API_TOKEN"}
     done = subprocess.run(
@@ -888,6 +891,7 @@ def test_refuses_public_address_without_token(tmp_path: Path) -> None:
     assert "--api-token" in done.stderr
 
 
+@pytest.mark.unit
 def test_loopback_rule() -> None:
     from pydantic import ValidationError
 
@@ -901,6 +905,7 @@ def test_loopback_rule() -> None:
 
 
 # ------------------------------------------------------------------------------- store
+@pytest.mark.unit
 def test_store_state_changes_are_exclusive_and_events_numbered(tmp_path: Path) -> None:
     """A cancel racing a completion and a progress report: exactly one of the two state changes
     wins, results exist only if completion won, and event numbers stay 1, 2, 3, ..."""
@@ -950,6 +955,7 @@ def _race(store: Any, record_id: str) -> list[bool]:
 
 
 # ----------------------------------------------------------------------- layering rules
+@pytest.mark.unit
 def test_api_never_imports_torch() -> None:
     code = (
         "import sys; import rayeval.api.app, rayeval.api.cli, rayeval.service.config, "
@@ -963,6 +969,7 @@ def test_api_never_imports_torch() -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.unit
 def test_status_lifecycle(tmp_path: Path) -> None:
     """The state machine: terminal states have no way out, and the store allows only its moves."""
     from rayeval.service.jobs.states import EvaluationStatus as S

@@ -22,10 +22,13 @@ import torch.multiprocessing as mp
 from rayeval.actors import shm_collectives
 from rayeval.actors.shm_collectives import SLOT_BYTES, ShmCollectives
 
-pytestmark = pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64") or not Path("/dev/shm").is_dir(),
-    reason="the shared-memory all-reduce runs on x86-64 Linux only",
-)
+pytestmark = [
+    pytest.mark.service,
+    pytest.mark.skipif(
+        platform.machine() not in ("x86_64", "AMD64") or not Path("/dev/shm").is_dir(),
+        reason="the shared-memory all-reduce runs on x86-64 Linux only",
+    ),
+]
 
 
 def _join(rank: int, world: int, store: str) -> None:
