@@ -1,6 +1,7 @@
-"""``rayeval serve``'s flags come from ``api.settings.Settings``: one per field, named, typed and
-explained by the field, a new field included; a flag given wins over ``RAYEVAL_*``, a flag not
-given leaves the environment in charge.
+"""The ``rayeval`` parsers: ``serve``'s flags come from ``api.settings.Settings`` (one per field,
+named, typed and explained by the field, a new field included; a flag given wins over
+``RAYEVAL_*``, a flag not given leaves the environment in charge), and ``submit``'s flags become
+the body of ``POST /evaluations``.
 
 No Ray, no server: these parse command lines and build ``Settings`` (fast tier).
 """
@@ -138,3 +139,24 @@ def test_a_new_settings_field_gets_a_flag() -> None:
 
     with pytest.raises(TypeError, match=r"Settings.weights: .* has no `rayeval serve` flag form"):
         add_settings_flags(argparse.ArgumentParser(), Odd)
+
+
+@pytest.mark.parametrize("output_path", [None, "out"])
+def test_submit_flags_become_the_request_body(output_path: str | None) -> None:
+    """`rayeval submit` reads `rayeval run`'s flags; --log_samples needs no --output_path there
+    (the server keeps the samples), and the body is what POST /evaluations takes."""
+    from rayeval.api.cli import build_parser
+    from rayeval.api.cli.evaluation_flags import config_from_args as _config_from_args
+    from rayeval.api.cli.remote import submission_body
+    from rayeval.service.config import EvaluationConfig
+
+    argv = ["submit", "--model_args", "pretrained=/models/m,dtype=float32",
+            "--tasks", "demo_mc,demo_cloze", "--log_samples", "--num_replicas", "3",
+            "--limit", "5", "--gen_kwargs", "max_gen_toks=7"]  # fmt: skip
+    if output_path:
+        argv += ["--output_path", output_path]
+    config = submission_body(build_parser().parse_args(argv), _config_from_args)
+    assert EvaluationConfig.model_validate(config.to_json()) == config
+    assert config.log_samples and config.limit == 5 and config.tasks == ("demo_mc", "demo_cloze")
+    assert config.parallelism.num_replicas == 3 and config.gen_kwargs == {"max_gen_toks": 7}
+    assert config.model_args == {"pretrained": "/models/m", "dtype": "float32"}
