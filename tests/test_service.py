@@ -12,7 +12,8 @@ Covered: fidelity against lm-eval's own ``hf`` backend through the results and s
 endpoints, the SSE stream (live, backlog, Last-Event-ID), restart (finished results kept, live
 runners re-attached, lost runners failed), FIFO admission, cancellation without leftovers, every
 bad input as a 4xx, auth, the loopback-only rule, the torch-free API, and the dashboard in
-Chromium. Tests that need the server (and so Ray and evaluations) are marked ``slow``.
+Chromium. Tests that need the server (and so Ray and evaluations) are in the ``service`` and
+``e2e`` tiers.
 """
 
 from __future__ import annotations
@@ -260,6 +261,18 @@ def ray_leftovers(evaluation_id: str) -> tuple[list[str], list[str]]:
         if info["name"] == f"rayeval-{evaluation_id}" and info["state"] != "REMOVED"
     ]
     return names, groups
+
+
+def leftovers_after(evaluation_id: str, timeout_s: float = 60.0) -> tuple[list[str], list[str]]:
+    """:func:`ray_leftovers` once there are none, or what is still there after ``timeout_s``.
+
+    An evaluation that ends is released in the background (the manager's releaser), a moment
+    after its final state is stored: a check right after it would race that release.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (left := ray_leftovers(evaluation_id)) != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 # ------------------------------------------------------------------ the main evaluation
@@ -522,7 +535,7 @@ def test_admission_fifo_cancel_and_reattach(
     states = [e["data"]["status"] for e in a_events if e["event"] == "state"]
     assert states == ["queued", "starting", "running", "succeeded"], "A ran exactly once"
     for evaluation in (a, b, d):
-        assert ray_leftovers(evaluation["id"]) == ([], [])
+        assert leftovers_after(evaluation["id"]) == ([], [])
     # The manager never overwrote a cancel with a "runner died" failure.
     assert client.get(f"/evaluations/{c['id']}").json()["status"] == "cancelled"
     assert client.get(f"/evaluations/{d['id']}").json()["status"] == "cancelled"
@@ -768,10 +781,7 @@ def test_a_stalled_evaluation_fails_naming_where_and_is_released(
         assert final["status"] == "failed", final
         assert "no progress for" in final["error"], final["error"]
         assert "lm-eval was computing metrics" in final["error"], final["error"]
-        deadline = time.monotonic() + 60
-        while ray_leftovers(evaluation["id"]) != ([], []):
-            assert time.monotonic() < deadline, ray_leftovers(evaluation["id"])
-            time.sleep(0.5)
+        assert leftovers_after(evaluation["id"]) == ([], [])
     finally:
         stalled_server.stop()
 
@@ -810,7 +820,7 @@ def test_warm_replicas_serve_the_next_evaluation_then_give_way(
             wide = body(demo, parallelism={"num_replicas": 3, "shard_size": 1})
             third = wait_for(c, submit(c, wide)["id"], finished, 300)
             assert third["status"] == "succeeded", third["error"]
-            assert ray_leftovers(first["id"]) == ([], [])
+            assert leftovers_after(first["id"]) == ([], [])
             assert ray_leftovers(third["id"])[0], "the last one is kept"
     finally:
         warm_server.stop()

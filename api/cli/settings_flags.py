@@ -43,8 +43,8 @@ def add_settings_flags(parser: argparse._ActionsContainer, settings: type[BaseMo
         settings: The settings class (:class:`rayeval.api.settings.Settings`).
 
     Raises:
-        TypeError: a field whose type has no flag form (say which in its ``json_schema_extra``,
-            or give it one of the types here).
+        TypeError: naming a field whose type has no flag form (give it one of the types
+            in ``_SCALARS``, bool, a list of those, an Enum or a Literal).
     """
     prefix = str(settings.model_config.get("env_prefix", ""))
     for name, field in settings.model_fields.items():
