@@ -42,11 +42,13 @@ browser:
 	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	    else echo "chromium is missing and this is not root: the browser test will be skipped"; fi; }
 
+# Every tier (unit, service, e2e: see tests/conftest.py), then the 25 slowest tests.
 test: install browser
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
+# The unit tier only: no Ray cluster, no server, no model evaluation (under 2 minutes on 2 cores).
 test-fast: install
-	$(BIN)/python -m pytest -q -ra -m 'not slow'
+	$(BIN)/python -m pytest -q -ra -m unit
 
 lint: install
 	$(BIN)/ruff check .

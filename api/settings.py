@@ -2,8 +2,10 @@
 
 Every field can be set by an environment variable ``RAYEVAL_<FIELD>`` (``RAYEVAL_API_TOKEN``,
 ``RAYEVAL_DATABASE_URL``, ``RAYEVAL_INCLUDE_PATHS='["/srv/tasks"]'``, ...); ``rayeval serve`` flags
-override the environment. Settings are validated on construction: among other things, a server
-without an API token refuses to listen on anything but a loopback address.
+override the environment: each field is a flag (``rayeval.api.cli.settings_flags`` makes them,
+from the field's type, description and default; a field spelt otherwise than ``--field-name`` says
+so in its ``json_schema_extra``). Settings are validated on construction: among other things, a
+server without an API token refuses to listen on anything but a loopback address.
 """
 
 from __future__ import annotations
@@ -20,32 +22,42 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="RAYEVAL_", extra="forbid")
 
-    host: str = Field("127.0.0.1", description="Address to listen on.")
-    port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
-    data_dir: Path = Field(Path("rayeval-data"), description="Holds the SQLite database.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address to listen on; any but a loopback address needs an API token.",
+    )
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on; 0: any free port.")
+    data_dir: Path = Field(
+        Path("rayeval-data"),
+        description="Where the SQLite database (and the response cache) lives.",
+    )
     database_url: str | None = Field(
-        None, description="Any SQLAlchemy URL; default: SQLite file under data_dir."
+        None, description="Any SQLAlchemy URL; default: the SQLite file under data_dir."
     )
     include_paths: list[str] = Field(
-        default_factory=list, description="Directories of lm-eval task YAMLs evaluations may use."
+        default_factory=list,
+        description="Directories of lm-eval task YAMLs evaluations may use.",
+        json_schema_extra={"flag": "--include-path", "metavar": "DIR"},
     )
     model_roots: list[str] = Field(
         default_factory=list,
-        description="Directories under which local models and tokenizers may be named by a "
-        "request (none: hub ids only).",
+        description="Directories under which a request may name local models and tokenizers; "
+        "none: hub ids only.",
+        json_schema_extra={"flag": "--model-root", "metavar": "DIR"},
     )
     allow_hub_models: bool = Field(
         True, description="Whether requests may name Hugging Face hub ids (org/name)."
     )
     allow_remote_code: bool = Field(
         False,
-        description="Whether requests may set trust_remote_code (runs the model repository's "
-        "Python on the cluster as the server's user).",
+        description="Whether requests may set trust_remote_code, which runs the model "
+        "repository's Python on the cluster as the server's user.",
     )
     allowed_hosts: list[str] = Field(
         default_factory=list,
         description="Host headers accepted without an API token, besides the loopback names and "
-        "the listening host (guards against DNS rebinding).",
+        "the listening host; guards against DNS rebinding.",
+        json_schema_extra={"flag": "--allowed-host"},
     )
     stall_timeout_s: float = Field(
         1800.0,
@@ -67,20 +79,32 @@ class Settings(BaseSettings):
         "request), so a retried or overlapping evaluation computes only what is missing.",
     )
     api_token: SecretStr | None = Field(
-        None, description="Bearer token every endpoint but /healthz requires (None: no auth)."
+        None,
+        description="Bearer token every endpoint but /healthz requires (none: no authentication). "
+        "Prefer the environment variable: command lines are visible to other users.",
     )
     ray_address: str | None = Field(
         None, description="Existing Ray cluster; default: $RAY_ADDRESS, else an embedded Ray."
     )
-    num_cpus: int | None = Field(None, ge=1, description="Logical CPUs of an embedded Ray.")
+    num_cpus: int | None = Field(
+        None, ge=1, description="Logical CPUs of an embedded Ray; default: the machine's cores."
+    )
     ray_namespace: str = Field("rayeval", description="Ray namespace of the runner actors.")
-    poll_interval_s: float = Field(0.5, gt=0, description="How often runners are polled.")
-    runner_unreachable_s: float = Field(120.0, gt=0, description="Silent runner -> failed.")
-    cancel_timeout_s: float = Field(30.0, gt=0, description="Bound on releasing a cancelled run.")
+    poll_interval_s: float = Field(
+        0.5, gt=0, description="Seconds between two rounds of polling runners and admission."
+    )
+    runner_unreachable_s: float = Field(
+        120.0, gt=0, description="A runner that does not answer for this long fails its evaluation."
+    )
+    cancel_timeout_s: float = Field(
+        30.0, gt=0, description="Bound on waiting for Ray to release a cancelled evaluation."
+    )
     task_index_wait_s: float = Field(
         20.0, ge=0, description="Bound on waiting for lm-eval's task index in a request."
     )
-    sse_heartbeat_s: float = Field(15.0, gt=0, description="Keep-alive comment interval on SSE.")
+    sse_heartbeat_s: float = Field(
+        15.0, gt=0, description="Seconds between keep-alive comments on SSE."
+    )
     sse_max_stream_s: float = Field(
         3600.0, gt=0, description="SSE streams end after this; clients resume (Last-Event-ID)."
     )

@@ -1,7 +1,15 @@
-"""Shared fixtures: offline Hugging Face, the bundled tiny model and tasks, one real local Ray.
+"""Shared fixtures: offline Hugging Face, the bundled tiny model and tasks, one real local Ray;
+and the test tiers.
 
 Everything is real: a Ray cluster started in this process (4 logical CPUs on a 2-core machine is
 fine), gloo process groups inside the rank actors, and lm-eval's own HF backend as reference.
+
+Every test carries exactly one tier marker (registered in pyproject.toml): ``unit`` (no Ray
+cluster, no server, no model evaluation: seconds; ``make test-fast``), ``service`` (a real Ray,
+uvicorn server, gloo process group or the built tiny model, but small) or ``e2e`` (evaluations
+compared with lm-eval's, browsers, simulated multi-node clusters). Collection fails naming any
+test without one. ``slow`` is kept as the name of everything outside the unit tier, so
+``-m 'not slow'`` is the fast tier.
 """
 
 from __future__ import annotations
@@ -24,6 +32,24 @@ import pytest
 from rayeval.service.demo import DemoAssets, ensure_demo_assets
 
 RAY_CPUS = 4
+TIERS = ("unit", "service", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: it must see the `slow` marks added here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Check that each test has one tier; mark every test outside the unit tier ``slow``."""
+    untiered = []
+    for item in items:
+        tiers = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
+        if len(tiers) != 1:
+            untiered.append(f"{item.nodeid}: {', '.join(sorted(tiers)) or 'none'}")
+        elif "unit" not in tiers:
+            item.add_marker(pytest.mark.slow)
+    if untiered:
+        raise pytest.UsageError(
+            "every test needs exactly one tier marker, @pytest.mark.unit, service or e2e "
+            "(see tests/conftest.py); these have another number:\n  " + "\n  ".join(untiered)
+        )
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,7 @@ def _key(record: EvaluationRecord) -> str:
     return str(record.config["key"])
 
 
+@pytest.mark.unit
 def test_matching_kept_replicas_start_first_in_fifo_order(tmp_path: Path) -> None:
     a, b, c = _queue(tmp_path, ("m1", 2), ("m2", 2), ("m3", 4))
     kept = [Kept("old", "m2", {"CPU": 2})]
@@ -37,6 +38,7 @@ def test_matching_kept_replicas_start_first_in_fifo_order(tmp_path: Path) -> Non
     assert decided.release == []
 
 
+@pytest.mark.unit
 def test_the_head_gets_the_room_of_kept_replicas_oldest_first(tmp_path: Path) -> None:
     (head, after) = _queue(tmp_path, ("m9", 3), ("m1", 1))
     kept = [Kept("oldest", "m1", {"CPU": 1}), Kept("newer", "m2", {"CPU": 2})]
@@ -49,6 +51,7 @@ def test_the_head_gets_the_room_of_kept_replicas_oldest_first(tmp_path: Path) ->
     assert [k.owner for k in decided.release] == ["oldest"]
 
 
+@pytest.mark.unit
 def test_no_release_when_even_all_kept_room_would_not_do(tmp_path: Path) -> None:
     (head,) = _queue(tmp_path, ("m9", 8))
     decided = plan([head], {"CPU": 1}, [Kept("k", "m1", {"CPU": 2})], _key)
@@ -65,6 +68,7 @@ def _ray_cpus_free(want: float, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.service
 @pytest.mark.usefixtures("ray_session")
 def test_free_resources_count_each_slot_once_even_when_ray_lags(tmp_path: Path) -> None:
     """The service's books bound Ray's view: what Ray has not yet seen reserved (a placement group

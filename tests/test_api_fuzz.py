@@ -24,7 +24,7 @@ from schemathesis.checks import (
 
 from tests.test_service import ServerThread
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.service
 
 
 @pytest.fixture(scope="module")

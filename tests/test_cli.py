@@ -10,7 +10,7 @@ import pytest
 from rayeval.api.cli import main
 from tests.helpers import assert_same_results, demo_cli_args, read_outputs, run_lm_eval_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def test_run_writes_what_lm_eval_writes(

@@ -22,6 +22,8 @@ from rayeval.service.config import (
     describe_errors,
 )
 
+pytestmark = pytest.mark.unit
+
 BASE: dict[str, Any] = {"model_args": {"pretrained": "org/model"}, "tasks": ["demo_mc"]}
 
 

@@ -54,12 +54,14 @@ def results(assets: DemoAssets, task_manager: Any) -> dict[str, Any]:
     )
 
 
+@pytest.mark.unit
 def test_committed_data_is_reproducible() -> None:
     for stem, docs in build_data().items():
         committed = (DATA_DIR / f"{stem}.jsonl").read_text(encoding="utf-8").splitlines()
         assert [json.loads(line) for line in committed] == docs, stem
 
 
+@pytest.mark.service
 def test_ensure_is_idempotent(assets: DemoAssets) -> None:
     weights = assets.model_dir / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
@@ -70,6 +72,7 @@ def test_ensure_is_idempotent(assets: DemoAssets) -> None:
     assert assets.tasks_dir.is_absolute()
 
 
+@pytest.mark.service
 def test_tokenizer_round_trip(assets: DemoAssets) -> None:
     from transformers import AutoTokenizer
 
@@ -91,6 +94,7 @@ def test_tokenizer_round_trip(assets: DemoAssets) -> None:
         assert tokenizer.decode(ids) == text
 
 
+@pytest.mark.service
 def test_models_load(assets: DemoAssets, gpt2_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -116,6 +120,7 @@ def test_models_load(assets: DemoAssets, gpt2_dir: Path) -> None:
         assert torch.isfinite(logits).all()
 
 
+@pytest.mark.service
 def test_task_manager_finds_demo_tasks(assets: DemoAssets, task_manager: Any) -> None:
     assert set(DEMO_TASKS) <= set(task_manager.all_tasks)
     assert DEMO_GROUP in task_manager.all_groups
@@ -124,6 +129,7 @@ def test_task_manager_finds_demo_tasks(assets: DemoAssets, task_manager: Any) ->
         assert f"{DATA_DIR.resolve()}/" in text  # absolute data paths, whatever the CWD
 
 
+@pytest.mark.service
 def test_rolling_docs_span_several_windows(assets: DemoAssets, task_manager: Any) -> None:
     from transformers import AutoTokenizer
 
@@ -136,6 +142,7 @@ def test_rolling_docs_span_several_windows(assets: DemoAssets, task_manager: Any
     assert sum(n < CONTEXT_LENGTH // 4 for n in lengths) >= 2
 
 
+@pytest.mark.service
 def test_fewshot_prompts_use_train_split(task_manager: Any) -> None:
     tasks = task_manager.load(list(DEMO_TASKS))["tasks"]
     for name in ("demo_mc", "demo_cloze", "demo_gen_short", "demo_gen_long"):
@@ -147,6 +154,7 @@ def test_fewshot_prompts_use_train_split(task_manager: Any) -> None:
         assert two_shot.endswith(zero_shot) and len(two_shot) > len(zero_shot), name
 
 
+@pytest.mark.e2e
 def test_lm_eval_scores_above_chance(results: dict[str, Any]) -> None:
     scores = results["results"]
     # Observed with the default build: mc acc 0.825, cloze acc 0.725, gen_short 0.75,
@@ -166,6 +174,7 @@ def test_lm_eval_scores_above_chance(results: dict[str, Any]) -> None:
         assert len(results["samples"][task]) == scores[task]["sample_len"]
 
 
+@pytest.mark.e2e
 def test_greedy_generations_vary_by_prompt(results: dict[str, Any]) -> None:
     for task in ("demo_gen_short", "demo_gen_long"):
         generations = [sample["filtered_resps"][0] for sample in results["samples"][task]]

@@ -19,6 +19,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 DOCKERFILES = {

@@ -7,6 +7,8 @@ import pytest
 from rayeval.actors.errors import LayoutError
 from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy
 
+pytestmark = pytest.mark.unit
+
 
 def test_ranks_are_replica_major() -> None:
     layout = ParallelLayout(num_replicas=2, shard_size=3)

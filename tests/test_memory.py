@@ -49,6 +49,7 @@ def _meta_model(config: Any) -> Any:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
+@pytest.mark.unit
 def test_tied_head_is_one_unit_with_the_embeddings() -> None:
     import transformers
 
@@ -62,6 +63,7 @@ def test_tied_head_is_one_unit_with_the_embeddings() -> None:
     assert embedding_units(llama) == [[llama.model.embed_tokens], [llama.lm_head]]
 
 
+@pytest.mark.unit
 def test_tied_parameter_maps_to_the_one_checkpoint_tensor() -> None:
     import transformers
 
@@ -246,7 +248,7 @@ def _assert_scores_like(model: Any, ranks: list[Any]) -> None:
                 assert abs(total - expected) <= 1e-4
 
 
-@pytest.mark.slow
+@pytest.mark.service
 def test_llama_rank_holds_its_shard_and_memory_stays_flat(
     tmp_path: Path, demo: Any, ranks: list[Any]
 ) -> None:
@@ -271,7 +273,7 @@ def test_llama_rank_holds_its_shard_and_memory_stays_flat(
         assert rss_30 - rss_10 <= 8 * 2**20, (rss_10, rss_30)
 
 
-@pytest.mark.slow
+@pytest.mark.service
 def test_tied_gpt2_loads_its_shard_and_scores_like_the_whole_model(
     tmp_path: Path, ranks: list[Any]
 ) -> None:
@@ -307,7 +309,7 @@ def _split_bin(model: Any, out: Path, tokenizer_dir: Path, files: int = 3) -> No
     (out / "pytorch_model.bin.index.json").write_text(json.dumps(index))
 
 
-@pytest.mark.slow
+@pytest.mark.service
 @pytest.mark.parametrize("kind", ["safetensors", "bin"])
 def test_multi_file_checkpoint_loads_shard_by_shard(
     tmp_path: Path, demo: Any, ranks: list[Any], kind: str
@@ -323,6 +325,7 @@ def test_multi_file_checkpoint_loads_shard_by_shard(
     _assert_holds_its_shard(ranks, _load(ranks, model_dir), model)
 
 
+@pytest.mark.unit
 def test_large_vocabulary_is_cut_into_units_with_bit_identical_logits() -> None:
     """A vocabulary matrix larger than a decoder block becomes row chunks (each its own FSDP unit
     on a CPU rank), shared by a tied head; the cut model's logits are bit-identical to the
@@ -373,6 +376,7 @@ def test_large_vocabulary_is_cut_into_units_with_bit_identical_logits() -> None:
             embed(torch.tensor([[config.vocab_size]]))
 
 
+@pytest.mark.unit
 def test_embedding_subclasses_and_small_vocabularies_stay_whole() -> None:
     import transformers
 

@@ -133,7 +133,7 @@ def rehearsal(demo: Any) -> dict[str, Any]:
     raise AssertionError("unreachable: the second attempt returns or fails")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_layouts_use_both_nodes_by_their_addresses(rehearsal: dict[str, Any]) -> None:
     report = rehearsal["report"]
     head, worker = report["head_ip"], report["worker_ip"]
@@ -148,7 +148,7 @@ def test_layouts_use_both_nodes_by_their_addresses(rehearsal: dict[str, Any]) ->
     assert len({r["node"] for r in across}) == 2, across
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_results_equal_lm_eval_hf(rehearsal: dict[str, Any], tmp_path: Path) -> None:
     run_lm_eval_cli(["run", *rehearsal["report"]["lm_eval_args"], "--device", "cpu",
                      "--batch_size", "4", "--output_path", str(tmp_path / "ref")])  # fmt: skip
@@ -158,11 +158,12 @@ def test_results_equal_lm_eval_hf(rehearsal: dict[str, Any], tmp_path: Path) -> 
         assert_same_results({"results": ref_results["results"], "samples": ref_samples}, ours)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_nothing_is_left_behind(rehearsal: dict[str, Any]) -> None:
     assert rehearsal["leftovers"] == {"namespaces": [], "processes": []}
 
 
+@pytest.mark.unit
 def test_teardown_removes_leftovers_of_a_failed_run(tmp_path: Path) -> None:
     """What a killed run leaves — namespaces, a link in this namespace, a recorded process group
     and a process outside it — goes, by name and by pid, and a second tear-down is a no-op."""
@@ -200,6 +201,7 @@ def test_teardown_removes_leftovers_of_a_failed_run(tmp_path: Path) -> None:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+@pytest.mark.unit
 def test_script_refuses_without_root_with_the_fix() -> None:
     """The preflight names the fix (run as root) instead of failing half-way."""
     if shutil.which("setpriv") is None:

@@ -6,6 +6,12 @@ A (2 replicas, one request per micro-batch, so progress moves in many small step
 queue while A runs; more documents, so part of it comes from the response cache and its metrics
 differ from A's). While they run, ``/metrics`` is scraped over HTTP; afterwards Chromium shows
 A's throughput plot and compares A with B.
+
+Nothing here depends on how fast the machine is. The server's demo tasks are a copy whose
+``demo_mc`` aggregates ``acc_norm`` through a gate: an evaluation that has answered every request
+stays running, its final progress stored, until the test has scraped it and opens its gate (one
+per evaluation, by its number of documents). What moved in between is read from the progress
+events the service recorded (``/evaluations/{id}/timeline``), not from scrapes racing the run.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -25,24 +32,58 @@ import pytest
 from tests.test_service import (
     CHROMIUM,
     CHROMIUM_ARGS,
+    TERMINAL,
     ServerThread,
     body,
     make_settings,
 )
 
-pytestmark = pytest.mark.slow
-
 TOKEN = "observability-token"
 #: demo_gen_long generates up to 40 tokens per request: with one request per micro-batch its
-#: request type lasts seconds, long enough to watch its progress move between scrapes.
+#: request type takes many steps.
 TASKS = ["demo_cloze", "demo_gen_long", "demo_mc"]
+#: Documents per task of A and of B (and C): the gate of each evaluation is named by its count.
+A_DOCS, B_DOCS = 12, 15
+#: The request types of TASKS.
+REQUEST_TYPES = {"loglikelihood", "generate_until"}
+GATE = """\
+import time
+from pathlib import Path
+
+
+def mean_when_open(items):
+    \"\"\"lm-eval's mean, once the test has created open-<documents> beside this file.\"\"\"
+    opened = Path(__file__).with_name(f"open-{len(items)}")
+    deadline = time.monotonic() + 600
+    while not opened.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sum(items) / len(items)
+"""
 
 
 @pytest.fixture(scope="module")
-def server(demo: Any, ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    handle = ServerThread(
-        make_settings(tmp_path_factory.mktemp("observability"), demo.tasks_dir, api_token=TOKEN)
-    )
+def gated_tasks(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo tasks, ``demo_mc``'s ``acc_norm`` aggregated by :data:`GATE`."""
+    import yaml
+
+    tasks = tmp_path_factory.mktemp("gated-tasks")
+    shutil.copytree(demo.tasks_dir, tasks, dirs_exist_ok=True)
+    (tasks / "gate.py").write_text(GATE)
+    config = yaml.safe_load((tasks / "demo_mc.yaml").read_text())
+    (metric,) = [m for m in config["metric_list"] if m["metric"] == "acc_norm"]
+    metric["aggregation"] = "GATE"
+    text = yaml.safe_dump(config).replace("GATE", "!function gate.mean_when_open")
+    (tasks / "demo_mc.yaml").write_text(text)
+    return tasks
+
+
+@pytest.fixture(scope="module")
+def server(
+    demo: Any, ray_session: None, gated_tasks: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    settings = make_settings(tmp_path_factory.mktemp("observability"), gated_tasks, api_token=TOKEN)
+    settings = settings.model_copy(update={"model_roots": [str(demo.model_dir.parent)]})
+    handle = ServerThread(settings)
     handle.start()
     yield handle
     handle.stop()
@@ -73,8 +114,20 @@ def values(
     ]
 
 
+def answered_and_held(evaluation: dict[str, Any]) -> bool:
+    """Running with every request answered and stored: the evaluation waits at its gate."""
+    phases = evaluation["progress"]["phases"]
+    return (
+        evaluation["status"] == "running"
+        and set(phases) == REQUEST_TYPES
+        and all(p["done"] == p["total"] for p in phases.values())
+    )
+
+
 @pytest.fixture(scope="module")
-def runs(server: Any, demo: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(
+    server: Any, demo: Any, gated_tasks: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     """A through `rayeval submit --wait`, B and C through the Python client, /metrics scraped."""
     import contextlib
     import io
@@ -86,7 +139,7 @@ def runs(server: Any, demo: Any, tmp_path_factory: pytest.TempPathFactory) -> di
     argv = [
         "submit", "--url", server.url,
         "--model_args", f"pretrained={demo.model_dir},dtype=float32",
-        "--tasks", ",".join(TASKS), "--limit", "12", "--batch_size", "1",
+        "--tasks", ",".join(TASKS), "--limit", str(A_DOCS), "--batch_size", "1",
         "--bootstrap_iters", "100", "--log_samples", "--num_replicas", "2",
         "--wait", "--output_path", str(out),
     ]  # fmt: skip
@@ -111,37 +164,70 @@ def runs(server: Any, demo: Any, tmp_path_factory: pytest.TempPathFactory) -> di
             assert time.monotonic() < deadline, "rayeval submit did not submit"
             time.sleep(0.2)
         (a,) = client.list_evaluations()["items"]
-        b_body = body(demo, tasks=TASKS, limit=15, bootstrap_iters=100)
+        b_body = body(demo, tasks=TASKS, limit=B_DOCS, bootstrap_iters=100)
         b_body["parallelism"] = {"num_replicas": 1, "cpus_per_rank": 3}
         b = client.submit(b_body)
         c = client.submit(b_body)  # queued behind B, then cancelled by `rayeval cancel`
-        scrapes = []
-        deadline = time.monotonic() + 600
-        while thread.is_alive() or client.get(b["id"])["status"] not in ("succeeded", "failed"):
-            scrapes.append(scrape(server.url))
-            if len(scrapes) == 3:
-                with contextlib.redirect_stdout(io.StringIO()) as said:
-                    cli["cancel"] = main(["cancel", c["id"], "--url", server.url,
-                                          "--token", TOKEN])  # fmt: skip
-                cli["cancel_out"] = said.getvalue()
-            assert time.monotonic() < deadline, "the evaluations did not end in 600 s"
-            time.sleep(0.1)
+        gates = {a["id"]: A_DOCS, b["id"]: B_DOCS}
+        followed = _follow(client, server.url, thread, gates, c, gated_tasks)
         thread.join(timeout=60)
         after = scrape(server.url)
         final_a, final_b = client.get(a["id"]), client.get(b["id"])
-    for name, final in (("A", final_a), ("B", final_b)):
-        print(f"{name}: created {final['created_at']} started {final['started_at']} "
-              f"finished {final['finished_at']}; {len(scrapes)} scrapes")  # fmt: skip
+        timeline_a = client.timeline(a["id"])
+    print(f"{len(followed['scrapes'])} scrapes")
     return {
         "a": final_a, "b": final_b, "c": c, "before": before, "after": after,
-        "scrapes": scrapes, "out": out, "cli": cli,
-        "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
+        "out": out, "cli": {**cli, **followed.pop("cli")}, "timeline_a": timeline_a,
+        "stdout": stdout.getvalue(), "stderr": stderr.getvalue(), **followed,
     }  # fmt: skip
 
 
+def _follow(
+    client: Any,
+    url: str,
+    thread: threading.Thread,
+    gates: dict[str, int],
+    c: dict[str, Any],
+    gate_dir: Path,
+) -> dict[str, Any]:
+    """Scrape /metrics until A's submitter and B have ended. The third scrape is followed by
+    `rayeval cancel C` (C is queued behind B, which cannot end before its gate opens); each of
+    A and B, once it waits at its gate, is scraped (``held``) and then let go."""
+    import contextlib
+    import io
+
+    from rayeval.api.cli import main
+
+    scrapes: list[dict[str, Any]] = []
+    held: dict[str, dict[str, Any]] = {}
+    cli: dict[str, Any] = {}
+    (b,) = list(gates)[1:]
+    deadline = time.monotonic() + 600
+    while thread.is_alive() or client.get(b)["status"] not in TERMINAL:
+        scrapes.append(scrape(url))
+        if len(scrapes) == 3:
+            with contextlib.redirect_stdout(io.StringIO()) as said:
+                cli["cancel"] = main(["cancel", c["id"], "--url", url, "--token", TOKEN])
+            cli["cancel_out"] = said.getvalue()
+        for evaluation, docs in gates.items():
+            if (
+                "cancel" in cli
+                and evaluation not in held
+                and answered_and_held(client.get(evaluation))
+            ):
+                held[evaluation] = scrape(url)
+                scrapes.append(held[evaluation])
+                (gate_dir / f"open-{docs}").touch()
+        assert time.monotonic() < deadline, "the evaluations did not end in 600 s"
+        time.sleep(0.1)
+    return {"scrapes": scrapes, "held": held, "cli": cli}
+
+
+@pytest.mark.service
 def test_metrics_move_during_a_run(runs: dict[str, Any]) -> None:
     a, b, scrapes = runs["a"]["id"], runs["b"]["id"], runs["scrapes"]
     assert runs["a"]["status"] == runs["b"]["status"] == "succeeded", (runs["a"], runs["b"])
+    assert set(runs["held"]) == {a, b}, "an evaluation ended without waiting at its gate"
     assert len(scrapes) >= 5, "too few scrapes to see anything move"
 
     def state_count(scraped: dict[str, Any], state: str) -> float:
@@ -151,15 +237,25 @@ def test_metrics_move_during_a_run(runs: dict[str, Any]) -> None:
     assert state_count(runs["after"], "cancelled") == state_count(runs["before"], "cancelled") + 1
     assert max(state_count(s, "running") for s in scrapes) >= 1
     queue = [v for s in scrapes for _, v in s["rayeval_queue_length"]]
-    assert max(queue) >= 1 and queue[-1] == 0, queue  # B waited while A ran, then started
+    assert max(queue) >= 1 and queue[-1] == 0, queue  # B and C waited while A ran, then B started
 
-    # A's progress moved in steps between scrapes, per request type, at a positive rate.
-    done = values(scrapes, "rayeval_evaluation_requests_done", evaluation=a)
-    by_type: dict[str, set[float]] = {}
-    for labels, value in done:
-        by_type.setdefault(labels["request_type"], set()).add(value)
-    assert {"loglikelihood", "generate_until"} <= set(by_type), by_type
-    assert any(len(seen) >= 2 for seen in by_type.values()), by_type
+    # While A ran, /metrics served its progress per request type: the counts the service recorded.
+    recorded: dict[str, list[int]] = {}
+    for point in runs["timeline_a"]["points"]:
+        recorded.setdefault(point["request_type"], []).append(point["done"])
+    assert set(recorded) == REQUEST_TYPES, recorded
+    for request_type, done in recorded.items():
+        assert done == sorted(done) and done[-1] > 0, (request_type, done)
+    held_a = values([runs["held"][a]], "rayeval_evaluation_requests_done", evaluation=a)
+    planned = values([runs["held"][a]], "rayeval_evaluation_requests_planned", evaluation=a)
+    assert (
+        {labels["request_type"]: v for labels, v in held_a}
+        == {request_type: done[-1] for request_type, done in recorded.items()}
+        == {labels["request_type"]: v for labels, v in planned}
+    )
+    for labels, value in values(scrapes, "rayeval_evaluation_requests_done", evaluation=a):
+        assert value in recorded[labels["request_type"]], (labels, value, recorded)
+    assert not values([runs["before"]], "rayeval_evaluation_requests_done", evaluation=a)
     for rate in ("tokens", "requests"):
         family = f"rayeval_evaluation_{rate}_per_second"
         assert max(v for _, v in values(scrapes, family, evaluation=a)) > 0, family
@@ -185,11 +281,13 @@ def test_metrics_move_during_a_run(runs: dict[str, Any]) -> None:
     assert runs["after"]["process_resident_memory_bytes"][0][1] > 0
 
 
+@pytest.mark.service
 def test_metrics_need_the_token(server: Any) -> None:
     response = httpx.get(server.url + "/metrics", timeout=30)
     assert response.status_code == 401 and "Authorization: Bearer" in response.json()["detail"]
 
 
+@pytest.mark.service
 def test_submit_waits_with_progress_bars_and_writes_lm_eval_files(
     runs: dict[str, Any], server: Any
 ) -> None:
@@ -214,6 +312,7 @@ def test_submit_waits_with_progress_bars_and_writes_lm_eval_files(
     assert runs["cli"]["cancel"] == 0 and "cancelled" in runs["cli"]["cancel_out"]
 
 
+@pytest.mark.service
 def test_status_results_cancel_commands(
     runs: dict[str, Any], server: Any, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -245,6 +344,7 @@ def test_status_results_cancel_commands(
     assert "--include_path" in err and "--use_cache" in err and "server's operator" in err
 
 
+@pytest.mark.e2e
 def test_dashboard_plot_eta_and_comparison(
     runs: dict[str, Any], server: Any, tmp_path: Path
 ) -> None:
@@ -343,23 +443,3 @@ def _coloured_pixels(page: Any, png: bytes) -> int:
         return coloured;
     }"""
     return int(page.evaluate(script, base64.b64encode(png).decode()))
-
-
-@pytest.mark.parametrize("output_path", [None, "out"])
-def test_submit_flags_become_the_request_body(output_path: str | None) -> None:
-    """`rayeval submit` reads `rayeval run`'s flags; --log_samples needs no --output_path there
-    (the server keeps the samples), and the body is what POST /evaluations takes."""
-    from rayeval.api.cli import _config_from_args, build_parser
-    from rayeval.api.remote import submission_body
-    from rayeval.service.config import EvaluationConfig
-
-    argv = ["submit", "--model_args", "pretrained=/models/m,dtype=float32",
-            "--tasks", "demo_mc,demo_cloze", "--log_samples", "--num_replicas", "3",
-            "--limit", "5", "--gen_kwargs", "max_gen_toks=7"]  # fmt: skip
-    if output_path:
-        argv += ["--output_path", output_path]
-    config = submission_body(build_parser().parse_args(argv), _config_from_args)
-    assert EvaluationConfig.model_validate(config.to_json()) == config
-    assert config.log_samples and config.limit == 5 and config.tasks == ("demo_mc", "demo_cloze")
-    assert config.parallelism.num_replicas == 3 and config.gen_kwargs == {"max_gen_toks": 7}
-    assert config.model_args == {"pretrained": "/models/m", "dtype": "float32"}

@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import assert_same_results, evaluate, hf_reference
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 RUN = {"num_fewshot": 1, "limit": 6, "bootstrap_iters": 0}
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]

@@ -74,12 +74,14 @@ def _replicas(order: list[int], layout: ParallelLayout) -> list[list[int]]:
     return [by_replica[r] for r in sorted(by_replica)]
 
 
+@pytest.mark.unit
 def test_strategy_spreads_plain_replicas_and_packs_sharded_ones() -> None:
     assert choose_strategy(ParallelLayout(4, 1)) is PlacementStrategy.SPREAD
     assert choose_strategy(ParallelLayout(1, 2)) is PlacementStrategy.PACK
     assert choose_strategy(ParallelLayout(3, 8, device=DeviceKind.CUDA)) is PlacementStrategy.PACK
 
 
+@pytest.mark.unit
 def test_placement_policy_overrides_the_strategy_when_asked() -> None:
     spread, pack = PlacementPolicy.SPREAD, PlacementPolicy.PACK
     assert choose_strategy(ParallelLayout(1, 2, placement=spread)) is PlacementStrategy.SPREAD
@@ -87,6 +89,7 @@ def test_placement_policy_overrides_the_strategy_when_asked() -> None:
     assert choose_strategy(ParallelLayout(2, 2, placement=pack)) is PlacementStrategy.PACK
 
 
+@pytest.mark.unit
 def test_replica_takes_its_ranks_from_one_node_in_device_order() -> None:
     # Ray interleaved the bundles over two nodes; each node's GPUs were reserved out of order.
     sites = _sites(("b", "3"), ("a", "1"), ("b", "2"), ("a", "0"))
@@ -101,17 +104,20 @@ def test_replica_takes_its_ranks_from_one_node_in_device_order() -> None:
     assert _replicas(order, layout) == [[3, 1], [2, 0]]
 
 
+@pytest.mark.unit
 def test_devices_sort_numerically_then_by_name() -> None:
     sites = _sites(("a", "10"), ("a", "2"), ("a", "GPU-b"), ("a", "GPU-a"))
     order = assign_ranks(sites, ParallelLayout(1, 4, device=DeviceKind.CUDA))
     assert [sites[b].device for b in order] == ["2", "10", "GPU-a", "GPU-b"]
 
 
+@pytest.mark.unit
 def test_nodes_with_more_bundles_come_first_and_cpu_bundles_keep_their_order() -> None:
     sites = _sites(("a", None), ("b", None), ("b", None), ("b", None))
     assert assign_ranks(sites, ParallelLayout(4, 1)) == [1, 2, 3, 0]
 
 
+@pytest.mark.unit
 def test_replica_larger_than_a_node_spans_nodes_in_node_then_device_order() -> None:
     sites = _sites(("b", "0"), ("a", "1"), ("b", "1"), ("a", "0"), ("c", "0"), ("c", "1"))
     order = assign_ranks(sites, ParallelLayout(2, 3, device=DeviceKind.CUDA))
@@ -119,6 +125,7 @@ def test_replica_larger_than_a_node_spans_nodes_in_node_then_device_order() -> N
     assert placed == [("a", "0"), ("a", "1"), ("b", "0"), ("b", "1"), ("c", "0"), ("c", "1")]
 
 
+@pytest.mark.unit
 def test_whole_replicas_first_then_leftovers_joined() -> None:
     # Node order a, b, c would split both replicas (a|b, b|c); b can hold one replica whole.
     sites = _sites(("a", "0"), ("b", "0"), ("b", "1"), ("c", "0"))
@@ -130,6 +137,7 @@ def test_whole_replicas_first_then_leftovers_joined() -> None:
     ]
 
 
+@pytest.mark.unit
 def test_assignment_is_a_permutation_with_the_most_single_node_replicas() -> None:
     rng = random.Random(7)
     for _ in range(200):
@@ -145,11 +153,13 @@ def test_assignment_is_a_permutation_with_the_most_single_node_replicas() -> Non
         assert single_node == min(layout.num_replicas, sum(c // shard_size for c in counts))
 
 
+@pytest.mark.unit
 def test_wrong_number_of_bundles_is_an_error() -> None:
     with pytest.raises(LayoutError, match="needs 4 bundles, the placement group has 3"):
         assign_ranks(_sites(("a", None), ("a", None), ("a", None)), ParallelLayout(2, 2))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("gpu_ids", "visible", "index"),
     [
@@ -164,6 +174,7 @@ def test_cuda_device_index(gpu_ids: list[Any], visible: str | None, index: int) 
     assert cuda_device_index(gpu_ids, visible) == index
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("gpu_ids", "visible", "message"),
     [
@@ -227,7 +238,7 @@ def _node_runs(nodes: list[str]) -> list[str]:
     return [node for i, node in enumerate(nodes) if i == 0 or nodes[i - 1] != node]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_unsharded_replicas_spread_over_nodes(cluster_report: dict[str, Any]) -> None:
     cpu = _placed(cluster_report, "cpu-3x1")
     assert cluster_report["placements"]["cpu-3x1"]["strategy"] == "SPREAD"
@@ -238,7 +249,7 @@ def test_unsharded_replicas_spread_over_nodes(cluster_report: dict[str, Any]) ->
     assert len(_node_runs([node for node, _ in gpu])) == 3, f"not ordered by node: {gpu}"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_sharded_replicas_sit_on_one_node_each(cluster_report: dict[str, Any]) -> None:
     nodes = [node for node, _ in _placed(cluster_report, "cpu-2x2")]
     assert cluster_report["placements"]["cpu-2x2"]["strategy"] == "PACK"
@@ -246,7 +257,7 @@ def test_sharded_replicas_sit_on_one_node_each(cluster_report: dict[str, Any]) -
     assert nodes[0] != nodes[2], f"a node holds 2 CPUs, so replicas must differ: {nodes}"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_replica_larger_than_a_node_spans_nodes_in_order(cluster_report: dict[str, Any]) -> None:
     one = [node for node, _ in _placed(cluster_report, "cpu-1x4")]
     assert len(_node_runs(one)) == 2 and one[0] == one[1] and one[2] == one[3], one
@@ -259,7 +270,7 @@ def test_replica_larger_than_a_node_spans_nodes_in_order(cluster_report: dict[st
     assert [gpu[0][1], gpu[1][1]] == ["0", "1"], f"not ordered by device: {gpu}"
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_gpu_ranks_sharing_a_node_each_get_their_own_gpu(cluster_report: dict[str, Any]) -> None:
     """A 1x2 GPU worker group: actor names, node, GPUs, CUDA_VISIBLE_DEVICES, device index."""
     workers = cluster_report["gpu_group"]["workers"]
@@ -279,7 +290,7 @@ def test_gpu_ranks_sharing_a_node_each_get_their_own_gpu(cluster_report: dict[st
     assert unisolated["cuda_device"] == int(unisolated["gpu_ids"][0])
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_evaluation_across_nodes_matches_lm_eval_hf(
     cluster_report: dict[str, Any], demo: Any, task_manager: Any
 ) -> None:

@@ -13,6 +13,8 @@ from rayeval.service.engine.planner import (
     plan_score,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_model_input_truncates_from_the_left_like_lm_eval() -> None:
     assert model_input([1, 2, 3], [4, 5], max_length=10) == (1, 2, 3, 4)

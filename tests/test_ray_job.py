@@ -167,7 +167,7 @@ def _submit(
         time.sleep(3)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_ray_job_submit_runs_rayeval_and_writes_what_lm_eval_writes(
     ray_head: tuple[str, dict[str, str]], demo: Any, tmp_path: Path
 ) -> None:
@@ -246,6 +246,7 @@ def _tracker_writes(local_path: str) -> None:
     tracker.save_results_aggregated(results={"results": {"demo_mc": {"acc,none": 0.5}}}, samples={})
 
 
+@pytest.mark.unit
 def test_local_output_path_is_used_as_is(tmp_path: Path) -> None:
     with OutputTarget(str(tmp_path / "out")) as target:
         assert not target.remote and target.local_path == str(tmp_path / "out")
@@ -253,6 +254,7 @@ def test_local_output_path_is_used_as_is(tmp_path: Path) -> None:
     assert not is_url("/srv/results") and is_url("s3://bucket/run") and is_url("file:///x")
 
 
+@pytest.mark.unit
 def test_url_output_is_staged_then_published_in_lm_eval_layout(memory_root: str) -> None:
     import fsspec
 
@@ -268,6 +270,7 @@ def test_url_output_is_staged_then_published_in_lm_eval_layout(memory_root: str)
     assert not staging.exists(), "the staging directory outlived the target"
 
 
+@pytest.mark.unit
 def test_json_output_url_gets_files_beside_it(memory_root: str) -> None:
     with OutputTarget(f"{memory_root}/runs/summary.json") as target:
         _tracker_writes(target.local_path)
@@ -277,6 +280,7 @@ def test_json_output_url_gets_files_beside_it(memory_root: str) -> None:
     assert published[0].endswith(".json")
 
 
+@pytest.mark.unit
 def test_failed_upload_keeps_the_staged_files(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
@@ -289,6 +293,7 @@ def test_failed_upload_keeps_the_staged_files(tmp_path: Path) -> None:
     shutil.rmtree(Path(target.local_path).parent, ignore_errors=True)
 
 
+@pytest.mark.unit
 def test_unusable_url_fails_before_any_work() -> None:
     with pytest.raises(ConfigError, match="Protocol not known: nosuch"):
         OutputTarget("nosuch://bucket/run")

@@ -25,7 +25,7 @@ import pytest
 
 from tests.helpers import assert_same_results, evaluate
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 SPECIALS = ["<s>", "</s>", "<pad>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 SPECIALS += ["<|im_start|>", "<|im_end|>"]

@@ -31,6 +31,7 @@ NARROW = 64
 
 
 # ----------------------------------------------------------------------------- planner only
+@pytest.mark.unit
 def test_pack_prefixes_shares_contexts_and_leaves_truncated_inputs_apart() -> None:
     context = [5, 6, 7, 8, 9, 10]
     requests = [(context, [11, 12, 13]), (context, [14, 15]), (context, [11, 12, 16])]
@@ -58,6 +59,7 @@ def test_pack_prefixes_shares_contexts_and_leaves_truncated_inputs_apart() -> No
     assert all(row.parents is None for row in rows)
 
 
+@pytest.mark.unit
 def test_packed_micro_batches_are_cut_before_padding_dominates() -> None:
     # Two questions whose four choices part after one token pack into rows of 4 + 1 + 4 = 9
     # tokens; one with one-token choices is a 4-token row: not padded to 9 beside them.
@@ -67,6 +69,7 @@ def test_packed_micro_batches_are_cut_before_padding_dominates() -> None:
     assert [[len(r.tokens) for r in mb.rows] for mb in plan.micro_batches] == [[9, 9], [4]]
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
 def test_packed_rows_score_like_plain_rows(arch: str, demo: Any, tmp_path: Path) -> None:
     import torch
@@ -202,6 +205,7 @@ def wide_1x1(demo: Any, shaped: Any, ray_session: None) -> tuple[Any, dict[str, 
     return _ours(demo.model_dir, shaped, (1, 1), WIDE)
 
 
+@pytest.mark.e2e
 def test_matches_hf_and_feeds_fewer_tokens(wide_reference: Any, wide_1x1: Any) -> None:
     (reference, hf_fed), (ours, counts) = wide_reference, wide_1x1
     assert_same_results(reference, ours)
@@ -209,6 +213,7 @@ def test_matches_hf_and_feeds_fewer_tokens(wide_reference: Any, wide_1x1: Any) -
     assert counts["fed"] <= 0.6 * hf_fed, (counts, hf_fed)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("layout", "strategy"),
     [((1, 2), "fsdp"), ((2, 1), "fsdp"), ((1, 2), "tp")],
@@ -222,12 +227,14 @@ def test_sharded_and_replicated_layouts(
     assert_same_results(wide_1x1[0], ours, exact=strategy == "fsdp")
 
 
+@pytest.mark.e2e
 def test_left_truncation_into_the_shared_context(demo: Any, shaped: Any, ray_session: None) -> None:
     reference, _ = _hf(demo.model_dir, shaped, NARROW)
     ours, _ = _ours(demo.model_dir, shaped, (1, 1), NARROW)
     assert_same_results(reference, ours)
 
 
+@pytest.mark.e2e
 def test_bos_tokenizer_and_chat_template(
     bos_chat_model: Path, shaped: Any, ray_session: None
 ) -> None:
@@ -237,9 +244,11 @@ def test_bos_tokenizer_and_chat_template(
     assert_same_results(reference, ours)
 
 
+@pytest.mark.service
 @pytest.mark.parametrize("value", ["false", "true"])
 def test_share_prefixes_flag_reaches_the_config(value: str, demo: Any) -> None:
-    from rayeval.api.cli import _config_from_args, build_parser
+    from rayeval.api.cli import build_parser
+    from rayeval.api.cli.evaluation_flags import config_from_args as _config_from_args
 
     model = f"pretrained={demo.model_dir}"
     args = build_parser().parse_args(

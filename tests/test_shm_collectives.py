@@ -22,10 +22,13 @@ import torch.multiprocessing as mp
 from rayeval.actors import shm_collectives
 from rayeval.actors.shm_collectives import SLOT_BYTES, ShmCollectives
 
-pytestmark = pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64") or not Path("/dev/shm").is_dir(),
-    reason="the shared-memory all-reduce runs on x86-64 Linux only",
-)
+pytestmark = [
+    pytest.mark.service,
+    pytest.mark.skipif(
+        platform.machine() not in ("x86_64", "AMD64") or not Path("/dev/shm").is_dir(),
+        reason="the shared-memory all-reduce runs on x86-64 Linux only",
+    ),
+]
 
 
 def _join(rank: int, world: int, store: str) -> None:
@@ -109,12 +112,15 @@ def _peer_stuck(rank: int, world: int, store: str, name: str) -> None:
     shm = ShmCollectives.create(name, rank, world, timeout_s=1.0)
     assert shm is not None
     if rank == 1:
-        time.sleep(4)  # alive, but never calls
+        # Alive, but never calls: it waits in gloo until rank 0 has seen its timeout, so it
+        # cannot exit first, however late rank 0 gets there.
+        dist.barrier()
         return
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"did not arrive within 1s.*--collective_timeout"):
         shm.all_reduce(torch.ones(8))
     assert 1.0 <= time.monotonic() - started < 5
+    dist.barrier()
 
 
 def _spawn(case: object, world: int, tmp_path: Path) -> None:

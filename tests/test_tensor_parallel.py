@@ -18,7 +18,7 @@ import pytest
 
 from tests.helpers import assert_same_results, evaluate, hf_reference
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 RUN = {"num_fewshot": 1, "limit": 4, "bootstrap_iters": 0}
 

@@ -20,8 +20,6 @@ import pytest
 from rayeval.api.cli import main
 from tests.helpers import read_outputs
 
-pytestmark = pytest.mark.slow
-
 TASKS = "demo_gen_short,demo_mc"
 
 
@@ -66,10 +64,12 @@ def tracked_run(
     }
 
 
+@pytest.mark.e2e
 def test_run_succeeds(tracked_run: dict[str, Any]) -> None:
     assert tracked_run["status"] == 0, tracked_run["stderr"][-2000:]
 
 
+@pytest.mark.e2e
 def test_hf_hub_log_args_output_path_gets_lm_eval_files(
     tracked_run: dict[str, Any], demo: Any
 ) -> None:
@@ -82,6 +82,7 @@ def test_hf_hub_log_args_output_path_gets_lm_eval_files(
     assert results["config"]["model"] == "hf"
 
 
+@pytest.mark.e2e
 def test_wandb_offline_run_logs_the_metrics(tracked_run: dict[str, Any]) -> None:
     (run_file,) = (tracked_run["root"] / "wandb").glob("offline-run-*/run-*.wandb")
     summary = {
@@ -138,12 +139,14 @@ def wandb_records(path: Path) -> list[tuple[str, str, Any]]:
     return found
 
 
+@pytest.mark.e2e
 def test_write_out_prints_the_first_prompt(tracked_run: dict[str, Any]) -> None:
     log = tracked_run["log"]
     assert "context prompt (starting on next line)" in log
     assert "Task: " in log and "demo_mc" in log
 
 
+@pytest.mark.e2e
 def test_show_config_prints_the_results_json(tracked_run: dict[str, Any]) -> None:
     printed = tracked_run["stdout"]
     start = printed.index("{\n")
@@ -153,12 +156,14 @@ def test_show_config_prints_the_results_json(tracked_run: dict[str, Any]) -> Non
     assert "|demo_mc" in printed[start:]  # the table follows, as with lm_eval
 
 
+@pytest.mark.e2e
 def test_use_cache_is_rayeval_s_durable_cache(tracked_run: dict[str, Any]) -> None:
     cache = tracked_run["root"] / "cache" / "answers_rayeval.sqlite"
     assert cache.is_file() and cache.stat().st_size > 0
     assert "(0 answered from the cache)" in tracked_run["stdout"]
 
 
+@pytest.mark.unit
 def test_service_refuses_tracker_options_in_a_request(tmp_path: Path) -> None:
     from pydantic import ValidationError
 

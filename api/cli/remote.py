@@ -19,18 +19,101 @@ from pathlib import Path
 from typing import Any
 
 from rayeval.actors.errors import ConfigError, RayEvalError
+from rayeval.api.cli.evaluation_flags import GROUP_TITLE, add_config_flags, config_from_args
 from rayeval.api.client import RayEvalClient, ServiceError
 
+#: The commands this module runs.
+COMMANDS = ("submit", "status", "results", "cancel")
 _REMOTE_FLAGS = ("url", "token", "wait")
 
 
-def main(args: argparse.Namespace, config_from_args: Callable[..., Any]) -> int:
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``submit``, ``status``, ``results`` and ``cancel``: the REST service from the shell."""
+    _add_submit_parser(subparsers)
+    status = subparsers.add_parser(
+        "status", help="list evaluations on a server, or show one (--watch: progress bars)"
+    )
+    status.add_argument("id", nargs="?", help="an evaluation id (none: list the newest)")
+    status.add_argument("--watch", action="store_true", help="follow it until it ends")
+    _add_server_flags(status)
+    results = subparsers.add_parser(
+        "results", help="print a finished evaluation's results, or write lm-eval's files"
+    )
+    results.add_argument("id", help="the evaluation id")
+    results.add_argument(
+        "--output_path",
+        default=None,
+        help="write lm-eval's results file (and samples files) under this directory",
+    )
+    results.add_argument("--json", action="store_true", help="print the results JSON itself")
+    _add_server_flags(results)
+    cancel = subparsers.add_parser("cancel", help="cancel an evaluation on a server")
+    cancel.add_argument("id", help="the evaluation id")
+    _add_server_flags(cancel)
+
+
+class _Renamed:
+    """Hands lm-eval's ``Run`` a subparsers object that names its parser ``name``."""
+
+    def __init__(self, subparsers: argparse._SubParsersAction, name: str, **kwargs: Any) -> None:
+        self._subparsers = subparsers
+        self._name = name
+        self._kwargs = kwargs
+
+    def add_parser(self, _name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self._subparsers.add_parser(
+            self._name, **{**kwargs, **self._kwargs}
+        )
+        return parser
+
+
+def _add_submit_parser(subparsers: argparse._SubParsersAction) -> None:
+    """``submit``: lm-eval's ``run`` parser renamed, rayeval's flags, the server's flags."""
+    from lm_eval._cli.run import Run
+
+    submit = Run.create(
+        _Renamed(
+            subparsers,
+            "submit",
+            help="send an evaluation to a rayeval server (rayeval run's flags)",
+            description="Submit an evaluation to a rayeval server: the flags of `rayeval run` "
+            "(task directories and models are the server's). With --wait, follow it with "
+            "progress bars, print lm-eval's table, and write lm-eval's files to --output_path.",
+            usage="rayeval submit --model_args pretrained=SERVER_PATH_OR_ID --tasks TASKS "
+            "[--num_replicas R] [--shard_size G] [--wait] [--url URL] [lm-eval options]",
+            epilog=None,
+        )  # type: ignore[arg-type]
+    )._parser
+    submit.prog = "rayeval submit"
+    add_config_flags(submit.add_argument_group(GROUP_TITLE))
+    remote = submit.add_argument_group("the server")
+    _add_server_flags(remote)  # type: ignore[arg-type]
+    remote.add_argument(
+        "--wait", action="store_true", help="follow the evaluation until it ends (progress bars)"
+    )
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("RAYEVAL_URL", "http://127.0.0.1:8000"),
+        help="the rayeval server (default: $RAYEVAL_URL, else http://127.0.0.1:8000)",
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="the server's API token (default: $RAYEVAL_API_TOKEN; prefer the variable: command "
+        "lines are visible to other users)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
     """Run one client command; returns the exit status (2: refused or unreachable)."""
     token = args.token or os.environ.get("RAYEVAL_API_TOKEN") or None
     try:
         with RayEvalClient(args.url, token=token) as client:
             if args.command == "submit":
-                return _submit(client, args, config_from_args)
+                return _submit(client, args)
             if args.command == "status":
                 return _status(client, args)
             if args.command == "results":
@@ -42,8 +125,17 @@ def main(args: argparse.Namespace, config_from_args: Callable[..., Any]) -> int:
         return 2
 
 
-def submission_body(args: argparse.Namespace, config_from_args: Callable[..., Any]) -> Any:
+def submission_body(
+    args: argparse.Namespace, read_config: Callable[..., Any] = config_from_args
+) -> Any:
     """The body of ``POST /evaluations`` from ``rayeval submit``'s flags.
+
+    Args:
+        args: ``rayeval submit``'s parsed command line.
+        read_config: Reads ``rayeval run``'s flags into ``(config, host)``.
+
+    Returns:
+        The ``EvaluationConfig`` to post.
 
     Raises:
         ConfigError: a bad flag, or one that only the server's operator sets.
@@ -64,14 +156,12 @@ def submission_body(args: argparse.Namespace, config_from_args: Callable[..., An
         # lm-eval refuses --log_samples without --output_path; remotely the server keeps the
         # samples, so its check must pass. The path is only checked, never written.
         local.output_path = "server"
-    config, _ = config_from_args(local)
+    config, _ = read_config(local)
     return config
 
 
-def _submit(
-    client: RayEvalClient, args: argparse.Namespace, config_from_args: Callable[..., Any]
-) -> int:
-    config = submission_body(args, config_from_args)
+def _submit(client: RayEvalClient, args: argparse.Namespace) -> int:
+    config = submission_body(args)
     evaluation = client.submit(config.to_json())
     print(f"submitted {evaluation['id']} ({client.url}/#{evaluation['id']})", flush=True)
     if not args.wait:
@@ -176,4 +266,4 @@ def _line(evaluation: dict[str, Any]) -> str:
     )
 
 
-__all__ = ["ServiceError", "main", "submission_body"]
+__all__ = ["COMMANDS", "ServiceError", "add_parsers", "main", "submission_body"]

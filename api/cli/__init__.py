@@ -1,0 +1,64 @@
+"""The ``rayeval`` command line: the parser and the dispatch to one module per command.
+
+- ``rayeval run`` (:mod:`.run`) takes lm-eval's own ``run`` flags — its parser is reused, so
+  every flag means what it means in ``lm_eval`` — plus the layout and Ray options, generated from
+  the evaluation's configuration (:mod:`.evaluation_flags`). It is also the entrypoint for
+  ``ray job submit``.
+- ``rayeval serve`` (:mod:`.serve`) runs the REST service (see ``rayeval.api.app``).
+- ``rayeval submit`` takes ``run``'s flags and sends the evaluation to a server instead, and
+  ``rayeval status/results/cancel`` follow it there, with progress bars (:mod:`.remote`).
+
+Nothing heavy is imported until a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rayeval`` parser: ``run``, ``serve``, ``submit``, ``status``, ``results``, ``cancel``.
+
+    Returns:
+        The parser; ``args.command`` names the command given.
+    """
+    from rayeval.api.cli import remote, run, serve
+
+    parser = argparse.ArgumentParser(
+        prog="rayeval",
+        description="Distributed lm-evaluation-harness on Ray, with FSDP2-sharded models.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    run.add_parser(subparsers)
+    serve.add_parser(subparsers)
+    remote.add_parsers(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rayeval`` console script.
+
+    Args:
+        argv: The arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from rayeval.api.cli import remote, run, serve
+
+    if args.command == "run":
+        return run.command(args)
+    if args.command == "serve":
+        return serve.command(args)
+    if args.command in remote.COMMANDS:
+        return remote.main(args)
+    return 2
+
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,163 @@
+"""The flags of ``rayeval run`` and ``rayeval submit``, and the evaluation they describe.
+
+lm-eval's own ``run`` parser supplies lm-eval's flags; rayeval's own (the layout, batching and
+timeouts) are generated here from the fields of
+:class:`rayeval.service.config.EvaluationConfig`. :func:`config_from_args` reads a parsed command
+line into that config with lm-eval's precedence (flags over ``--config`` YAML over its defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+#: Title of the argument group that holds rayeval's own flags in ``run`` and ``submit``.
+GROUP_TITLE = "rayeval layout, batching and timeouts"
+
+
+def add_config_flags(group: argparse._ArgumentGroup) -> None:
+    """Add rayeval's own ``run`` flags, one per config field lm-eval has no flag for.
+
+    Name, type, default and help all come from the field in
+    :class:`rayeval.service.config.EvaluationConfig` (``RAYEVAL_FLAGS`` names the flag).
+
+    Args:
+        group: Where the flags go (``run``'s or ``submit``'s argument group).
+    """
+    from rayeval.service.config import RAYEVAL_FLAGS, field_info
+
+    for path, flag in RAYEVAL_FLAGS.items():
+        info = field_info(path)
+        default = info.get_default(call_default_factory=True)
+        choices = None
+        kind: Callable[[str], Any]
+        if isinstance(info.annotation, type) and issubclass(info.annotation, enum.Enum):
+            kind = str
+            choices = [member.value for member in info.annotation]
+            default = default.value
+        elif isinstance(default, bool):
+            kind = parse_bool
+        else:
+            kind = float if path[0] == "timeouts" else int
+        group.add_argument(
+            flag,
+            dest=dest(path),
+            type=kind,
+            default=default,
+            choices=choices,
+            metavar=_metavar(kind, choices),
+            help=info.description
+            if "default" in info.description
+            else f"{info.description.rstrip('.')} (default {default}).",
+        )
+
+
+def _metavar(kind: Callable[[str], Any], choices: list[str] | None) -> str:
+    if choices:
+        return "{" + ",".join(choices) + "}"
+    if kind is parse_bool:
+        return "BOOL"
+    return "S" if kind is float else "N"
+
+
+def parse_bool(text: str) -> bool:
+    """A boolean flag's value: true/false (also 1/0, yes/no).
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else (argparse names the flag).
+    """
+    value = text.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def dest(path: Sequence[str]) -> str:
+    """The namespace attribute of a rayeval flag: its name (``num_replicas``, ...)."""
+    from rayeval.service.config import RAYEVAL_FLAGS
+
+    return RAYEVAL_FLAGS[tuple(path)].removeprefix("--")
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The evaluation's config and the host options from ``rayeval run``'s flags.
+
+    lm-eval's flags are read exactly as ``lm_eval run`` reads them (its precedence: flags over
+    ``--config`` YAML over its defaults, then its own validation); rayeval's flags come from the
+    config's fields. Errors name the flag.
+
+    Args:
+        args: ``rayeval run``'s (or ``submit``'s) parsed command line, with ``address``.
+
+    Returns:
+        ``(EvaluationConfig, HostOptions)``.
+
+    Raises:
+        ConfigError: naming each bad flag.
+    """
+    from pydantic import ValidationError
+
+    from rayeval.actors.errors import ConfigError
+    from rayeval.service.config import (
+        LM_EVAL_HOST_FIELDS,
+        RAYEVAL_FLAGS,
+        EvaluationConfig,
+        HostOptions,
+        cli_flag,
+        describe_errors,
+    )
+
+    ours = {path: getattr(args, dest(path)) for path in RAYEVAL_FLAGS}
+    rayeval_only = {dest(path) for path in RAYEVAL_FLAGS} | {"address"}
+    cfg, metadata = _lm_eval_config({k: v for k, v in vars(args).items() if k not in rayeval_only})
+    data: dict[str, Any] = {
+        name: getattr(cfg, name)
+        for name in EvaluationConfig.model_fields
+        if hasattr(cfg, name) and name not in ("metadata", "parallelism", "timeouts")
+    }
+    data["metadata"] = metadata
+    for path, value in ours.items():
+        target = data
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+        target[path[-1]] = value
+    try:
+        config = EvaluationConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_errors(exc, cli_flag)) from None
+    host = HostOptions(
+        output_path=cfg.output_path,
+        include_paths=tuple(_as_list(cfg.include_path)),
+        address=args.address,
+        lm_eval={name: getattr(cfg, name) for name in LM_EVAL_HOST_FIELDS},
+    )
+    return config, host
+
+
+def _lm_eval_config(given: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """lm-eval's ``EvaluatorConfig`` from its flags, with its own precedence (as
+    ``EvaluatorConfig.from_cli`` applies it), and the ``--metadata`` as given."""
+    from dataclasses import asdict
+
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    given["device"] = given.get("device") or "auto"  # lm-eval would default to cuda
+    values = asdict(EvaluatorConfig())
+    if given.get("config"):
+        values.update(EvaluatorConfig.load_yaml_config(given["config"]))
+    values.update(
+        {k: v for k, v in given.items() if (v or v == 0) and k not in ("command", "func")}
+    )
+    values.pop("config", None)
+    metadata = dict(values["metadata"] or {})  # before lm-eval merges model_args into it
+    return EvaluatorConfig(**values)._configure(), metadata
+
+
+def _as_list(value: Any) -> list[str]:
+    if not value:
+        return []
+    return [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]

@@ -1,0 +1,114 @@
+"""``rayeval run``: one evaluation in this process (the Ray driver), printed as lm-eval prints it.
+
+The parser is lm-eval's own ``run`` parser plus rayeval's flags
+(:mod:`rayeval.api.cli.evaluation_flags`) and ``--address``. It is also the entrypoint for
+``ray job submit``: inside a Ray job, ``RAY_ADDRESS`` is set and the job's cluster is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rayeval.api.cli.evaluation_flags import GROUP_TITLE, add_config_flags, config_from_args
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``run``: lm-eval's ``run`` flags, rayeval's layout flags and ``--address``."""
+    from lm_eval._cli.run import Run
+
+    run = Run.create(subparsers)._parser
+    run.prog = "rayeval run"
+    run.usage = (
+        "rayeval run --model hf --model_args pretrained=PATH_OR_ID --tasks TASKS "
+        "[--num_replicas R] [--shard_size G] [lm-eval options]"
+    )
+    add_config_flags(run.add_argument_group(GROUP_TITLE))
+    run.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)",
+    )
+
+
+def command(args: argparse.Namespace) -> int:
+    """Run the evaluation ``args`` describe and print its results.
+
+    Args:
+        args: ``rayeval run``'s parsed command line.
+
+    Returns:
+        The exit status: 0, or 2 for input that cannot run (the message names the flag).
+    """
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # lm-eval's bootstrap would fork a pool from this Ray driver's threads; single-process gives
+    # the same numbers (see service.jobs.manager).
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
+    from rayeval.actors.errors import RayEvalError
+    from rayeval.service.engine.runner import run_evaluation
+
+    try:
+        config, host = config_from_args(args)
+        output = run_evaluation(config, host)
+    except (RayEvalError, ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"rayeval run: error: {exc}", file=sys.stderr)
+        return 2
+    if output is not None:
+        print_output(config, host, output)
+    return 0
+
+
+def print_output(config: Any, host: Any, output: Any) -> None:
+    """What ``lm_eval run`` prints (the settings line, the tables), then rayeval's statistics.
+
+    Args:
+        config: The evaluation's ``EvaluationConfig``.
+        host: Its ``HostOptions`` (``--show_config`` prints the whole results JSON first).
+        output: What ``run_evaluation`` returned.
+    """
+    from lm_eval.utils import make_table
+
+    results = output.results
+    if host.lm_eval.get("show_config"):  # as `lm_eval run --show_config`: the whole results JSON
+        import json
+
+        from lm_eval.utils import handle_non_serializable
+
+        print(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    batch_sizes = ",".join(map(str, results["config"].get("batch_sizes", [])))
+    layout = config.parallelism
+    print(
+        f"{config.model} ({config.model_args}), gen_kwargs: ({config.gen_kwargs}), "
+        f"limit: {config.limit}, num_fewshot: {config.num_fewshot}, "
+        f"batch_size: {config.batch_size}{f' ({batch_sizes})' if batch_sizes else ''}, "
+        f"layout: {layout.num_replicas}x{layout.shard_size}"
+        + (f" ({layout.placement})" if layout.placement != "auto" else "")
+    )
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    _print_statistics(output)
+
+
+def _print_statistics(output: Any) -> None:
+    """Per request type: work, cache answers, throughput, padding, replica use; then the ranks."""
+    for phase, stats in output.stats.items():
+        print(
+            f"{phase}: {stats['requests']} requests computed in {stats['micro_batches']} "
+            f"micro-batches ({stats['cached']} answered from the cache), "
+            f"{stats['tokens_per_s']:,.0f} tokens/s, "
+            f"real-token fraction {stats['real_token_fraction']:.3f}, replica utilisation "
+            + ", ".join(f"r{r}={u:.0%}" for r, u in stats["replica_utilisation"].items())
+        )
+    if output.ranks:
+        print(
+            "ranks: "
+            + "; ".join(
+                f"r{rank['replica']}.s{rank['shard_rank']} on {rank['ip']} "
+                f"(node {rank['node_id'][:8]}, pid {rank['pid']})"
+                for rank in output.ranks
+            )
+        )
