@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import assert_same_results, evaluate, hf_reference
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 TASKS = ["demo_gen_short", "demo_gen_long"]
 RUN = {"num_fewshot": 1, "bootstrap_iters": 0}
@@ -118,27 +118,3 @@ def test_an_explicit_max_length_falls_back_to_static_batches(
     results, figures, _ = _run(demo, task_manager, LAYOUTS["1x1"], run=run)
     assert figures["batching"] == "static"
     assert_same_results(reference, results)
-
-
-def test_groups_are_planned_without_the_layout() -> None:
-    from rayeval.actors.errors import ConfigError
-    from rayeval.service.engine.planner import (
-        GenerateRequest,
-        SlotBudget,
-        plan_generate_groups,
-        request_seeds,
-    )
-
-    requests = [GenerateRequest((1,) * n, 4, ("\n",)) for n in (3, 9, 5, 9, 1)]
-    seeds = request_seeds(requests, 1234)
-    assert seeds == [None] * 5
-    plan = plan_generate_groups(requests, SlotBudget(slots=1, kv_tokens=13), seeds)
-    assert [len(g.requests) for g in plan.groups] == [4, 1]  # 1 slot x 4 requests per group
-    assert [len(r.context) for r in plan.groups[0].requests] == [9, 9, 5, 3]  # longest first
-    assert plan.locations == [(0, 3), (0, 0), (0, 2), (0, 1), (1, 0)]
-    names = [f"doc {i}" for i in range(5)]
-    with pytest.raises(ConfigError, match=r"doc 1 needs 13 KV-cache positions.*--x"):
-        plan_generate_groups(requests, SlotBudget(1, 12, "--x"), seeds, names)
-    sampled = [GenerateRequest((1, 2), 4, (), kwargs={"do_sample": True})] * 2
-    first, second = request_seeds(sampled, 1234)
-    assert first != second and request_seeds(sampled, 1234) == [first, second]

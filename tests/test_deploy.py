@@ -284,9 +284,7 @@ def test_recipe_base_user_and_contents(kind: str) -> None:
         if keyword == "COPY" and "--from" not in rest
         for source in [w for w in rest.split() if not w.startswith("--")][:-1]
     }
-    packages = {
-        p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
-    }
+    packages = set(PYPROJECT["tool"]["setuptools"]["package-dir"].values())
     assert {"pyproject.toml", "README.md"} | packages <= copied, f"{path.name} copies {copied}"
     run_text = " ".join(rest for keyword, rest in instructions if keyword == "RUN")
     assert "wget" in run_text, "KubeRay's health probes run wget"

@@ -70,3 +70,21 @@ def test_plan_generate_groups_by_settings_and_counts_generation_room() -> None:
         batch = plan.micro_batches[mb]
         assert batch.contexts[position] == request.context
         assert (batch.max_gen_toks, batch.until) == (request.max_gen_toks, request.until)
+
+
+def test_continuous_batching_groups_are_planned_without_the_layout() -> None:
+    from rayeval.service.engine.planner import SlotBudget, plan_generate_groups, request_seeds
+
+    requests = [GenerateRequest((1,) * n, 4, ("\n",)) for n in (3, 9, 5, 9, 1)]
+    seeds = request_seeds(requests, 1234)
+    assert seeds == [None] * 5
+    plan = plan_generate_groups(requests, SlotBudget(slots=1, kv_tokens=13), seeds)
+    assert [len(g.requests) for g in plan.groups] == [4, 1]  # 1 slot x 4 requests per group
+    assert [len(r.context) for r in plan.groups[0].requests] == [9, 9, 5, 3]  # longest first
+    assert plan.locations == [(0, 3), (0, 0), (0, 2), (0, 1), (1, 0)]
+    names = [f"doc {i}" for i in range(5)]
+    with pytest.raises(ConfigError, match=r"doc 1 needs 13 KV-cache positions.*--x"):
+        plan_generate_groups(requests, SlotBudget(1, 12, "--x"), seeds, names)
+    sampled = [GenerateRequest((1, 2), 4, (), kwargs={"do_sample": True})] * 2
+    first, second = request_seeds(sampled, 1234)
+    assert first != second and request_seeds(sampled, 1234) == [first, second]

@@ -10,6 +10,8 @@ from rayeval.actors.errors import ConfigError
 from rayeval.service import private_apis
 from rayeval.service.private_apis import PRIVATE_APIS, PrivateApi, check_private_apis, missing
 
+pytestmark = pytest.mark.unit
+
 
 def test_every_listed_private_api_is_there() -> None:
     assert [api.name for api in PRIVATE_APIS if missing(api)] == []
