@@ -96,9 +96,10 @@ def print_output(config: Any, host: Any, output: Any) -> None:
 def _print_statistics(output: Any) -> None:
     """Per request type: work, cache answers, throughput, padding, replica use; then the ranks."""
     for phase, stats in output.stats.items():
+        unit = "continuous-batching groups" if stats.get("batching") == "continuous" else ""
         print(
             f"{phase}: {stats['requests']} requests computed in {stats['micro_batches']} "
-            f"micro-batches ({stats['cached']} answered from the cache), "
+            f"{unit or 'micro-batches'} ({stats['cached']} answered from the cache), "
             f"{stats['tokens_per_s']:,.0f} tokens/s, "
             f"real-token fraction {stats['real_token_fraction']:.3f}, replica utilisation "
             + ", ".join(f"r{r}={u:.0%}" for r, u in stats["replica_utilisation"].items())
