@@ -22,18 +22,16 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import SQLAlchemyError
 
-from rayeval.actors.errors import (
-    ConfigError,
-    EvaluationNotFoundError,
-    EvaluationStateError,
-    LayoutError,
-    RayEvalError,
-    ServiceNotReadyError,
-)
+from rayeval.actors.errors import ConfigError, LayoutError, RayEvalError
 from rayeval.api.deps import Services
 from rayeval.api.routes import dashboard, evaluations, health, insights, metrics
 from rayeval.api.settings import Settings
 from rayeval.api.views import EvaluationViews, EventFeed
+from rayeval.service.errors import (
+    EvaluationNotFoundError,
+    EvaluationStateError,
+    ServiceNotReadyError,
+)
 from rayeval.service.jobs.manager import EvaluationManager, ManagerOptions
 from rayeval.service.jobs.ray_resources import connect_ray
 from rayeval.service.jobs.store import EvaluationStore

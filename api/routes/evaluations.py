@@ -17,7 +17,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
-from rayeval.actors.errors import EvaluationNotFoundError, EvaluationStateError
 from rayeval.api.deps import FeedDep, ManagerDep, SettingsDep, StoreDep, ViewsDep, require_token
 from rayeval.api.schemas import (
     EVALUATION_ERRORS,
@@ -32,6 +31,7 @@ from rayeval.api.schemas import (
 )
 from rayeval.api.views import EventFeed
 from rayeval.service.config import EvaluationConfig
+from rayeval.service.errors import EvaluationNotFoundError, EvaluationStateError
 from rayeval.service.jobs.states import EvaluationStatus, EventKind
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
 

@@ -38,11 +38,11 @@ from typing import Any
 
 import ray
 
-from rayeval.actors.errors import EvaluationNotFoundError, EvaluationStateError
 from rayeval.actors.process import runner_environment
 from rayeval.service.config import EvaluationConfig
 from rayeval.service.engine.cluster import pick_device
 from rayeval.service.engine.warm import replica_key
+from rayeval.service.errors import EvaluationNotFoundError, EvaluationStateError
 from rayeval.service.jobs.admission import Kept, free_resources, plan
 from rayeval.service.jobs.ray_resources import brief, release, runner_name
 from rayeval.service.jobs.runner_actor import EvaluationRunner

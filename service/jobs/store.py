@@ -40,7 +40,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from rayeval.actors.errors import EvaluationNotFoundError
+from rayeval.service.errors import EvaluationNotFoundError
 from rayeval.service.jobs.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
 
 logger = logging.getLogger(__name__)

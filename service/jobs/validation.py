@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayeval.actors.errors import ConfigError, LayoutError, ServiceNotReadyError
+from rayeval.actors.errors import ConfigError, LayoutError
 from rayeval.actors.profiles import ModelShape
 from rayeval.actors.sharding import ShardStrategy, refusal, strategy
 from rayeval.service.config import ENCODER_MODEL_ARGS, EvaluationConfig, HostOptions
+from rayeval.service.errors import ServiceNotReadyError
 from rayeval.service.jobs.tasks import TaskCatalog
 
 #: lm-eval HF model args a request may set (others reach ``from_pretrained`` and could load
