@@ -147,6 +147,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             response_cache=settings.response_cache_prefix,
             stall_timeout_s=settings.stall_timeout_s,
             warm_replicas=settings.warm_replicas,
+            runner_scan_timeout_s=settings.runner_scan_timeout_s,
         ),
     )
     await asyncio.to_thread(manager.start)

@@ -18,7 +18,7 @@ No torch here: the API process imports this module.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -116,6 +116,8 @@ HOST_ONLY_OPTIONS = {
     "load_timeout": 'put it under "timeouts": {"load_s": ...}',
     "step_timeout": 'put it under "timeouts": {"step_s": ...}',
     "collective_timeout": 'put it under "timeouts": {"collective_s": ...}',
+    "control_timeout": 'put it under "timeouts": {"control_s": ...}',
+    "reuse_timeout": 'put it under "timeouts": {"reuse_s": ...}',
 }
 
 _EXAMPLE: dict[str, Any] = {
@@ -177,7 +179,12 @@ class Parallelism(_Frozen):
 
 
 class TimeoutSettings(_Frozen):
-    """Every wait of the run, in seconds; the defaults are the rank side's own."""
+    """Every wait of the run, in seconds.
+
+    The first four are the rank side's (:class:`rayeval.actors.group.Timeouts`, with its
+    defaults); ``control_s`` and ``reuse_s`` bound the service's calls to what an earlier
+    evaluation kept loaded (warm replicas).
+    """
 
     placement_s: float = Field(
         default=Timeouts.placement_s,
@@ -197,10 +204,23 @@ class TimeoutSettings(_Frozen):
         gt=0,
         description="Seconds one collective may take inside a replica.",
     )
+    control_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a control call to a runner kept loaded by an earlier evaluation may "
+        "take (handing it this evaluation; the runner waits up to a third of it for its previous "
+        "run to end) before a new runner is started instead.",
+    )
+    reuse_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds the ranks kept loaded by an earlier evaluation have to begin this one "
+        "(re-seeded) before new ranks are started instead.",
+    )
 
     def for_ranks(self) -> Timeouts:
-        """The same values as the rank side's value object."""
-        return Timeouts(**self.model_dump())
+        """The rank side's value object: the waits of the ranks, with the same values."""
+        return Timeouts(**self.model_dump(include=_RANK_TIMEOUTS))
 
 
 class EngineConfig(_Frozen):
@@ -371,6 +391,8 @@ class EngineConfig(_Frozen):
 
 
 _GROUPS: dict[str, type[BaseModel]] = {"parallelism": Parallelism, "timeouts": TimeoutSettings}
+#: The fields of :class:`TimeoutSettings` that are the rank side's :class:`Timeouts`.
+_RANK_TIMEOUTS = frozenset(f.name for f in fields(Timeouts))
 
 
 class EvaluationConfig(EngineConfig):
@@ -573,6 +595,8 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("timeouts", "load_s"): "--load_timeout",
     ("timeouts", "step_s"): "--step_timeout",
     ("timeouts", "collective_s"): "--collective_timeout",
+    ("timeouts", "control_s"): "--control_timeout",
+    ("timeouts", "reuse_s"): "--reuse_timeout",
     ("bootstrap_iters",): "--bootstrap_iters",
 }
 

@@ -75,6 +75,8 @@ class ManagerOptions:
             stopped, and is released.
         warm_replicas: Most runners kept loaded after their evaluation succeeded, for the next
             evaluation of the same model and layout (0: release at once).
+        runner_scan_timeout_s: Bound on waiting for the runner actors found at start to say
+            which evaluation they run (re-attaching after a restart).
     """
 
     namespace: str = "rayeval"
@@ -86,6 +88,7 @@ class ManagerOptions:
     response_cache: str | None = None
     stall_timeout_s: float = 1800.0
     warm_replicas: int = 0
+    runner_scan_timeout_s: float = 10.0
 
 
 class EvaluationManager:
@@ -268,8 +271,9 @@ class EvaluationManager:
     def _start_on_kept(self, record: EvaluationRecord, owner: str) -> bool:
         """Run ``record`` on the runner kept by ``owner``; False (and it is released) if not."""
         _, handle = self._kept.pop(owner)
+        timeout_s = EvaluationConfig.from_json(record.config).timeouts.control_s
         try:
-            started = ray.get(handle.start_next.remote(record.id, record.config), timeout=30)
+            started = ray.get(handle.start_next.remote(record.id, record.config), timeout=timeout_s)
         except Exception as exc:  # the runner died while kept: start anew
             logger.warning("the kept runner of %s cannot be reused: %s", owner, brief(exc))
             started = False
@@ -506,7 +510,7 @@ class EvaluationManager:
                 logger.info("releasing runner %s (last ran %s): unfollowed", owner, evaluation_id)
                 self._release_in_background(owner, handle)
 
-    def _scan_runners(self, timeout_s: float = 10.0) -> dict[str, tuple[Any, str]]:
+    def _scan_runners(self) -> dict[str, tuple[Any, str]]:
         """The runner actors alive in this namespace: last evaluation -> (handle, owner)."""
         handles = []
         for entry in ray.util.list_named_actors(all_namespaces=True):
@@ -518,6 +522,7 @@ class EvaluationManager:
         calls: dict[Any, Any] = {handle.current.remote(): handle for handle in handles}
         if not calls:
             return {}
+        timeout_s = self._options.runner_scan_timeout_s
         ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
         found: dict[str, tuple[Any, str]] = {}
         for call in ready:

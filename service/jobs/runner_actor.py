@@ -66,7 +66,7 @@ class EvaluationRunner:
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._current = evaluation_id
         self._thread: threading.Thread | None = None
-        self._start(evaluation_id, config)
+        self._start(evaluation_id, EvaluationConfig.from_json(config))
 
     # ------------------------------------------------------------------ called by the API
     def events_since(self, seq: int, evaluation_id: str | None = None) -> list[dict[str, Any]]:
@@ -90,15 +90,17 @@ class EvaluationRunner:
         """
         from rayeval.service.engine.warm import replica_key
 
+        parsed = EvaluationConfig.from_json(config)
         previous = self._thread
         if previous is not None:  # its final event is out; it may still be cleaning up
-            previous.join(timeout=10.0)
+            # A third of the caller's wait for this call: the answer reaches it in time.
+            previous.join(timeout=parsed.timeouts.control_s / 3)
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return False
-            if self._replicas.group is None or self._replicas.key != replica_key(config):
+            if self._replicas.group is None or self._replicas.key != replica_key(parsed):
                 return False
-        self._start(evaluation_id, config)
+        self._start(evaluation_id, parsed)
         return True
 
     def current(self) -> dict[str, Any]:
@@ -118,8 +120,7 @@ class EvaluationRunner:
         self._replicas.shutdown()
 
     # ------------------------------------------------------------------------ the run
-    def _start(self, evaluation_id: str, config: dict[str, Any]) -> None:
-        parsed = EvaluationConfig.from_json(config)
+    def _start(self, evaluation_id: str, config: EvaluationConfig) -> None:
         with self._lock:
             # The previous evaluation's final event was read before the service chose this
             # runner: its events are not needed any more.
@@ -127,7 +128,7 @@ class EvaluationRunner:
             self._current = evaluation_id
             self._thread = threading.Thread(
                 target=self._run,
-                args=(evaluation_id, parsed),
+                args=(evaluation_id, config),
                 name=f"rayeval-run-{evaluation_id}",
                 daemon=True,
             )
