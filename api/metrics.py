@@ -2,7 +2,7 @@
 
 Nothing is counted in this process: every figure comes from what the runners reported and the
 store kept (an evaluation's stored progress: per request type its counts, seconds, tokens, cache
-hits, per-replica work and per-rank memory; see :class:`rayeval.service.engine.lm.Progress`). A
+hits, per-replica work and per-rank memory; see :class:`rayeval.service.events.Progress`). A
 scrape therefore gives the same answer from any API process over the same database, and a restarted
 server loses nothing. Per-evaluation series exist while the evaluation is starting or running
 (Prometheus keeps their history); counts by state cover every evaluation.
@@ -24,12 +24,12 @@ Families (``evaluation`` is the evaluation id, ``request_type`` lm-eval's reques
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from rayeval.service.events import PhaseReport
 from rayeval.service.jobs.states import EvaluationStatus
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
 
@@ -155,35 +155,37 @@ class _Families:
 
 def _add_evaluation(families: _Families, record: EvaluationRecord) -> None:
     """The series of one active evaluation, from its stored progress."""
-    phases: dict[str, dict[str, Any]] = record.progress.get("phases", {})
-    for phase, p in phases.items():
-        labels = [record.id, phase]
-        seconds = float(p.get("seconds") or 0.0)
-        done, total = int(p["done"]), int(p["total"])
-        families.done.add_metric(labels, done)
-        families.planned.add_metric(labels, total)
-        families.tokens_per_s.add_metric(labels, float(p["tokens_per_s"]))
-        families.real_tokens.add_metric(labels, float(p["real_token_fraction"]))
-        families.cache_hits.add_metric(labels, int(p.get("cached") or 0))
-        if seconds > 0:
-            rate = done / seconds
-            families.requests_per_s.add_metric(labels, rate)
-            if rate > 0:
-                families.eta.add_metric(labels, (total - done) / rate)
-            for replica, work in (p.get("replicas") or {}).items():
-                replica_labels = [*labels, str(replica)]
-                families.replica_requests.add_metric(replica_labels, work["requests"] / seconds)
-                families.replica_tokens.add_metric(replica_labels, work["tokens"] / seconds)
-                families.utilisation.add_metric(replica_labels, work["busy_s"] / seconds)
-    latest = max(phases.values(), key=lambda p: p.get("updated_at", 0.0), default=None)
+    for phase, p in record.progress.phases.items():
+        _add_phase(families, [record.id, phase], p)
+    latest = record.progress.latest()
     if latest is None:
         return
-    for replica, ranks in (latest.get("rank_memory") or {}).items():
+    for replica, ranks in latest.rank_memory.items():
         for shard_rank, memory in enumerate(ranks):
             rank_labels = [record.id, str(replica), str(shard_rank)]
-            families.rss.add_metric(rank_labels, memory["rss_mib"] * _MIB)
-            families.device_memory.add_metric(rank_labels, memory["device_mib"] * _MIB)
-    if latest.get("load_s") is not None:
-        families.load.add_metric([record.id], float(latest["load_s"]))
-    if latest.get("startup_s") is not None:
-        families.startup.add_metric([record.id], float(latest["startup_s"]))
+            families.rss.add_metric(rank_labels, memory.rss_mib * _MIB)
+            families.device_memory.add_metric(rank_labels, memory.device_mib * _MIB)
+    if latest.load_s is not None:
+        families.load.add_metric([record.id], latest.load_s)
+    if latest.startup_s is not None:
+        families.startup.add_metric([record.id], latest.startup_s)
+
+
+def _add_phase(families: _Families, labels: list[str], p: PhaseReport) -> None:
+    """The series of one request type of an evaluation (``labels``: evaluation, request type)."""
+    families.done.add_metric(labels, p.done)
+    families.planned.add_metric(labels, p.total)
+    families.tokens_per_s.add_metric(labels, p.tokens_per_s)
+    families.real_tokens.add_metric(labels, p.real_token_fraction)
+    families.cache_hits.add_metric(labels, p.cached)
+    if p.seconds <= 0:
+        return
+    rate = p.done / p.seconds
+    families.requests_per_s.add_metric(labels, rate)
+    if rate > 0:
+        families.eta.add_metric(labels, (p.total - p.done) / rate)
+    for replica, work in p.replicas.items():
+        replica_labels = [*labels, str(replica)]
+        families.replica_requests.add_metric(replica_labels, work.requests / p.seconds)
+        families.replica_tokens.add_metric(replica_labels, work.tokens / p.seconds)
+        families.utilisation.add_metric(replica_labels, work.busy_s / p.seconds)

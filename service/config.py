@@ -392,7 +392,7 @@ class EngineConfig(_Frozen):
 
 _GROUPS: dict[str, type[BaseModel]] = {"parallelism": Parallelism, "timeouts": TimeoutSettings}
 #: The fields of :class:`TimeoutSettings` that are the rank side's :class:`Timeouts`.
-_RANK_TIMEOUTS = frozenset(f.name for f in fields(Timeouts))
+_RANK_TIMEOUTS = {f.name for f in fields(Timeouts)}
 
 
 class EvaluationConfig(EngineConfig):

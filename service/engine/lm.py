@@ -52,9 +52,10 @@ from rayeval.service.engine.encoder import (
     model_spec,
 )
 from rayeval.service.engine.executor import Executor
-from rayeval.service.engine.phases import PhaseStats, Progress
+from rayeval.service.engine.phases import PhaseStats
 from rayeval.service.engine.response_cache import open_cache
 from rayeval.service.engine.warm import KeptReplicas, replica_key
+from rayeval.service.events import Progress
 from rayeval.service.private_apis import check_private_apis
 
 logger = logging.getLogger(__name__)

@@ -43,10 +43,23 @@ from rayeval.service.config import EvaluationConfig
 from rayeval.service.engine.cluster import pick_device
 from rayeval.service.engine.warm import replica_key
 from rayeval.service.errors import EvaluationNotFoundError, EvaluationStateError
+from rayeval.service.events import (
+    PhaseReport,
+    ProgressEvent,
+    RunnerEvent,
+    RunnerFailed,
+    RunnerProgress,
+    RunnerStatus,
+    RunnerSucceeded,
+    RunnerWarning,
+    RunOutputs,
+    TaskResultEvent,
+    WarningEvent,
+)
 from rayeval.service.jobs.admission import Kept, free_resources, plan
 from rayeval.service.jobs.ray_resources import brief, release, runner_name
 from rayeval.service.jobs.runner_actor import EvaluationRunner
-from rayeval.service.jobs.states import EvaluationStatus, EventKind, RunnerEventKind
+from rayeval.service.jobs.states import EvaluationStatus
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, NewEvent
 from rayeval.service.jobs.tasks import TaskCatalog
 from rayeval.service.jobs.validation import ServerPolicy, check_submission
@@ -394,12 +407,11 @@ class EvaluationManager:
             if self._is_cancelling(record.id):
                 continue
             silent = now - self._heard.setdefault(record.id, now)
-            timeouts = record.config.get("timeouts", {})
-            phases = record.progress.get("phases", {})
+            timeouts = EvaluationConfig.from_json(record.config).timeouts
             own = (
-                timeouts.get("step_s", 0.0)
-                if phases
-                else timeouts.get("placement_s", 0.0) + timeouts.get("load_s", 0.0)
+                timeouts.step_s
+                if record.progress.phases
+                else timeouts.placement_s + timeouts.load_s
             )
             limit = self._options.stall_timeout_s + own
             if silent > limit:
@@ -415,47 +427,44 @@ class EvaluationManager:
         with self._lock:
             return evaluation_id in self._cancelling
 
-    def _apply(self, record: EvaluationRecord, events: list[dict[str, Any]]) -> None:
-        phases = dict(record.progress.get("phases", {}))
-        latest: dict[str, dict[str, Any]] = {}
+    def _apply(self, record: EvaluationRecord, events: list[RunnerEvent]) -> None:
+        latest: dict[str, PhaseReport] = {}
         warnings: list[NewEvent] = []
+        ended: RunnerSucceeded | RunnerFailed | None = None
         for event in events:
-            if event["type"] == RunnerEventKind.PROGRESS:
-                data = dict(event["data"], updated_at=event["time"])
-                phases[data["phase"]] = latest[data["phase"]] = data
-            elif event["type"] == RunnerEventKind.WARNING:
-                warnings.append((EventKind.WARNING, event["data"]))
-        cursor = events[-1]["seq"]
-        ended = next(
-            (e for e in events if e["type"] in (RunnerEventKind.SUCCEEDED, RunnerEventKind.FAILED)),
-            None,
-        )
+            if isinstance(event, RunnerProgress):
+                latest[event.progress.phase] = PhaseReport.of(event.progress, event.time)
+            elif isinstance(event, RunnerWarning):
+                warnings.append(WarningEvent.of_warning(event.warning))
+            elif ended is None:
+                ended = event
         if latest and record.status is EvaluationStatus.STARTING:
             self._store.transition(record.id, EvaluationStatus.RUNNING)
+        progress = record.progress.with_reports(latest)
         progress_events: list[NewEvent] = warnings + [
-            (EventKind.PROGRESS, _progress_event(data, phases)) for data in latest.values()
+            ProgressEvent.of_phase(report, progress) for report in latest.values()
         ]
-        self._store.record_progress(record.id, {"phases": phases}, cursor, progress_events)
-        if ended is not None and ended["type"] == RunnerEventKind.SUCCEEDED:
-            self._succeed(record.id, ended["data"])
+        self._store.record_progress(record.id, progress, events[-1].seq, progress_events)
+        if isinstance(ended, RunnerSucceeded):
+            self._succeed(record.id, ended.outputs)
         elif ended is not None:
-            self._fail(record.id, ended["data"]["error"])
+            self._fail(record.id, ended.error)
 
-    def _succeed(self, evaluation_id: str, output: dict[str, Any]) -> None:
-        results = json.loads(output["results_json"])
+    def _succeed(self, evaluation_id: str, outputs: RunOutputs) -> None:
+        results = json.loads(outputs.results_json)  # lm-eval's results file
         events: list[NewEvent] = [
-            (EventKind.TASK_RESULT, {"task": task, "metrics": metrics})
+            TaskResultEvent(task=task, metrics=metrics)
             for task, metrics in results.get("results", {}).items()
         ]
         with self._lock:
             if evaluation_id in self._cancelling:
                 return
             stored = self._store.finish_succeeded(
-                evaluation_id, output["results_json"], output["samples"], output["stats"], events
+                evaluation_id, outputs.results_json, outputs.samples, outputs.stats, events
             )
         if stored:
             logger.info("evaluation %s succeeded", evaluation_id)
-        kept = output.get("replicas", {}).get("kept", False)
+        kept = outputs.replicas.kept
         if not (stored and kept and self._keep(evaluation_id, self._store.get(evaluation_id))):
             self._release_later(evaluation_id)
 
@@ -530,7 +539,8 @@ class EvaluationManager:
                 current = ray.get(call, timeout=0)
             except ray.exceptions.RayError:
                 continue  # a runner of an older version, or dying: found by name if needed
-            found[current["evaluation_id"]] = (calls[call], current["owner"])
+            if isinstance(current, RunnerStatus):
+                found[current.evaluation_id] = (calls[call], current.owner)
         return found
 
     def _release(self, evaluation_id: str) -> bool:
@@ -563,26 +573,16 @@ class EvaluationManager:
 
 def _where(record: EvaluationRecord) -> str:
     """Where an evaluation stopped, from its stored progress."""
-    phases = record.progress.get("phases", {})
-    if not phases:
+    last = record.progress.latest()
+    if last is None:
         return (
             "before its first batch (reserving resources, loading the model or building requests)"
         )
-    phase, last = max(phases.items(), key=lambda item: item[1].get("updated_at", 0.0))
-    where = f"after {last['done']}/{last['total']} {phase} requests"
-    if all(p["done"] >= p["total"] for p in phases.values()):
-        iters = record.config.get("bootstrap_iters", 0)
+    where = f"after {last.done}/{last.total} {last.phase} requests"
+    if record.progress.all_answered():
+        iters = EvaluationConfig.from_json(record.config).bootstrap_iters
         where += (
             ": every request was answered, so lm-eval was computing metrics "
             f"(bootstrap_iters={iters}) or building the next request type"
         )
     return where
-
-
-def _progress_event(latest: dict[str, Any], phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """A progress event: the phase that moved, plus totals over every phase seen so far."""
-    return {
-        **latest,
-        "overall_done": sum(p["done"] for p in phases.values()),
-        "overall_total": sum(p["total"] for p in phases.values()),
-    }

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -41,6 +41,13 @@ from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from rayeval.service.errors import EvaluationNotFoundError
+from rayeval.service.events import (
+    EvaluationProgress,
+    ResultEvent,
+    StateEvent,
+    StreamEvent,
+    stream_event,
+)
 from rayeval.service.jobs.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
 
 logger = logging.getLogger(__name__)
@@ -116,9 +123,8 @@ class _SamplesRow(_Base):
 class EvaluationRecord:
     """One stored evaluation, detached from the database.
 
-    ``config`` is ``EvaluationConfig.to_json()``; ``progress`` is
-    ``{"phases": {request type: {done, total, tokens_per_s, ...}}}``; ``runner_cursor``
-    is the last runner event already turned into stored events.
+    ``config`` is ``EvaluationConfig.to_json()``; ``progress`` is per request type its latest
+    report; ``runner_cursor`` is the last runner event already turned into stored events.
     """
 
     id: str
@@ -130,28 +136,32 @@ class EvaluationRecord:
     started_at: datetime | None
     finished_at: datetime | None
     error: str | None
-    progress: dict[str, Any]
+    progress: EvaluationProgress
     last_event_seq: int
     runner_cursor: int
 
 
 @dataclass(frozen=True)
 class EventRecord:
-    """One event of an evaluation's stream."""
+    """One event of an evaluation's stream: ``data`` is its JSON as stored."""
 
     seq: int
     type: EventKind
     data: dict[str, Any]
     created_at: datetime
 
+    def payload(self) -> StreamEvent:
+        """The event as its type (:mod:`rayeval.service.events`).
 
-#: An event about to be stored: its kind and its JSON-able payload.
-NewEvent = tuple[EventKind, dict[str, Any]]
+        Raises:
+            pydantic.ValidationError: the stored JSON is not the form of its kind.
+        """
+        return stream_event(self.type, self.data)
 
 
-def state_event(status: EvaluationStatus, error: str | None = None) -> NewEvent:
-    """The event that records a state change."""
-    return (EventKind.STATE, {"status": status.value, "error": error})
+#: An event about to be stored: a typed stream event, or one already in its stored form (its
+#: kind and its JSON).
+NewEvent = StreamEvent | tuple[EventKind, dict[str, Any]]
 
 
 class EvaluationStore:
@@ -199,14 +209,14 @@ class EvaluationStore:
             config=config,
             resources=resources,
             created_at=_now(),
-            progress={"phases": {}},
+            progress=EvaluationProgress().dump(),
             last_event_seq=0,
             runner_cursor=0,
         )
         with self._transaction(row.id) as session:
             session.add(row)
             session.flush()
-            _append_events(session, row.id, [state_event(EvaluationStatus.QUEUED)])
+            _append_events(session, row.id, [StateEvent(status=EvaluationStatus.QUEUED)])
             session.refresh(row)
             return _record(row)
 
@@ -238,17 +248,20 @@ class EvaluationStore:
         with self._transaction(evaluation_id) as session:
             if not _update_if(session, evaluation_id, expect, **values):
                 return False
-            _append_events(session, evaluation_id, [*events, state_event(to, error)])
+            _append_events(session, evaluation_id, [*events, StateEvent(status=to, error=error)])
             return True
 
     def record_progress(
         self,
         evaluation_id: str,
-        progress: dict[str, Any],
+        progress: EvaluationProgress | Mapping[str, Any],
         runner_cursor: int,
         events: Sequence[NewEvent] = (),
     ) -> bool:
         """Store new progress and the runner cursor of an active evaluation, with its events.
+
+        Args:
+            progress: The evaluation's progress (or its JSON form).
 
         Returns:
             False if the evaluation is no longer active (nothing is written then).
@@ -258,7 +271,7 @@ class EvaluationStore:
                 session,
                 evaluation_id,
                 ACTIVE_STATUSES,
-                progress=progress,
+                progress=_progress(progress).dump(),
                 runner_cursor=runner_cursor,
             ):
                 return False
@@ -302,7 +315,7 @@ class EvaluationStore:
             _append_events(
                 session,
                 evaluation_id,
-                [*events, (EventKind.RESULT, {}), state_event(EvaluationStatus.SUCCEEDED)],
+                [*events, ResultEvent(), StateEvent(status=EvaluationStatus.SUCCEEDED)],
             )
             return True
 
@@ -445,7 +458,8 @@ def _append_events(session: Session, evaluation_id: str, events: Sequence[NewEve
         .returning(_EvaluationRow.last_event_seq)
     ).scalar_one()
     now = _now()
-    for offset, (kind, data) in enumerate(events):
+    for offset, new in enumerate(events):
+        kind, data = new if isinstance(new, tuple) else new.stored()
         seq = last - len(events) + 1 + offset
         session.add(
             _EventRow(evaluation_id=evaluation_id, seq=seq, type=kind, data=data, created_at=now)
@@ -479,10 +493,17 @@ def _record(row: _EvaluationRow) -> EvaluationRecord:
         started_at=row.started_at,
         finished_at=row.finished_at,
         error=row.error,
-        progress=row.progress,
+        progress=_progress(row.progress),
         last_event_seq=row.last_event_seq,
         runner_cursor=row.runner_cursor,
     )
+
+
+def _progress(progress: EvaluationProgress | Mapping[str, Any]) -> EvaluationProgress:
+    """Stored progress as its type (the JSON column reads back as a dict)."""
+    if isinstance(progress, EvaluationProgress):
+        return progress
+    return EvaluationProgress.parse(progress)
 
 
 def _make_engine(url: str) -> Engine:
