@@ -32,7 +32,8 @@ from rayeval.service.errors import (
     EvaluationStateError,
     ServiceNotReadyError,
 )
-from rayeval.service.jobs.manager import EvaluationManager, ManagerOptions
+from rayeval.service.jobs.manager import EvaluationManager
+from rayeval.service.jobs.options import ManagerOptions
 from rayeval.service.jobs.ray_resources import connect_ray
 from rayeval.service.jobs.store import EvaluationStore
 from rayeval.service.jobs.tasks import TaskCatalog

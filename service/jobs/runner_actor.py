@@ -23,7 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from rayeval.actors.errors import RayEvalError
+from rayeval.actors.process import runner_environment
 from rayeval.service.config import EvaluationConfig, HostOptions
 from rayeval.service.engine.warm import KeptReplicas
 from rayeval.service.events import (
@@ -38,7 +41,7 @@ from rayeval.service.events import (
     RunnerWarning,
     RunOutputs,
 )
-from rayeval.service.jobs.ray_resources import group_name
+from rayeval.service.jobs.ray_resources import group_name, runner_name
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +198,42 @@ class EvaluationRunner:
         return RunOutputs(
             results_json=results_json, samples=samples, stats=output.stats, replicas=replicas
         )
+
+
+def launch_runner(
+    evaluation_id: str,
+    config: dict[str, Any],
+    namespace: str,
+    include_paths: list[str],
+    response_cache: str | None,
+    keep_replicas: bool,
+) -> Any:
+    """Start the named, detached runner actor of an evaluation (its first evaluation starts).
+
+    Args:
+        evaluation_id: Names the runner (:func:`runner_name`) and what it creates.
+        config: ``EvaluationConfig.to_json()`` (device resolved).
+        namespace: The service's Ray namespace (where a restarted API looks for runners).
+        include_paths: The server's task directories.
+        response_cache: Path prefix of the response cache (None: none).
+        keep_replicas: Keep the loaded ranks after a successful evaluation.
+
+    Returns:
+        The actor's handle.
+    """
+    return (
+        ray.remote(EvaluationRunner)
+        .options(
+            name=runner_name(evaluation_id),
+            namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=0,
+            runtime_env={"env_vars": runner_environment()},
+        )
+        .remote(evaluation_id, config, include_paths, response_cache, keep_replicas)
+    )
 
 
 def _read_lm_eval_files(output_dir: Path) -> tuple[str, dict[str, str]]:
