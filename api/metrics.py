@@ -64,90 +64,110 @@ class ServiceCollector(Collector):
         yield from families.all()
 
 
+_EVALUATION = ("evaluation",)
+_PHASE = ("evaluation", "request_type")
+_REPLICA = ("evaluation", "request_type", "replica")
+_RANK = ("evaluation", "replica", "shard_rank")
+#: Every family: attribute -> (metric name, help, labels), in the order a scrape lists them.
+_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "evaluations": ("rayeval_evaluations", "Evaluations in each state.", ("state",)),
+    "queue_length": ("rayeval_queue_length", "Evaluations waiting for room on the cluster.", ()),
+    "done": (
+        "rayeval_evaluation_requests_done",
+        "Requests computed so far (answers from the response cache not included).",
+        _PHASE,
+    ),
+    "planned": (
+        "rayeval_evaluation_requests_planned",
+        "Requests to compute for this request type (known once it starts).",
+        _PHASE,
+    ),
+    "requests_per_s": (
+        "rayeval_evaluation_requests_per_second",
+        "Requests computed per second of this request type.",
+        _PHASE,
+    ),
+    "tokens_per_s": (
+        "rayeval_evaluation_tokens_per_second",
+        "Real (non-padding) tokens computed per second of this request type.",
+        _PHASE,
+    ),
+    "eta": (
+        "rayeval_evaluation_eta_seconds",
+        "Seconds left for this request type at its rate so far.",
+        _PHASE,
+    ),
+    "real_tokens": (
+        "rayeval_evaluation_real_token_ratio",
+        "Real tokens / padded tokens computed (padding efficiency).",
+        _PHASE,
+    ),
+    "cache_hits": (
+        "rayeval_evaluation_cache_hits",
+        "Requests answered from the response cache instead of computed.",
+        _PHASE,
+    ),
+    "replica_requests": (
+        "rayeval_replica_requests_per_second",
+        "Requests one replica computed per second of this request type.",
+        _REPLICA,
+    ),
+    "replica_tokens": (
+        "rayeval_replica_tokens_per_second",
+        "Real tokens one replica computed per second of this request type.",
+        _REPLICA,
+    ),
+    "utilisation": (
+        "rayeval_replica_utilisation_ratio",
+        "Share of the request type's wall time the replica's slowest rank spent computing.",
+        _REPLICA,
+    ),
+    "rss": (
+        "rayeval_rank_resident_memory_bytes",
+        "Resident memory of a rank's process after its last micro-batch.",
+        _RANK,
+    ),
+    "device_memory": (
+        "rayeval_rank_device_memory_bytes",
+        "Device (CUDA) memory held by a rank's tensors after its last micro-batch.",
+        _RANK,
+    ),
+    "load": (
+        "rayeval_evaluation_load_seconds",
+        "Seconds the slowest rank took to load its shard of the model.",
+        _EVALUATION,
+    ),
+    "startup": (
+        "rayeval_evaluation_startup_seconds",
+        "Seconds from the engine's start (reserving ranks) to its first batch.",
+        _EVALUATION,
+    ),
+}
+
+
 class _Families:
-    """One empty family per metric, filled by the collector."""
+    """One empty family per metric of :data:`_FAMILIES`, filled by the collector."""
+
+    evaluations: GaugeMetricFamily
+    queue_length: GaugeMetricFamily
+    done: GaugeMetricFamily
+    planned: GaugeMetricFamily
+    requests_per_s: GaugeMetricFamily
+    tokens_per_s: GaugeMetricFamily
+    eta: GaugeMetricFamily
+    real_tokens: GaugeMetricFamily
+    cache_hits: GaugeMetricFamily
+    replica_requests: GaugeMetricFamily
+    replica_tokens: GaugeMetricFamily
+    utilisation: GaugeMetricFamily
+    rss: GaugeMetricFamily
+    device_memory: GaugeMetricFamily
+    load: GaugeMetricFamily
+    startup: GaugeMetricFamily
 
     def __init__(self) -> None:
-        evaluation = ["evaluation"]
-        phase = ["evaluation", "request_type"]
-        replica = ["evaluation", "request_type", "replica"]
-        rank = ["evaluation", "replica", "shard_rank"]
-        self.evaluations = GaugeMetricFamily(
-            "rayeval_evaluations", "Evaluations in each state.", labels=["state"]
-        )
-        self.queue_length = GaugeMetricFamily(
-            "rayeval_queue_length", "Evaluations waiting for room on the cluster."
-        )
-        self.done = GaugeMetricFamily(
-            "rayeval_evaluation_requests_done",
-            "Requests computed so far (answers from the response cache not included).",
-            labels=phase,
-        )
-        self.planned = GaugeMetricFamily(
-            "rayeval_evaluation_requests_planned",
-            "Requests to compute for this request type (known once it starts).",
-            labels=phase,
-        )
-        self.requests_per_s = GaugeMetricFamily(
-            "rayeval_evaluation_requests_per_second",
-            "Requests computed per second of this request type.",
-            labels=phase,
-        )
-        self.tokens_per_s = GaugeMetricFamily(
-            "rayeval_evaluation_tokens_per_second",
-            "Real (non-padding) tokens computed per second of this request type.",
-            labels=phase,
-        )
-        self.eta = GaugeMetricFamily(
-            "rayeval_evaluation_eta_seconds",
-            "Seconds left for this request type at its rate so far.",
-            labels=phase,
-        )
-        self.real_tokens = GaugeMetricFamily(
-            "rayeval_evaluation_real_token_ratio",
-            "Real tokens / padded tokens computed (padding efficiency).",
-            labels=phase,
-        )
-        self.cache_hits = GaugeMetricFamily(
-            "rayeval_evaluation_cache_hits",
-            "Requests answered from the response cache instead of computed.",
-            labels=phase,
-        )
-        self.replica_requests = GaugeMetricFamily(
-            "rayeval_replica_requests_per_second",
-            "Requests one replica computed per second of this request type.",
-            labels=replica,
-        )
-        self.replica_tokens = GaugeMetricFamily(
-            "rayeval_replica_tokens_per_second",
-            "Real tokens one replica computed per second of this request type.",
-            labels=replica,
-        )
-        self.utilisation = GaugeMetricFamily(
-            "rayeval_replica_utilisation_ratio",
-            "Share of the request type's wall time the replica's slowest rank spent computing.",
-            labels=replica,
-        )
-        self.rss = GaugeMetricFamily(
-            "rayeval_rank_resident_memory_bytes",
-            "Resident memory of a rank's process after its last micro-batch.",
-            labels=rank,
-        )
-        self.device_memory = GaugeMetricFamily(
-            "rayeval_rank_device_memory_bytes",
-            "Device (CUDA) memory held by a rank's tensors after its last micro-batch.",
-            labels=rank,
-        )
-        self.load = GaugeMetricFamily(
-            "rayeval_evaluation_load_seconds",
-            "Seconds the slowest rank took to load its shard of the model.",
-            labels=evaluation,
-        )
-        self.startup = GaugeMetricFamily(
-            "rayeval_evaluation_startup_seconds",
-            "Seconds from the engine's start (reserving ranks) to its first batch.",
-            labels=evaluation,
-        )
+        for attribute, (name, documentation, labels) in _FAMILIES.items():
+            setattr(self, attribute, GaugeMetricFamily(name, documentation, labels=list(labels)))
 
     def all(self) -> Iterator[Metric]:
         yield from (v for v in vars(self).values() if isinstance(v, GaugeMetricFamily))
