@@ -181,7 +181,7 @@ class Parallelism(_Frozen):
 class TimeoutSettings(_Frozen):
     """Every wait of the run, in seconds.
 
-    The first four are the rank side's (:class:`rayeval.actors.group.Timeouts`, with its
+    The first four are the rank side's (:class:`rayeval.actors.layout.Timeouts`, with its
     defaults); ``control_s`` and ``reuse_s`` bound the service's calls to what an earlier
     evaluation kept loaded (warm replicas).
     """
