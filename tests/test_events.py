@@ -34,6 +34,8 @@ from rayeval.service.events import (
 )
 from rayeval.service.jobs.states import EvaluationStatus, EventKind
 
+pytestmark = pytest.mark.unit
+
 PROGRESS = Progress(
     phase="loglikelihood",
     done=6,

@@ -36,6 +36,8 @@ from rayeval.service.jobs.following import (
 from rayeval.service.jobs.records import EvaluationRecord
 from rayeval.service.jobs.states import EvaluationStatus
 
+pytestmark = pytest.mark.unit
+
 #: placement 10 + load 100 before the first batch, step 50 after; the server adds its 1000.
 TIMEOUTS = TimeoutSettings(placement_s=10, load_s=100, step_s=50)
 STALL_S = 1000.0

@@ -15,6 +15,8 @@ from rayeval.service.jobs.recovery import FoundRunner, Recovery, plan_recovery
 from rayeval.service.jobs.states import EvaluationStatus
 from rayeval.service.jobs.tracking import FollowedEvaluations
 
+pytestmark = pytest.mark.unit
+
 
 def _active(evaluation_id: str) -> EvaluationRecord:
     now = datetime.now(UTC)
