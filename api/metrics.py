@@ -30,8 +30,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from rayeval.service.events import PhaseReport
-from rayeval.service.jobs.states import EvaluationStatus
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
+from rayeval.service.states import EvaluationStatus
 
 _MIB = 2**20
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rayeval.service.config import EvaluationConfig
 from rayeval.service.events import EvaluationProgress, PhaseCounts
-from rayeval.service.jobs.states import EvaluationStatus
+from rayeval.service.states import EvaluationStatus
 
 #: The body of ``POST /evaluations``: lm-eval's options (same names and meanings) plus the layout.
 EvaluationCreate = EvaluationConfig

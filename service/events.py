@@ -21,7 +21,7 @@ API answers             :class:`PhaseCounts`, what ``GET /evaluations/{id}`` sho
 before these types existed (the same keys), so stored rows and clients keep working. Types read
 from storage or from another process's answers ignore keys they do not know (a row written by
 another version); the types the engine and the runner build refuse them. The kinds of events and
-the evaluation states are :mod:`rayeval.service.jobs.states`' (a module of enums). No torch here.
+the evaluation states are :mod:`rayeval.service.states`' (a module of enums). No torch here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from rayeval.service.jobs.states import EvaluationStatus, EventKind, RunnerEventKind
+from rayeval.service.states import EvaluationStatus, EventKind, RunnerEventKind
 
 
 class _Typed(BaseModel):

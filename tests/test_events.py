@@ -32,7 +32,7 @@ from rayeval.service.events import (
     WarningEvent,
     stream_event,
 )
-from rayeval.service.jobs.states import EvaluationStatus, EventKind
+from rayeval.service.states import EvaluationStatus, EventKind
 
 pytestmark = pytest.mark.unit
 

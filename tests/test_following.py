@@ -34,7 +34,7 @@ from rayeval.service.jobs.following import (
     where_stopped,
 )
 from rayeval.service.jobs.records import EvaluationRecord
-from rayeval.service.jobs.states import EvaluationStatus
+from rayeval.service.states import EvaluationStatus
 
 pytestmark = pytest.mark.unit
 

@@ -12,8 +12,8 @@ from rayeval.service.jobs.admission import Kept
 from rayeval.service.jobs.kept import KeptRunners
 from rayeval.service.jobs.records import EvaluationRecord
 from rayeval.service.jobs.recovery import FoundRunner, Recovery, plan_recovery
-from rayeval.service.jobs.states import EvaluationStatus
 from rayeval.service.jobs.tracking import FollowedEvaluations
+from rayeval.service.states import EvaluationStatus
 
 pytestmark = pytest.mark.unit
 

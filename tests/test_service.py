@@ -422,8 +422,8 @@ def test_dashboard_lists_evaluation_and_shows_metrics(
 def test_restart_keeps_finished_and_fails_lost_runs(
     main_run: dict[str, Any], server: ServerThread, client: httpx.Client, demo: Any
 ) -> None:
-    from rayeval.service.jobs.states import EvaluationStatus
     from rayeval.service.jobs.store import EvaluationStore
+    from rayeval.service.states import EvaluationStatus
 
     evaluation_id = main_run["final"]["id"]
     results_before = client.get(f"/evaluations/{evaluation_id}/results").content
@@ -919,8 +919,8 @@ def test_loopback_rule() -> None:
 def test_store_state_changes_are_exclusive_and_events_numbered(tmp_path: Path) -> None:
     """A cancel racing a completion and a progress report: exactly one of the two state changes
     wins, results exist only if completion won, and event numbers stay 1, 2, 3, ..."""
-    from rayeval.service.jobs.states import EvaluationStatus
     from rayeval.service.jobs.store import EvaluationStore
+    from rayeval.service.states import EvaluationStatus
 
     store = EvaluationStore(f"sqlite:///{tmp_path / 'race.db'}")
     store.create_schema()
@@ -940,7 +940,7 @@ def test_store_state_changes_are_exclusive_and_events_numbered(tmp_path: Path) -
 
 def _race(store: Any, record_id: str) -> list[bool]:
     """Cancel, complete and report progress at the same instant; the two state changes' results."""
-    from rayeval.service.jobs.states import EvaluationStatus, EventKind
+    from rayeval.service.states import EvaluationStatus, EventKind
 
     barrier = threading.Barrier(3)
     outcomes: list[bool] = []
@@ -982,8 +982,8 @@ def test_api_never_imports_torch() -> None:
 @pytest.mark.unit
 def test_status_lifecycle(tmp_path: Path) -> None:
     """The state machine: terminal states have no way out, and the store allows only its moves."""
-    from rayeval.service.jobs.states import EvaluationStatus as S
     from rayeval.service.jobs.store import EvaluationStore
+    from rayeval.service.states import EvaluationStatus as S
 
     assert {s.value for s in S if s.is_terminal} == TERMINAL
     assert {s.value for s in S if s.is_active} == {"starting", "running"}

@@ -141,7 +141,7 @@ def submission_body(
     Raises:
         ConfigError: a bad flag, or one that only the server's operator sets.
     """
-    from rayeval.service.config import LM_EVAL_HOST_FIELDS
+    from rayeval.service.lm_eval_options import LM_EVAL_HOST_FIELDS
 
     given = vars(args)
     refused = [f"--{name}" for name in LM_EVAL_HOST_FIELDS | {"include_path"} if given.get(name)]

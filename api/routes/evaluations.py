@@ -32,8 +32,8 @@ from rayeval.api.views import EventFeed
 from rayeval.service.config import EvaluationConfig
 from rayeval.service.errors import EvaluationNotFoundError, EvaluationStateError
 from rayeval.service.events import StateEvent
-from rayeval.service.jobs.states import EvaluationStatus, EventKind
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
+from rayeval.service.states import EvaluationStatus, EventKind
 
 router = APIRouter(
     prefix="/evaluations",

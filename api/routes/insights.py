@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 from rayeval.api.deps import StoreDep, require_token
 from rayeval.api.schemas import EVALUATION_ERRORS
 from rayeval.service.events import ProgressEvent
-from rayeval.service.jobs.states import EventKind
+from rayeval.service.states import EventKind
 
 router = APIRouter(
     prefix="/evaluations",

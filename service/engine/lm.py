@@ -32,11 +32,7 @@ from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
 from rayeval.actors.profiles import ModelShape
 from rayeval.actors.sharding import ShardStrategy, model_obstacles, refusal
-from rayeval.service.config import (
-    DEFAULT_SEED,
-    EngineConfig,
-    HostOptions,
-)
+from rayeval.service.config import DEFAULT_SEED, EngineConfig, HostOptions
 from rayeval.service.engine.checks import (
     RequestReport,
     check_empty_context_pairs,
@@ -367,8 +363,8 @@ class RayEvalLM(TemplateLM):
         background); the executor computes on them."""
         kept = None
         if self._replicas is not None:
-            control_s = min(self._timeouts.step_s, 60.0)
-            kept = self._replicas.take_ready(self._key, seed, timeout_s=control_s)
+            wait_s = min(self._timeouts.step_s, self.config.timeouts.reuse_s)
+            kept = self._replicas.take_ready(self._key, seed, timeout_s=wait_s)
         parallelism = self.config.parallelism
         group = kept or WorkerGroup.create(
             self.name,

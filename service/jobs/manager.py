@@ -55,11 +55,11 @@ from rayeval.service.jobs.options import ManagerOptions
 from rayeval.service.jobs.ray_resources import Releaser, brief, find_runner
 from rayeval.service.jobs.recovery import plan_recovery, scan_runners
 from rayeval.service.jobs.runner_actor import launch_runner
-from rayeval.service.jobs.states import EvaluationStatus
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
 from rayeval.service.jobs.tasks import TaskCatalog
 from rayeval.service.jobs.tracking import FollowedEvaluations
 from rayeval.service.jobs.validation import check_submission
+from rayeval.service.states import EvaluationStatus
 
 __all__ = ["EvaluationManager", "ManagerOptions"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from rayeval.service.events import EvaluationProgress, StreamEvent, stream_event
 from rayeval.service.jobs.rows import EvaluationRow
-from rayeval.service.jobs.states import EvaluationStatus, EventKind
+from rayeval.service.states import EvaluationStatus, EventKind
 
 
 @dataclass(frozen=True)

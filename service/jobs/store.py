@@ -6,7 +6,7 @@ never sees an event whose state is not stored, nor a terminal state without its 
 transitions are conditional updates (``... WHERE status IN (expected)``): whoever changes an
 evaluation first wins and the loser learns it from the return value, which is what makes a
 concurrent cancel and completion safe; the allowed moves are
-:data:`rayeval.service.jobs.states.TRANSITIONS`. lm-eval's results are stored once, in their own
+:data:`rayeval.service.states.TRANSITIONS`. lm-eval's results are stored once, in their own
 table: the ``result`` event on the stream holds no copy (the API fills it in from the results table
 when it sends it). Event numbers (``seq``) start at 1 and increase by one per evaluation. No torch
 here.
@@ -42,7 +42,7 @@ from rayeval.service.jobs.rows import (
     SamplesRow,
     make_engine,
 )
-from rayeval.service.jobs.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
+from rayeval.service.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
 
 #: The records the store hands out are defined beside it; importers may name them from here.
 __all__ = ["EvaluationRecord", "EvaluationStore", "EventRecord", "NewEvent"]
