@@ -81,6 +81,8 @@ def unsupported(model: Any, kwargs: dict[str, Any]) -> str | None:
     layers = DynamicCache(config=model.config).layers
     if any(type(layer) is not DynamicLayer for layer in layers):
         return "the model's KV cache is not a plain dynamic cache (sliding windows?)"
+    if not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        return "transformers' dynamic cache layers no longer hold keys and values"
     return None
 
 
