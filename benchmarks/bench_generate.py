@@ -166,7 +166,8 @@ def run_row(
         import torch
         from lm_eval.models.huggingface import HFLM
 
-        torch.set_num_threads(args.cores if args.device == "cpu" else torch.get_num_threads())
+        cpu_threads = args.hf_threads or args.cores
+        torch.set_num_threads(cpu_threads if args.device == "cpu" else torch.get_num_threads())
         lm: Any = HFLM(
             pretrained=str(model_dir), device=args.device, dtype=args.dtype, batch_size=batch
         )
@@ -262,6 +263,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", help="float32 (CPU) or bfloat16 (GPU)")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="CPU cores")
+    parser.add_argument(
+        "--hf_threads", type=int, default=None, help="torch threads of the hf row (--cores)"
+    )
     parser.add_argument("--num_cpus", type=int, default=4, help="logical CPUs of the local Ray")
     parser.add_argument("--model_dir", default=None, help="build (or reuse) the model here")
     parser.add_argument(

@@ -149,8 +149,8 @@ def run_hf(model_dir: Path, task_manager: Any, args: argparse.Namespace) -> tupl
     import torch
     from lm_eval.api.registry import get_model
 
-    torch.set_num_threads(args.cores)
-    figures = VariedFigures("lm-eval hf", batch=str(args.batch))
+    torch.set_num_threads(args.hf_threads or args.cores)
+    figures = VariedFigures(f"lm-eval hf t{args.hf_threads or args.cores}", batch=str(args.batch))
     started = time.perf_counter()
     lm = get_model("hf").create_from_arg_obj(
         {"pretrained": str(model_dir), "dtype": args.dtype},
