@@ -64,7 +64,7 @@ class ShardWorker:
         self._rank: RankModel | None = None
         self._scorer: Scorer | None = None
         #: Tokens fed to the model's input embeddings (see input_token_counts).
-        self._fed = {"fed": 0, "real": 0, "calls": 0}
+        self._fed = {"fed": 0, "real": 0, "calls": 0, "decode_rows": 0}
         self._cuda_index: int | None = None
         self._strategy.prepare_process(options.shard_size)
 
@@ -204,7 +204,8 @@ class ShardWorker:
         Returns:
             ``fed``: every input position of every forward and ``generate`` step, padding and
             dummy micro-batches included; ``real``: those whose id is not the padding id;
-            ``calls``: the embedding's calls.
+            ``calls``: the embedding's calls; ``decode_rows``: the rows of the calls fed one
+            position per row (one-token decode steps), finished rows included.
         """
         return dict(self._fed)
 
@@ -214,6 +215,8 @@ class ShardWorker:
             self._fed["fed"] += args[0].numel()
             self._fed["real"] += int((args[0] != self._spec.pad_token_id).sum())
             self._fed["calls"] += 1
+            if args[0].dim() == 2 and args[0].shape[1] == 1:
+                self._fed["decode_rows"] += args[0].shape[0]
 
     def _select_device(self) -> torch.device:
         """This rank's device; for CUDA also makes it the current device of the process."""
