@@ -507,7 +507,17 @@ def test_admission_fifo_cancel_and_reattach(
         status = client.get(f"/evaluations/{evaluation['id']}").json()
         assert status["status"] in {"starting", "running", "succeeded"}, status["error"]
 
-    # Cancelling C while it runs releases its runner, rank actor and placement group at once.
+    _cancel_while_running(client, c)
+    a, b = _a_then_b(server, client, a, b)
+    for evaluation in (a, b, d):
+        assert leftovers_after(evaluation["id"]) == ([], [])
+    # The manager never overwrote a cancel with a "runner died" failure.
+    assert client.get(f"/evaluations/{c['id']}").json()["status"] == "cancelled"
+    assert client.get(f"/evaluations/{d['id']}").json()["status"] == "cancelled"
+
+
+def _cancel_while_running(client: httpx.Client, c: dict[str, Any]) -> None:
+    """Cancelling C while it runs releases its runner, rank actor and placement group at once."""
     running = wait_for(client, c["id"], lambda e: e["status"] in TERMINAL | {"running"}, 180)
     assert running["status"] == "running", running["error"]
     actors, groups = ray_leftovers(c["id"])
@@ -522,7 +532,11 @@ def test_admission_fifo_cancel_and_reattach(
     assert again.status_code == 409 and "already cancelled" in again.json()["detail"]
     assert client.get(f"/evaluations/{c['id']}/results").status_code == 409
 
-    # A then B, never both at once; B started only after A had finished.
+
+def _a_then_b(
+    server: ServerThread, client: httpx.Client, a: dict[str, Any], b: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A then B, never both at once; B started only after A had finished."""
     a = wait_for(client, a["id"], finished)
     b = wait_for(client, b["id"], finished)
     assert a["status"] == b["status"] == "succeeded", (a["error"], b["error"])
@@ -534,11 +548,7 @@ def test_admission_fifo_cancel_and_reattach(
     assert b_started >= a_last_batch, "B started while A's ranks were computing"
     states = [e["data"]["status"] for e in a_events if e["event"] == "state"]
     assert states == ["queued", "starting", "running", "succeeded"], "A ran exactly once"
-    for evaluation in (a, b, d):
-        assert leftovers_after(evaluation["id"]) == ([], [])
-    # The manager never overwrote a cancel with a "runner died" failure.
-    assert client.get(f"/evaluations/{c['id']}").json()["status"] == "cancelled"
-    assert client.get(f"/evaluations/{d['id']}").json()["status"] == "cancelled"
+    return a, b
 
 
 # --------------------------------------------------------------------------- bad inputs
