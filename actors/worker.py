@@ -196,7 +196,10 @@ class ShardWorker:
         """Continuous batching over a group's requests, streaming each answer as its request
         finishes (:mod:`rayeval.actors.continuous`); a Ray streaming generator."""
         assert self._rank is not None, "setup() loads the model first"
-        yield from generate_group(self._rank, group, synced=self._options.shard_size > 1)
+        # Ranks that compute one batch together (TP) make the same decisions from the same
+        # logits; ranks that each compute their own (FSDP) agree on every step.
+        synced = self._options.shard_size > 1 and not self._strategy.same_batch
+        yield from generate_group(self._rank, group, synced=synced)
 
     def input_token_counts(self) -> dict[str, int]:
         """Tokens this rank's model was fed since it loaded, counted at its input embeddings.

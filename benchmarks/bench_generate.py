@@ -61,8 +61,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.bench_engine import set_environment  # noqa: E402
 from benchmarks.bench_memory import add_model_arguments, build_model, model_figures  # noqa: E402
+from benchmarks.common import set_environment  # noqa: E402
 
 MIB = 1024 * 1024
 LOGPROB_TOL = 1e-4
@@ -79,6 +79,7 @@ class RowSpec:
     batch: int | None = None  # rows per micro-batch; None: --batch
     hf: bool = False
     gloo: bool = False  # the ranks' collectives on gloo even where shared memory would serve
+    static: bool = False  # generate in static batches (continuous batching off)
 
 
 @dataclass
@@ -113,6 +114,8 @@ def row_specs(args: argparse.Namespace) -> list[RowSpec]:
             RowSpec("1x2 fsdp", 2, 1, "fsdp"),
             RowSpec("1x2 default", 2, 1, "auto"),
             RowSpec("1x2 default gloo", 2, 1, "auto", gloo=True),
+            RowSpec("1x1 c1 static", 1, 1, static=True),
+            RowSpec("1x2 default static", 2, 1, "auto", static=True),
         ]
     rows += [RowSpec(f"1x2 fsdp w{w}", 2, 1, "fsdp", batch=w) for w in args.fsdp_widths]
     if args.only:
@@ -182,6 +185,7 @@ def run_row(
             cpus_per_rank=spec.cpus_per_rank,
             shard_strategy=spec.strategy,
             shm_collectives=not spec.gloo,
+            continuous_batching=not spec.static,
             dtype=args.dtype,
             device=args.device,
             batch_size=batch,

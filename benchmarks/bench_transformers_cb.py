@@ -42,7 +42,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.bench_engine import _table, make_task_manager, set_environment  # noqa: E402
+from benchmarks.common import format_table as _table  # noqa: E402
+from benchmarks.common import make_task_manager, set_environment  # noqa: E402
 from benchmarks.varied_bench import ForwardTimer, InputCounter, run_hf  # noqa: E402
 from benchmarks.varied_workload import (  # noqa: E402
     MAX_GEN_TOKS,

@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_engine import PhaseTimer, _table, make_task_manager
+from benchmarks.common import PhaseTimer, make_task_manager
+from benchmarks.common import format_table as _table
 from benchmarks.varied_workload import (
     MAX_GEN_TOKS,
     VARIED_TASK,
@@ -180,6 +181,7 @@ def run_rayeval(spec: Any, model_dir: Path, task_manager: Any, args: Any) -> Var
         cpus_per_rank=spec.cpus_per_rank,
         shard_strategy=spec.strategy,
         shm_collectives=not spec.gloo,
+        continuous_batching=not spec.static,
         dtype=args.dtype,
         device=args.device,
         batch_size=batch,
