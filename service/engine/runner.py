@@ -5,7 +5,8 @@ the :class:`rayeval.service.config.HostOptions` of where it runs, turns them int
 ``EvaluatorConfig`` (so every lm-eval option means what it means in lm-eval), resolves the tasks,
 evaluates with :class:`rayeval.service.engine.lm.RayEvalLM` and writes what ``lm_eval`` writes,
 where it writes it: ``OUT/<model>/results_<ts>.json`` and, with ``--log_samples``,
-``samples_<task>_<ts>.jsonl``.
+``samples_<task>_<ts>.jsonl``; and records it where it asks to be recorded (W&B, MLflow:
+:mod:`rayeval.service.engine.experiments`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lm_eval.tasks import TaskManager
 
 from rayeval.actors.errors import ConfigError, RayEvalError
 from rayeval.service.config import EvaluationConfig, HostOptions
+from rayeval.service.engine.experiments import ExperimentLog, written_files
 from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
 from rayeval.service.engine.warm import KeptReplicas
@@ -87,7 +89,9 @@ def run_evaluation(
             it is set (a local path, or an fsspec URL such as ``s3://bucket/evals`` with its
             package installed).
         on_progress: Called after every finished step.
-        on_warning: Called when a task has such requests (``{task, counts, example}``).
+        on_warning: Called when a task has such requests (``{task, counts, example}``), and
+            when an experiment tracker did not record the evaluation (``{tracker, message}``:
+            :mod:`rayeval.service.engine.experiments`; the evaluation still succeeds).
         replicas: Loaded replicas to use if they match, and to keep these ones in after a
             successful evaluation (the service's warm replicas; :mod:`rayeval.service.engine.warm`).
 
@@ -127,16 +131,19 @@ def _evaluate(
     if os.environ.get("HF_TOKEN"):
         cfg.hf_hub_log_args["token"] = os.environ["HF_TOKEN"]
     tracker = EvaluationTracker(**cfg.hf_hub_log_args)
-    # lm-eval's W&B logger, set up before the run as `lm_eval run` does (wandb.init happens here).
-    wandb_logger = _wandb_logger(cfg)
+    # The trackers, set up before the run as `lm_eval run` does (wandb.init happens here).
+    experiments = ExperimentLog(config, host, cfg, on_warning)
     # lm-eval may have changed model args (--trust_remote_code): the engine uses its copy.
-    with RayEvalLM.from_config(
-        config.model_copy(update={"model_args": dict(cfg.model_args)}),
-        host,
-        on_progress=on_progress,
-        on_warning=on_warning,
-        replicas=replicas,
-    ) as lm:
+    with (
+        experiments.abandoned_on_error(),
+        RayEvalLM.from_config(
+            config.model_copy(update={"model_args": dict(cfg.model_args)}),
+            host,
+            on_progress=on_progress,
+            on_warning=on_warning,
+            replicas=replicas,
+        ) as lm,
+    ):
         results = simple_evaluate(
             model=lm,
             evaluation_tracker=tracker,
@@ -150,6 +157,7 @@ def _evaluate(
             logger.warning("could not ask the ranks where they ran: %s", exc)
             ranks = []
     if results is None:
+        experiments.record_wandb(None, None)
         return None
     if request_warnings:
         results["request_warnings"] = request_warnings
@@ -157,9 +165,9 @@ def _evaluate(
     results["config"]["model"] = cfg.model
     tracker.general_config_tracker.model_source = cfg.model
     samples = results.pop("samples", None) if cfg.log_samples else None
-    if wandb_logger is not None:
-        _log_to_wandb(wandb_logger, results, samples)
+    experiments.record_wandb(results, samples)
     _save(tracker, results, samples)
+    experiments.record_mlflow(results, samples, written_files(tracker, results))
     if target is not None:
         target.publish()
     return EvaluationOutput(results=results, samples=samples, stats=stats, ranks=ranks)
@@ -213,40 +221,3 @@ def _save(tracker: Any, results: dict[str, Any], samples: dict[str, Any] | None)
             tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
     if tracker.push_results_to_hub or tracker.push_samples_to_hub:
         tracker.recreate_metadata_card()
-
-
-def _wandb_logger(cfg: EvaluatorConfig) -> Any:
-    """lm-eval's ``WandbLogger`` for ``--wandb_args`` (None without them).
-
-    Raises:
-        ConfigError: wandb is not installed, or ``trackio_args`` were given.
-    """
-    if cfg.trackio_args:
-        raise ConfigError(
-            "--trackio_args is not supported by rayeval yet: log with --wandb_args, or read the "
-            "results file (--output_path)"
-        )
-    if not cfg.wandb_args:
-        return None
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "--wandb_args needs wandb: pip install 'rayeval[wandb]' (or pip install wandb)"
-        ) from None
-    from lm_eval.loggers import WandbLogger
-
-    return WandbLogger(dict(cfg.wandb_args), dict(cfg.wandb_config_args or {}))
-
-
-def _log_to_wandb(logger_: Any, results: dict[str, Any], samples: dict[str, Any] | None) -> None:
-    """Results (and samples) to W&B as `lm_eval run` logs them; the run is finished after."""
-    try:
-        logger_.post_init(results)
-        logger_.log_eval_result()
-        if samples is not None:
-            logger_.log_eval_samples(samples)
-    except Exception as exc:  # as lm-eval: a logging failure does not lose the results
-        logger.warning("logging to W&B failed: %s", exc)
-    finally:
-        logger_.run.finish()
