@@ -10,6 +10,7 @@ the model the encoder describes.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -70,6 +71,24 @@ def build_encoder(pretrained: str, model_args: dict[str, Any]) -> tuple[HFLM, to
     encoder_kwargs.setdefault("tokenizer", pretrained)
     encoder = HFLM(pretrained=shell, backend="causal", **common, **encoder_kwargs)
     return encoder, dtype
+
+
+class _ModelObjectWarnings(logging.Filter):
+    """lm-eval's HF backend warns when it is handed a model object instead of a name (other model
+    args may be ignored; not for ``accelerate``). rayeval always hands it the weightless shell
+    above, with the args that shape tokenisation given to ``HFLM`` itself, and the ranks load the
+    weights: these warnings say nothing about the evaluation, so they are dropped."""
+
+    MESSAGES = (
+        "`pretrained` model kwarg is not of type `str`",
+        "Passed an already-initialized model through `pretrained`",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.MESSAGES)
+
+
+logging.getLogger(HFLM.__module__).addFilter(_ModelObjectWarnings())
 
 
 def model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -> ModelSpec:
