@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from rayeval.actors.errors import RayEvalError
 
@@ -81,6 +81,13 @@ class Tracking(BaseModel):
     tags: dict[_TagKey, _TagValue] = Field(
         default_factory=dict, max_length=64, description="Extra tags on the run."
     )
+
+    @field_validator("experiment", "run_name", mode="before")
+    @classmethod
+    def _names_as_text(cls, value: Any) -> Any:
+        # `--tracking run_name=100` arrives as a number (lm-eval's key=value parsing).
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return str(value) if number else value
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from rayeval.api.cli.evaluation_flags import GROUP_TITLE, add_config_flags, conf
 from rayeval.api.client import RayEvalClient, ServiceError
 from rayeval.service.events import PhaseCounts
 
+#: A request type's bar: the server's rates (tqdm's own would time this client's polls).
+_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} req [{elapsed}{postfix}]"
 #: The commands this module runs.
 COMMANDS = ("submit", "status", "results", "cancel")
 _REMOTE_FLAGS = ("url", "token", "wait")
@@ -215,10 +217,12 @@ def watch(client: RayEvalClient, evaluation_id: str, stream: Any = None) -> dict
                     unit="req",
                     position=len(bars) + 1,
                     file=stream,
+                    bar_format=_BAR,
                 )
             bar.total = p.total
             bar.n = p.done
-            bar.set_postfix(tok_s=f"{p.tokens_per_s:,.0f}", refresh=False)
+            rate = p.done / p.seconds if p.seconds > 0 else 0.0
+            bar.set_postfix(req_s=f"{rate:,.1f}", tok_s=f"{p.tokens_per_s:,.0f}", refresh=False)
             bar.refresh()
 
     try:

@@ -117,12 +117,7 @@ def check_submission(
         ServiceNotReadyError: the task index is not ready yet and nothing else is wrong.
     """
     problems = policy_problems(config, policy) + task_problems(config)
-    if config.tracking is not None and not policy.trackers:
-        problems.append(
-            "tracking: this server records evaluations in no experiment tracker; drop "
-            '"tracking", or ask its operator to start it with --mlflow-tracking-uri or '
-            "--wandb-project"
-        )
+    problems += tracking_problems(config, policy)
     if not problems:  # a model path is read only once the policy allows it (no file oracle)
         problems += strategy_problems(config, node_totals)
     try:
@@ -184,6 +179,17 @@ def strategy_problems(
             "or use --shard_strategy auto (FSDP across nodes)"
         )
     return problems
+
+
+def tracking_problems(config: EvaluationConfig, policy: ServerPolicy) -> list[str]:
+    """An evaluation that asks to be tracked needs a server that has a tracker."""
+    if config.tracking is None or policy.trackers:
+        return []
+    return [
+        "tracking: this server records evaluations in no experiment tracker; drop "
+        '"tracking", or ask its operator to start it with --mlflow-tracking-uri or '
+        "--wandb-project"
+    ]
 
 
 def task_problems(config: EvaluationConfig) -> list[str]:
