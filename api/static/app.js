@@ -452,7 +452,7 @@ function pairedTable(block, comparison, a, b) {
   table.className = "paired-table";
   const head = table.createTHead().insertRow();
   for (const title of ["task", "metric", "filter", "docs", "A", "B", "B − A",
-    "paired 95% interval", "p", "unpaired 95% interval", "flipped (B better / worse)"]) {
+    "paired 95% interval", "p", "unpaired 95% interval", "moved (+ / −)"]) {
     const th = document.createElement("th");
     th.textContent = title;
     head.appendChild(th);
@@ -494,10 +494,14 @@ function flipsCell(row, m, a, b) {
   const summary = document.createElement("summary");
   summary.textContent = "+" + m.flipped.better + " / −" + m.flipped.worse;
   details.appendChild(summary);
+  // 0/1 metrics: documents that flipped; others: documents whose value rose or fell in B.
+  const binary = m.test === "mcnemar";
+  const titles = binary ? { better: "B right, A wrong: ", worse: "A right, B wrong: " }
+    : { better: "higher in B: ", worse: "lower in B: " };
   for (const [name, docs] of [["better", m.better], ["worse", m.worse]]) {
     const line = document.createElement("div");
     line.className = "docs " + name;
-    line.append(name === "better" ? "B better: " : "B worse: ");
+    line.append(titles[name]);
     if (!docs.length) line.append("none");
     for (const doc of docs) {
       const link = document.createElement("a");
@@ -510,7 +514,7 @@ function flipsCell(row, m, a, b) {
         event.preventDefault();
         showDocument(a, b, m.task, doc).catch((error) => say(error.message));
       });
-      line.appendChild(link);
+      line.append(link, " ");
     }
     details.appendChild(line);
   }
