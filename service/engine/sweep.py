@@ -216,9 +216,10 @@ class Sweep:
                 on_progress=on_progress,
                 on_warning=on_warning,
             )
-            self._lm.load_reports  # noqa: B018  # the first load is this checkpoint's swap
+            reports = self._lm.load_reports  # the ranks' start is this checkpoint's swap
+            record.seconds["read"] = max(float(r["seconds"]) for r in reports)
         else:
-            self._lm.load_checkpoint(checkpoint)
+            record.seconds["read"] = self._lm.load_checkpoint(checkpoint)["read_s"]
         record.fingerprint = model_fingerprint(self._lm.config.model_args)
         record.seconds["swap"] = time.monotonic() - started
 

@@ -36,9 +36,10 @@ class CheckpointRecord:
         results_file: Its lm-eval results file, relative to the sweep's output path.
         results: lm-eval's ``results`` and ``groups`` entries, by task or group.
         higher_is_better: lm-eval's ``higher_is_better``, by task or group.
-        seconds: ``swap`` (checking and reading its weights, or starting the ranks for the
-            first), ``compute`` (the ranks' request types), ``evaluate`` (lm-eval's whole
-            evaluation, compute included), ``save`` and ``total``.
+        seconds: ``swap`` (checking and reading its weights; for the first, starting the
+            ranks), ``read`` (the slowest rank's part of that: reading its slices, or for the
+            first its whole load), ``compute`` (the ranks' request types), ``evaluate``
+            (lm-eval's whole evaluation, compute included), ``save`` and ``total``.
         error: Why it was refused or failed.
     """
 
