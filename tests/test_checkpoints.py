@@ -371,6 +371,48 @@ def test_fingerprints_follow_the_checkpoint(
     assert model_fingerprint(args(copy)) != before
 
 
+@pytest.mark.service
+@pytest.mark.parametrize("stored", ["both", "embeddings", "head"])
+def test_tied_head_reads_the_one_tensor_the_checkpoint_has(stored: str, tmp_path: Path) -> None:
+    """A tied GPT-2 saved with both names of its one tensor, or either alone, loads whole
+    (G = 1, in this process) with the logits of the model that was saved."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    from rayeval.actors.batches import ModelSpec
+    from rayeval.actors.fsdp_loading import load_model
+    from rayeval.service.demo import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "gpt2", arch="gpt2", train_steps=0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = dict(model.state_dict())
+    drop = {"embeddings": "lm_head.weight", "head": "transformer.wte.weight"}.get(stored)
+    state.pop(drop, None)
+    dcp.save(state, checkpoint_id=str(tmp_path / "step"), no_dist=True)
+    spec = ModelSpec(str(model_dir), dtype="float32", checkpoint=str(tmp_path / "step"))
+    loaded = load_model(spec, torch.device("cpu"), None)
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+    ids = torch.tensor([[1, 5, 9, 33, 100, 7]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
+@pytest.mark.unit
+def test_response_cache_remembers_what_was_evaluated(tmp_path: Path) -> None:
+    from rayeval.service.engine.response_cache import ResponseCache
+
+    cache = ResponseCache(tmp_path / "cache.sqlite", "model-a")
+    cache.mark_evaluated("step-1", "settings")
+    assert cache.evaluated("step-1", "settings")
+    assert not cache.evaluated("step-1", "other settings")
+    assert not cache.evaluated("step-2", "settings")
+    cache.close()
+    again = ResponseCache(tmp_path / "cache.sqlite", "model-a")
+    assert again.evaluated("step-1", "settings")
+    again.close()
+
+
 @pytest.mark.unit
 def test_checkpoint_directories_complete_ordered_and_named(tmp_path: Path) -> None:
     from rayeval.actors.checkpoint_dirs import by_step, expand, inspect_dir, labels, step_of

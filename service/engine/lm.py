@@ -256,6 +256,7 @@ class RayEvalLM(TemplateLM):
             self._key = replica_key(self.config)
         read_s = max(float(r["seconds"]) for r in reports)
         self._executor.begin_checkpoint(started, load_s=read_s)
+        self.request_report = RequestReport()
         return {
             "seconds": time.monotonic() - started,
             "read_s": read_s,
