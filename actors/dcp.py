@@ -76,14 +76,12 @@ class DcpCheckpoint:
     @property
     def tensors(self) -> dict[str, torch.Size]:
         """Every saved tensor's global shape, by model name."""
-        entries = self.metadata.state_dict_metadata
-        return {name: entries[key].size for name, key in self.keys.items()}  # type: ignore[union-attr]
-
-    def dtype_of(self, name: str) -> torch.dtype:
-        """The dtype a tensor was saved in."""
-        entry = self.metadata.state_dict_metadata[self.keys[name]]
-        assert isinstance(entry, TensorStorageMetadata)
-        return entry.properties.dtype
+        shapes = {}
+        for name, key in self.keys.items():
+            entry = self.metadata.state_dict_metadata[key]
+            assert isinstance(entry, TensorStorageMetadata)  # keys name tensors only
+            shapes[name] = entry.size
+        return shapes
 
     def read(self, regions: Sequence[Region]) -> None:
         """Copy every region from the saved tensors into its destination (on this process only).
@@ -97,8 +95,8 @@ class DcpCheckpoint:
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
                 warnings.simplefilter("ignore", UserWarning)
-                dcp_load({}, storage_reader=FileSystemReader(str(self.path)), planner=planner,
-                         no_dist=True)  # fmt: skip
+                reader = FileSystemReader(str(self.path))
+                dcp_load({}, storage_reader=reader, planner=planner, no_dist=True)
         except (OSError, RuntimeError, ValueError, KeyError, AssertionError) as exc:
             raise ModelLoadError(
                 f"cannot read the DCP checkpoint {self.path} ({type(exc).__name__}: {exc}): "
@@ -161,7 +159,10 @@ class _RegionPlanner(LoadPlanner):
         self._metadata: Metadata | None = None
 
     def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator=False
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
     ) -> None:
         self._metadata = metadata
 
