@@ -16,9 +16,11 @@ answer). Greedy steps take the argmax of float32 logits as ``generate`` does; sa
 transformers' own logits warpers, then draw from the request's own generator, so a sampled answer
 is the same whatever rows share its steps.
 
-The ranks of a sharded replica step together: before every step they agree, with one small
-all-reduce, on whether anyone admits or decodes, and a rank with nothing of its own runs a dummy
-forward, so every rank issues the same collectives. Which requests a group holds, the slots and
+The ranks of a replica that each compute their own group (FSDP) step together: before every
+step they agree, with one small all-reduce, on whether anyone admits or decodes, and a rank with
+nothing of its own runs a dummy forward, so every rank issues the same collectives. Ranks that
+compute one group together (tensor parallelism) see the same logits and so make the same
+decisions without agreeing. Which requests a group holds, the slots and
 the budget come from the driver's plan, so a request's steps never depend on the layout or on
 timing. :func:`unsupported` says when this engine cannot give ``generate``'s tokens (beams,
 repetition penalties, other cache kinds): the driver then uses the static path.
@@ -48,6 +50,15 @@ from transformers.generation.logits_process import (
 from rayeval.actors.batches import GenerateGroup, GenerationPiece, SlotRequest
 from rayeval.actors.generation import lm_eval_generation_kwargs
 from rayeval.actors.rank_model import RankModel
+
+#: Slots are refilled once at least this share of them is free (or every pending request
+#: fits): a prefill is a forward of its own, and a wave of them costs about what one does.
+ADMIT_FRACTION = 1 / 8
+#: A rank streams a piece back once this share of its slots' requests finished since the last
+#: one (at least one request), or once a finished answer has waited this long: each piece costs
+#: the driver a round trip, and the count keeps the pieces the same on any machine.
+PIECE_FRACTION = 1 / 4
+PIECE_WAIT_S = 1.0
 
 #: Warpers that read the scores alone (never the input ids), so rows can be processed together.
 _ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
@@ -81,6 +92,8 @@ def unsupported(model: Any, kwargs: dict[str, Any]) -> str | None:
     layers = DynamicCache(config=model.config).layers
     if any(type(layer) is not DynamicLayer for layer in layers):
         return "the model's KV cache is not a plain dynamic cache (sliding windows?)"
+    if not all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        return "transformers' dynamic cache layers no longer hold keys and values"
     return None
 
 
@@ -105,7 +118,8 @@ class ContinuousGenerator:
     Args:
         rank: The rank's loaded model.
         group: The group (empty: a dummy that steps with the replica's other ranks).
-        synced: Whether the replica has other ranks to step together with.
+        synced: Whether the replica's other ranks run groups of their own, to step together with
+            (FSDP; tensor-parallel ranks run the same group and decide alike).
     """
 
     def __init__(self, rank: RankModel, group: GenerateGroup, synced: bool) -> None:
@@ -119,6 +133,7 @@ class ContinuousGenerator:
         self._finished: list[tuple[int, tuple[int, ...]]] = []
         self._fed = self._real = 0
         self._busy_s = 0.0
+        self._sent = time.monotonic()  # when the last piece went out
         eos = rank.model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         setup = sampling_setup(rank.model, group.kwargs) if group.requests else None
@@ -126,6 +141,7 @@ class ContinuousGenerator:
             raise ValueError(f"this group cannot be generated here: {setup}")
         self._sample = bool(setup and setup[0].do_sample)
         self._processors = setup[1] if setup else LogitsProcessorList()
+        self._lookbacks: dict[tuple[str, ...], int] = {}
         accepted = inspect.signature(rank.model.forward).parameters
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
 
@@ -143,14 +159,20 @@ class ContinuousGenerator:
                     self._prefill(admit)
                 self._decode()
                 self._busy_s += time.monotonic() - started
-                if self._finished:
+                if self._piece_due():
                     yield self._piece()
         if self._finished or self._fed:
             yield self._piece()
 
     # ------------------------------------------------------------------------------ steps
     def _admissible(self) -> list[int]:
-        """The next requests in order that fit the free slots and the KV-cache budget."""
+        """The next requests in order that fit the free slots and the KV-cache budget, once
+        enough slots are free to prefill them together (:data:`ADMIT_FRACTION`): each prefill
+        is a forward of its own, so slots are refilled in waves."""
+        free = self._group.slots - len(self._rows)
+        wave = max(1, int(self._group.slots * ADMIT_FRACTION))
+        if self._rows and free < min(wave, len(self._pending)):
+            return []
         held = sum(row.request.kv_tokens for row in self._rows)
         admit: list[int] = []
         for position in self._pending:
@@ -268,13 +290,38 @@ class ContinuousGenerator:
 
     def _stopped(self, row: _Row) -> bool:
         """EOS, ``max_gen_toks``, or a stop string in the decoded text (lm-eval's answer is
-        cut at the first one, so it is settled)."""
+        cut at the first one, so it is settled).
+
+        The decoded text is checked only when a stop string shows in the last few tokens'
+        text (a cheap look, as lm-eval's own stopping criteria take): a look that misses one
+        only lets the row run on, and lm-eval's cut at the first stop string gives the same
+        answer; the row stops only once the whole text, decoded as lm-eval decodes it, has one.
+        """
         if row.generated[-1] in self._eos or len(row.generated) >= row.request.max_gen_toks:
             return True
-        if not row.request.until:
+        stops = [stop for stop in row.request.until if stop]
+        if not stops:
+            return False
+        tail = self._quick_decode(row.generated[-self._lookback(stops) :])
+        if not any(stop in tail for stop in stops):
             return False
         text = self._rank.tokenizer.decode(row.generated, skip_special_tokens=True)
-        return any(stop and stop in text for stop in row.request.until)
+        return any(stop in text for stop in stops)
+
+    def _lookback(self, stops: list[str]) -> int:
+        """Tokens to look back: each stop string's own tokens plus two, as lm-eval looks."""
+        key = tuple(stops)
+        if key not in self._lookbacks:
+            encode = self._rank.tokenizer.encode
+            self._lookbacks[key] = max(len(encode(s, add_special_tokens=False)) for s in stops) + 2
+        return self._lookbacks[key]
+
+    def _quick_decode(self, tokens: list[int]) -> str:
+        """The tokens' text from the fast tokenizer's backend (no cleanup), else decode."""
+        backend = getattr(self._rank.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return str(backend.decode(tokens, skip_special_tokens=True))
+        return str(self._rank.tokenizer.decode(tokens, skip_special_tokens=True))
 
     # --------------------------------------------------------------------------- cache
     def _join(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
@@ -309,11 +356,18 @@ class ContinuousGenerator:
         self._fed += ids.numel()
         self._real += int(mask.sum())
 
+    def _piece_due(self) -> bool:
+        if not self._finished:
+            return False
+        enough = len(self._finished) >= max(1, int(self._group.slots * PIECE_FRACTION))
+        return enough or time.monotonic() - self._sent >= PIECE_WAIT_S
+
     def _piece(self) -> GenerationPiece:
         # step_stats counts seconds from `started`: the busy seconds since the last piece.
         stats = self._rank.step_stats(self._real, self._fed, time.monotonic() - self._busy_s)
         piece = GenerationPiece(tuple(self._finished), stats)
         self._finished, self._fed, self._real, self._busy_s = [], 0, 0, 0.0
+        self._sent = time.monotonic()
         return piece
 
 

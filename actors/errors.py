@@ -2,8 +2,10 @@
 
 Every error a user can cause derives from :class:`RayEvalError` and its message says what to do.
 The classes are plain exceptions with a single string argument, so they pickle across Ray actors.
-The hierarchy lives in the lowest layer (``actors``) so that every layer can raise and catch it
-without breaking the one-way import rule (api -> service -> actors).
+The base class lives in the lowest layer (``actors``) so that every layer can raise and catch it
+without breaking the one-way import rule (api -> service -> actors). Errors that only the job
+service raises (unknown evaluation, wrong state, not ready) are its own:
+:mod:`rayeval.service.errors`.
 """
 
 
@@ -41,15 +43,3 @@ class WorkerLostError(RayEvalError):
 
 class ResultIntegrityError(RayEvalError):
     """A request id came back missing or more than once (a bug: please report it)."""
-
-
-class EvaluationNotFoundError(RayEvalError):
-    """No evaluation (or no output of it) exists under the given id or name."""
-
-
-class EvaluationStateError(RayEvalError):
-    """The evaluation's state forbids this (results before it finished, cancel after it ended)."""
-
-
-class ServiceNotReadyError(RayEvalError):
-    """A transient condition of the service (task index still building): retry shortly."""

@@ -64,7 +64,7 @@ class ShardWorker:
         self._rank: RankModel | None = None
         self._scorer: Scorer | None = None
         #: Tokens fed to the model's input embeddings (see input_token_counts).
-        self._fed = {"fed": 0, "real": 0, "calls": 0}
+        self._fed = {"fed": 0, "real": 0, "calls": 0, "decode_rows": 0}
         self._cuda_index: int | None = None
         self._strategy.prepare_process(options.shard_size)
 
@@ -225,7 +225,10 @@ class ShardWorker:
         """Continuous batching over a group's requests, streaming each answer as its request
         finishes (:mod:`rayeval.actors.continuous`); a Ray streaming generator."""
         assert self._rank is not None, "setup() loads the model first"
-        yield from generate_group(self._rank, group, synced=self._options.shard_size > 1)
+        # Ranks that compute one batch together (TP) make the same decisions from the same
+        # logits; ranks that each compute their own (FSDP) agree on every step.
+        synced = self._options.shard_size > 1 and not self._strategy.same_batch
+        yield from generate_group(self._rank, group, synced=synced)
 
     def input_token_counts(self) -> dict[str, int]:
         """Tokens this rank's model was fed since it loaded, counted at its input embeddings.
@@ -233,7 +236,8 @@ class ShardWorker:
         Returns:
             ``fed``: every input position of every forward and ``generate`` step, padding and
             dummy micro-batches included; ``real``: those whose id is not the padding id;
-            ``calls``: the embedding's calls.
+            ``calls``: the embedding's calls; ``decode_rows``: the rows of the calls fed one
+            position per row (one-token decode steps), finished rows included.
         """
         return dict(self._fed)
 
@@ -243,6 +247,8 @@ class ShardWorker:
             self._fed["fed"] += args[0].numel()
             self._fed["real"] += int((args[0] != self._spec.pad_token_id).sum())
             self._fed["calls"] += 1
+            if args[0].dim() == 2 and args[0].shape[1] == 1:
+                self._fed["decode_rows"] += args[0].shape[0]
 
     def _select_device(self) -> torch.device:
         """This rank's device; for CUDA also makes it the current device of the process."""

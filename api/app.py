@@ -22,19 +22,18 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import SQLAlchemyError
 
-from rayeval.actors.errors import (
-    ConfigError,
-    EvaluationNotFoundError,
-    EvaluationStateError,
-    LayoutError,
-    RayEvalError,
-    ServiceNotReadyError,
-)
+from rayeval.actors.errors import ConfigError, LayoutError, RayEvalError
 from rayeval.api.deps import Services
 from rayeval.api.routes import dashboard, evaluations, health, insights, metrics
 from rayeval.api.settings import Settings
 from rayeval.api.views import EvaluationViews, EventFeed
-from rayeval.service.jobs.manager import EvaluationManager, ManagerOptions
+from rayeval.service.errors import (
+    EvaluationNotFoundError,
+    EvaluationStateError,
+    ServiceNotReadyError,
+)
+from rayeval.service.jobs.manager import EvaluationManager
+from rayeval.service.jobs.options import ManagerOptions
 from rayeval.service.jobs.ray_resources import connect_ray
 from rayeval.service.jobs.store import EvaluationStore
 from rayeval.service.jobs.tasks import TaskCatalog
@@ -149,6 +148,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             response_cache=settings.response_cache_prefix,
             stall_timeout_s=settings.stall_timeout_s,
             warm_replicas=settings.warm_replicas,
+            runner_scan_timeout_s=settings.runner_scan_timeout_s,
         ),
     )
     await asyncio.to_thread(manager.start)

@@ -2,7 +2,7 @@
 
 Nothing is counted in this process: every figure comes from what the runners reported and the
 store kept (an evaluation's stored progress: per request type its counts, seconds, tokens, cache
-hits, per-replica work and per-rank memory; see :class:`rayeval.service.engine.lm.Progress`). A
+hits, per-replica work and per-rank memory; see :class:`rayeval.service.events.Progress`). A
 scrape therefore gives the same answer from any API process over the same database, and a restarted
 server loses nothing. Per-evaluation series exist while the evaluation is starting or running
 (Prometheus keeps their history); counts by state cover every evaluation.
@@ -24,14 +24,14 @@ Families (``evaluation`` is the evaluation id, ``request_type`` lm-eval's reques
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rayeval.service.jobs.states import EvaluationStatus
+from rayeval.service.events import PhaseReport
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
+from rayeval.service.states import EvaluationStatus
 
 _MIB = 2**20
 
@@ -64,90 +64,110 @@ class ServiceCollector(Collector):
         yield from families.all()
 
 
+_EVALUATION = ("evaluation",)
+_PHASE = ("evaluation", "request_type")
+_REPLICA = ("evaluation", "request_type", "replica")
+_RANK = ("evaluation", "replica", "shard_rank")
+#: Every family: attribute -> (metric name, help, labels), in the order a scrape lists them.
+_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "evaluations": ("rayeval_evaluations", "Evaluations in each state.", ("state",)),
+    "queue_length": ("rayeval_queue_length", "Evaluations waiting for room on the cluster.", ()),
+    "done": (
+        "rayeval_evaluation_requests_done",
+        "Requests computed so far (answers from the response cache not included).",
+        _PHASE,
+    ),
+    "planned": (
+        "rayeval_evaluation_requests_planned",
+        "Requests to compute for this request type (known once it starts).",
+        _PHASE,
+    ),
+    "requests_per_s": (
+        "rayeval_evaluation_requests_per_second",
+        "Requests computed per second of this request type.",
+        _PHASE,
+    ),
+    "tokens_per_s": (
+        "rayeval_evaluation_tokens_per_second",
+        "Real (non-padding) tokens computed per second of this request type.",
+        _PHASE,
+    ),
+    "eta": (
+        "rayeval_evaluation_eta_seconds",
+        "Seconds left for this request type at its rate so far.",
+        _PHASE,
+    ),
+    "real_tokens": (
+        "rayeval_evaluation_real_token_ratio",
+        "Real tokens / padded tokens computed (padding efficiency).",
+        _PHASE,
+    ),
+    "cache_hits": (
+        "rayeval_evaluation_cache_hits",
+        "Requests answered from the response cache instead of computed.",
+        _PHASE,
+    ),
+    "replica_requests": (
+        "rayeval_replica_requests_per_second",
+        "Requests one replica computed per second of this request type.",
+        _REPLICA,
+    ),
+    "replica_tokens": (
+        "rayeval_replica_tokens_per_second",
+        "Real tokens one replica computed per second of this request type.",
+        _REPLICA,
+    ),
+    "utilisation": (
+        "rayeval_replica_utilisation_ratio",
+        "Share of the request type's wall time the replica's slowest rank spent computing.",
+        _REPLICA,
+    ),
+    "rss": (
+        "rayeval_rank_resident_memory_bytes",
+        "Resident memory of a rank's process after its last micro-batch.",
+        _RANK,
+    ),
+    "device_memory": (
+        "rayeval_rank_device_memory_bytes",
+        "Device (CUDA) memory held by a rank's tensors after its last micro-batch.",
+        _RANK,
+    ),
+    "load": (
+        "rayeval_evaluation_load_seconds",
+        "Seconds the slowest rank took to load its shard of the model.",
+        _EVALUATION,
+    ),
+    "startup": (
+        "rayeval_evaluation_startup_seconds",
+        "Seconds from the engine's start (reserving ranks) to its first batch.",
+        _EVALUATION,
+    ),
+}
+
+
 class _Families:
-    """One empty family per metric, filled by the collector."""
+    """One empty family per metric of :data:`_FAMILIES`, filled by the collector."""
+
+    evaluations: GaugeMetricFamily
+    queue_length: GaugeMetricFamily
+    done: GaugeMetricFamily
+    planned: GaugeMetricFamily
+    requests_per_s: GaugeMetricFamily
+    tokens_per_s: GaugeMetricFamily
+    eta: GaugeMetricFamily
+    real_tokens: GaugeMetricFamily
+    cache_hits: GaugeMetricFamily
+    replica_requests: GaugeMetricFamily
+    replica_tokens: GaugeMetricFamily
+    utilisation: GaugeMetricFamily
+    rss: GaugeMetricFamily
+    device_memory: GaugeMetricFamily
+    load: GaugeMetricFamily
+    startup: GaugeMetricFamily
 
     def __init__(self) -> None:
-        evaluation = ["evaluation"]
-        phase = ["evaluation", "request_type"]
-        replica = ["evaluation", "request_type", "replica"]
-        rank = ["evaluation", "replica", "shard_rank"]
-        self.evaluations = GaugeMetricFamily(
-            "rayeval_evaluations", "Evaluations in each state.", labels=["state"]
-        )
-        self.queue_length = GaugeMetricFamily(
-            "rayeval_queue_length", "Evaluations waiting for room on the cluster."
-        )
-        self.done = GaugeMetricFamily(
-            "rayeval_evaluation_requests_done",
-            "Requests computed so far (answers from the response cache not included).",
-            labels=phase,
-        )
-        self.planned = GaugeMetricFamily(
-            "rayeval_evaluation_requests_planned",
-            "Requests to compute for this request type (known once it starts).",
-            labels=phase,
-        )
-        self.requests_per_s = GaugeMetricFamily(
-            "rayeval_evaluation_requests_per_second",
-            "Requests computed per second of this request type.",
-            labels=phase,
-        )
-        self.tokens_per_s = GaugeMetricFamily(
-            "rayeval_evaluation_tokens_per_second",
-            "Real (non-padding) tokens computed per second of this request type.",
-            labels=phase,
-        )
-        self.eta = GaugeMetricFamily(
-            "rayeval_evaluation_eta_seconds",
-            "Seconds left for this request type at its rate so far.",
-            labels=phase,
-        )
-        self.real_tokens = GaugeMetricFamily(
-            "rayeval_evaluation_real_token_ratio",
-            "Real tokens / padded tokens computed (padding efficiency).",
-            labels=phase,
-        )
-        self.cache_hits = GaugeMetricFamily(
-            "rayeval_evaluation_cache_hits",
-            "Requests answered from the response cache instead of computed.",
-            labels=phase,
-        )
-        self.replica_requests = GaugeMetricFamily(
-            "rayeval_replica_requests_per_second",
-            "Requests one replica computed per second of this request type.",
-            labels=replica,
-        )
-        self.replica_tokens = GaugeMetricFamily(
-            "rayeval_replica_tokens_per_second",
-            "Real tokens one replica computed per second of this request type.",
-            labels=replica,
-        )
-        self.utilisation = GaugeMetricFamily(
-            "rayeval_replica_utilisation_ratio",
-            "Share of the request type's wall time the replica's slowest rank spent computing.",
-            labels=replica,
-        )
-        self.rss = GaugeMetricFamily(
-            "rayeval_rank_resident_memory_bytes",
-            "Resident memory of a rank's process after its last micro-batch.",
-            labels=rank,
-        )
-        self.device_memory = GaugeMetricFamily(
-            "rayeval_rank_device_memory_bytes",
-            "Device (CUDA) memory held by a rank's tensors after its last micro-batch.",
-            labels=rank,
-        )
-        self.load = GaugeMetricFamily(
-            "rayeval_evaluation_load_seconds",
-            "Seconds the slowest rank took to load its shard of the model.",
-            labels=evaluation,
-        )
-        self.startup = GaugeMetricFamily(
-            "rayeval_evaluation_startup_seconds",
-            "Seconds from the engine's start (reserving ranks) to its first batch.",
-            labels=evaluation,
-        )
+        for attribute, (name, documentation, labels) in _FAMILIES.items():
+            setattr(self, attribute, GaugeMetricFamily(name, documentation, labels=list(labels)))
 
     def all(self) -> Iterator[Metric]:
         yield from (v for v in vars(self).values() if isinstance(v, GaugeMetricFamily))
@@ -155,35 +175,37 @@ class _Families:
 
 def _add_evaluation(families: _Families, record: EvaluationRecord) -> None:
     """The series of one active evaluation, from its stored progress."""
-    phases: dict[str, dict[str, Any]] = record.progress.get("phases", {})
-    for phase, p in phases.items():
-        labels = [record.id, phase]
-        seconds = float(p.get("seconds") or 0.0)
-        done, total = int(p["done"]), int(p["total"])
-        families.done.add_metric(labels, done)
-        families.planned.add_metric(labels, total)
-        families.tokens_per_s.add_metric(labels, float(p["tokens_per_s"]))
-        families.real_tokens.add_metric(labels, float(p["real_token_fraction"]))
-        families.cache_hits.add_metric(labels, int(p.get("cached") or 0))
-        if seconds > 0:
-            rate = done / seconds
-            families.requests_per_s.add_metric(labels, rate)
-            if rate > 0:
-                families.eta.add_metric(labels, (total - done) / rate)
-            for replica, work in (p.get("replicas") or {}).items():
-                replica_labels = [*labels, str(replica)]
-                families.replica_requests.add_metric(replica_labels, work["requests"] / seconds)
-                families.replica_tokens.add_metric(replica_labels, work["tokens"] / seconds)
-                families.utilisation.add_metric(replica_labels, work["busy_s"] / seconds)
-    latest = max(phases.values(), key=lambda p: p.get("updated_at", 0.0), default=None)
+    for phase, p in record.progress.phases.items():
+        _add_phase(families, [record.id, phase], p)
+    latest = record.progress.latest()
     if latest is None:
         return
-    for replica, ranks in (latest.get("rank_memory") or {}).items():
+    for replica, ranks in latest.rank_memory.items():
         for shard_rank, memory in enumerate(ranks):
             rank_labels = [record.id, str(replica), str(shard_rank)]
-            families.rss.add_metric(rank_labels, memory["rss_mib"] * _MIB)
-            families.device_memory.add_metric(rank_labels, memory["device_mib"] * _MIB)
-    if latest.get("load_s") is not None:
-        families.load.add_metric([record.id], float(latest["load_s"]))
-    if latest.get("startup_s") is not None:
-        families.startup.add_metric([record.id], float(latest["startup_s"]))
+            families.rss.add_metric(rank_labels, memory.rss_mib * _MIB)
+            families.device_memory.add_metric(rank_labels, memory.device_mib * _MIB)
+    if latest.load_s is not None:
+        families.load.add_metric([record.id], latest.load_s)
+    if latest.startup_s is not None:
+        families.startup.add_metric([record.id], latest.startup_s)
+
+
+def _add_phase(families: _Families, labels: list[str], p: PhaseReport) -> None:
+    """The series of one request type of an evaluation (``labels``: evaluation, request type)."""
+    families.done.add_metric(labels, p.done)
+    families.planned.add_metric(labels, p.total)
+    families.tokens_per_s.add_metric(labels, p.tokens_per_s)
+    families.real_tokens.add_metric(labels, p.real_token_fraction)
+    families.cache_hits.add_metric(labels, p.cached)
+    if p.seconds <= 0:
+        return
+    rate = p.done / p.seconds
+    families.requests_per_s.add_metric(labels, rate)
+    if rate > 0:
+        families.eta.add_metric(labels, (p.total - p.done) / rate)
+    for replica, work in p.replicas.items():
+        replica_labels = [*labels, str(replica)]
+        families.replica_requests.add_metric(replica_labels, work.requests / p.seconds)
+        families.replica_tokens.add_metric(replica_labels, work.tokens / p.seconds)
+        families.utilisation.add_metric(replica_labels, work.busy_s / p.seconds)

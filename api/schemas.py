@@ -3,7 +3,8 @@
 The body of ``POST /evaluations`` is :class:`rayeval.service.config.EvaluationConfig` itself — the
 one configuration object every entry point builds — so a new option is declared once, there, and
 appears here with its default, bounds and description. ``EvaluationPublic`` is what the API
-returns about one evaluation.
+returns about one evaluation; its progress per request type is the service's own
+:class:`rayeval.service.events.PhaseCounts`.
 """
 
 from __future__ import annotations
@@ -14,23 +15,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayeval.service.config import EvaluationConfig
-from rayeval.service.jobs.states import EvaluationStatus
+from rayeval.service.events import EvaluationProgress, PhaseCounts
+from rayeval.service.states import EvaluationStatus
 
 #: The body of ``POST /evaluations``: lm-eval's options (same names and meanings) plus the layout.
 EvaluationCreate = EvaluationConfig
 
 
-class PhaseProgress(BaseModel):
+class PhaseProgress(PhaseCounts):
     """Progress of one request type (lm-eval runs them one after the other)."""
-
-    done: int
-    total: int
-    tokens_per_s: float
-    real_token_fraction: float = Field(description="Real tokens / padded tokens computed.")
-    seconds: float = Field(
-        0.0, description="Seconds this request type has run so far (rate: done / seconds)."
-    )
-    cached: int = Field(0, description="Requests answered from the response cache.")
 
 
 class ProgressPublic(BaseModel):
@@ -39,6 +32,18 @@ class ProgressPublic(BaseModel):
     done: int
     total: int
     phases: dict[str, PhaseProgress]
+
+    @classmethod
+    def of(cls, progress: EvaluationProgress) -> ProgressPublic:
+        """What the API shows of an evaluation's stored progress."""
+        return cls(
+            done=progress.done,
+            total=progress.total,
+            phases={
+                name: PhaseProgress.model_validate(report, from_attributes=True)
+                for name, report in progress.phases.items()
+            },
+        )
 
 
 class Throughput(BaseModel):

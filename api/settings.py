@@ -108,6 +108,12 @@ class Settings(BaseSettings):
     sse_max_stream_s: float = Field(
         3600.0, gt=0, description="SSE streams end after this; clients resume (Last-Event-ID)."
     )
+    runner_scan_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Bound on waiting, at start, for the runner actors a previous server left "
+        "to say which evaluation they run (to re-attach them).",
+    )
 
     @field_validator("api_token")
     @classmethod

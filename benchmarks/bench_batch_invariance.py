@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.bench_engine import set_environment  # noqa: E402
+from benchmarks.common import set_environment  # noqa: E402
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "auto": {},

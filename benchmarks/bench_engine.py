@@ -59,16 +59,12 @@ Usage (see benchmarks/README.md)::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
-import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,164 +72,96 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-PHASES = ("loglikelihood", "loglikelihood_rolling", "generate_until")
-LOGPROB_TOL = 1e-4
+from benchmarks.agreement import LOGPROB_TOL, compare  # noqa: E402
+from benchmarks.common import make_task_manager, parse_layout, set_environment  # noqa: E402
+from benchmarks.engine_report import report  # noqa: E402
+from benchmarks.engine_runs import Row, run_hf, run_rayeval, warm_up_imports  # noqa: E402
+
+__all__ = ["main", "parse_args", "set_environment"]
+
+#: The command line, flag by flag, in the order ``--help`` lists them.
+ARGUMENTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--layouts", {
+        "default": "1x1,2x1",
+        "help": "rayeval layouts RxG, comma-separated (R replicas x G shard ranks; default "
+        "1x1,2x1)",
+    }),
+    ("--limit", {
+        "type": float,
+        "default": None,
+        "help": "documents per task (lm-eval's --limit; <1 is a fraction; default: all)",
+    }),
+    ("--device", {
+        "choices": ("cpu", "cuda"),
+        "default": "cpu",
+        "help": "device of the hf row and of every rank (default cpu)",
+    }),
+    ("--dtype", {
+        "choices": ("float32", "bfloat16", "float16"),
+        "default": "float32",
+        "help": "model dtype (default float32; only float32 rows must agree to 1e-4)",
+    }),
+    ("--model", {
+        "default": None, "help": "model path or hub id (default: the bundled tiny Llama)",
+    }),
+    ("--tasks", {
+        "default": "demo", "help": "lm-eval tasks/groups, comma-separated (default demo)",
+    }),
+    ("--include_path", {
+        "default": None, "help": "task YAML directory (default: the bundled demo tasks)",
+    }),
+    ("--num_fewshot", {"type": int, "default": 0, "help": "few-shot examples (default 0)"}),
+    ("--batch_size", {
+        "type": int,
+        "default": 16,
+        "help": "rows per batch of the hf row (default 16; lm-eval's 'auto' probes GPU memory)",
+    }),
+    ("--max_batch_tokens", {
+        "type": int,
+        "default": None,
+        "help": "rayeval padded-token budget per micro-batch (default: the engine's, 8192)",
+    }),
+    ("--hf_threads", {
+        "type": int,
+        "default": None,
+        "help": "torch threads for the hf row (default: torch's default)",
+    }),
+    ("--num_cpus", {
+        "type": int,
+        "default": None,
+        "help": "logical CPUs of the local Ray (default: max(cores, largest layout))",
+    }),
+    ("--address", {
+        "default": None,
+        "help": "use an existing Ray cluster instead of starting a local one",
+    }),
+    ("--skip_hf", {
+        "action": "store_true",
+        "help": "no lm-eval hf row (e.g. a model larger than one GPU)",
+    }),
+    ("--json", {
+        "dest": "json_out",
+        "default": None,
+        "metavar": "OUT",
+        "help": "also write every figure as JSON to OUT",
+    }),
+)  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------ figures
-@dataclass
-class PhaseFigures:
-    """One request type on one row."""
-
-    requests: int = 0
-    seconds: float = 0.0  # inside the LM method
-    engine_seconds: float | None = None  # rayeval: dispatch wall time (lm.stats)
-    micro_batches: int | None = None
-    real_tokens: int | None = None
-    padded_tokens: int | None = None
-    replica_utilisation: dict[int, float] | None = None  # rayeval: busy share per replica
-
-    def real_token_fraction(self) -> float | None:
-        if self.real_tokens is None or not self.padded_tokens:
-            return None
-        return self.real_tokens / self.padded_tokens
-
-
-@dataclass
-class Row:
-    """One way of running the evaluation, and what it measured."""
-
-    name: str
-    layout: str | None
-    load_s: float = 0.0
-    start_s: float | None = None  # rayeval: the constructor alone (actors started, not loaded)
-    eval_s: float = 0.0
-    close_s: float = 0.0
-    phases: dict[str, PhaseFigures] = field(default_factory=dict)
-    load_reports: list[dict[str, Any]] | None = None
-    results: dict[str, Any] | None = None
-
-    @property
-    def total_s(self) -> float:
-        return self.load_s + self.eval_s + self.close_s
-
-    @property
-    def lm_s(self) -> float:
-        return sum(p.seconds for p in self.phases.values())
-
-    @property
-    def requests(self) -> int:
-        return sum(p.requests for p in self.phases.values())
-
-    def real_token_fraction(self) -> float | None:
-        real = sum(p.real_tokens or 0 for p in self.phases.values())
-        padded = sum(p.padded_tokens or 0 for p in self.phases.values())
-        return real / padded if padded else None
-
-
-class PhaseTimer:
-    """Times the LM's request methods (the calls lm-eval's evaluator makes) on one instance."""
-
-    def __init__(self, lm: Any) -> None:
-        self.phases: dict[str, PhaseFigures] = {}
-        for phase in PHASES:
-            setattr(lm, phase, self._wrap(phase, getattr(lm, phase)))
-
-    def _wrap(self, phase: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(requests: list[Any], *args: Any, **kwargs: Any) -> Any:
-            figures = self.phases.setdefault(phase, PhaseFigures())
-            started = time.perf_counter()
-            try:
-                return method(requests, *args, **kwargs)
-            finally:
-                figures.seconds += time.perf_counter() - started
-                figures.requests += len(requests)
-
-        return timed
-
-
-# ------------------------------------------------------------------------------------ running
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``--layouts`` as ``(R, G)`` pairs and a whole ``--limit`` an int.
+
+    Raises:
+        SystemExit: A layout is not ``RxG``, or there is nothing to run.
+    """
     parser = argparse.ArgumentParser(
         description="lm-eval's hf backend vs rayeval layouts on the same tasks, in one run.",
     )
-    parser.add_argument(
-        "--layouts",
-        default="1x1,2x1",
-        help="rayeval layouts RxG, comma-separated (R replicas x G shard ranks; default 1x1,2x1)",
-    )
-    parser.add_argument(
-        "--limit",
-        type=float,
-        default=None,
-        help="documents per task (lm-eval's --limit; <1 is a fraction; default: all)",
-    )
-    parser.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="device of the hf row and of every rank (default cpu)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="model dtype (default float32; only float32 rows must agree to 1e-4)",
-    )
-    parser.add_argument(
-        "--model", default=None, help="model path or hub id (default: the bundled tiny Llama)"
-    )
-    parser.add_argument(
-        "--tasks", default="demo", help="lm-eval tasks/groups, comma-separated (default demo)"
-    )
-    parser.add_argument(
-        "--include_path", default=None, help="task YAML directory (default: the bundled demo tasks)"
-    )
-    parser.add_argument("--num_fewshot", type=int, default=0, help="few-shot examples (default 0)")
-    parser.add_argument(
-        "--batch_size",
-        type=int,
-        default=16,
-        help="rows per batch of the hf row (default 16; lm-eval's 'auto' probes GPU memory)",
-    )
-    parser.add_argument(
-        "--max_batch_tokens",
-        type=int,
-        default=None,
-        help="rayeval padded-token budget per micro-batch (default: the engine's, 8192)",
-    )
-    parser.add_argument(
-        "--hf_threads",
-        type=int,
-        default=None,
-        help="torch threads for the hf row (default: torch's default)",
-    )
-    parser.add_argument(
-        "--num_cpus",
-        type=int,
-        default=None,
-        help="logical CPUs of the local Ray (default: max(cores, largest layout))",
-    )
-    parser.add_argument(
-        "--address",
-        default=None,
-        help="use an existing Ray cluster instead of starting a local one",
-    )
-    parser.add_argument(
-        "--skip_hf",
-        action="store_true",
-        help="no lm-eval hf row (e.g. a model larger than one GPU)",
-    )
-    parser.add_argument(
-        "--json",
-        dest="json_out",
-        default=None,
-        metavar="OUT",
-        help="also write every figure as JSON to OUT",
-    )
+    for flag, options in ARGUMENTS:
+        parser.add_argument(flag, **options)
     args = parser.parse_args(argv)
     try:
-        args.layouts = [_parse_layout(item) for item in args.layouts.split(",") if item.strip()]
+        args.layouts = [parse_layout(item) for item in args.layouts.split(",") if item.strip()]
     except ValueError as exc:
         parser.error(str(exc))
     if args.limit is not None and args.limit >= 1:
@@ -243,446 +171,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _parse_layout(text: str) -> tuple[int, int]:
-    try:
-        replicas, shards = (int(part) for part in text.strip().lower().split("x"))
-    except ValueError:
-        raise ValueError(f"layout {text!r} is not RxG, e.g. 2x1") from None
-    if replicas < 1 or shards < 1:
-        raise ValueError(f"layout {text!r}: R and G must be >= 1")
-    return replicas, shards
+def prepare(args: argparse.Namespace) -> tuple[str, Any]:
+    """The model and tasks (the bundled demo where not given), datasets and imports warmed up.
 
-
-def set_environment(local_ray: bool) -> None:
-    """Offline Hugging Face (the ranks inherit it), quiet tokenizers, local Ray without auth."""
-    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        os.environ.setdefault(key, "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if local_ray:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local, single-user cluster only
-
-
-def evaluate(model: Any, args: argparse.Namespace, task_manager: Any) -> dict[str, Any]:
-    import lm_eval
-
-    results = lm_eval.simple_evaluate(
-        model=model,
-        tasks=args.tasks,
-        num_fewshot=args.num_fewshot,
-        limit=args.limit,
-        bootstrap_iters=0,  # stderr bootstrap is driver-side and identical for every row
-        log_samples=True,  # for the per-sample agreement check
-        task_manager=task_manager,
-        device=args.device,
-    )
-    if results is None:
-        raise RuntimeError("lm-eval returned no results")
-    return results
-
-
-def evaluate_timed(row: Row, lm: Any, args: argparse.Namespace, task_manager: Any) -> None:
-    """Evaluate with ``lm``, recording results, eval wall time and per-phase LM time in ``row``."""
-    timer = PhaseTimer(lm)
-    started = time.perf_counter()
-    row.results = evaluate(lm, args, task_manager)
-    row.eval_s = time.perf_counter() - started
-    row.phases = timer.phases
-
-
-def run_hf(args: argparse.Namespace, model_dir: str, task_manager: Any) -> Row:
-    """lm-eval's own hf backend in this process."""
-    import torch
-    from lm_eval.api.registry import get_model
-
-    if args.hf_threads:
-        torch.set_num_threads(args.hf_threads)
-    row = Row("lm-eval hf", None)
-    started = time.perf_counter()
-    # Exactly what simple_evaluate(model="hf", model_args={...}, batch_size=..., device=...) does.
-    lm = get_model("hf").create_from_arg_obj(
-        {"pretrained": model_dir, "dtype": args.dtype},
-        {"batch_size": args.batch_size, "max_batch_size": None, "device": args.device},
-    )
-    row.load_s = time.perf_counter() - started
-    evaluate_timed(row, lm, args, task_manager)
-    del lm
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    return row
-
-
-def run_rayeval(
-    args: argparse.Namespace, model_dir: str, task_manager: Any, layout: tuple[int, int]
-) -> Row:
-    """One rayeval layout on the already running Ray."""
-    from rayeval.service.engine.lm import RayEvalLM
-
-    replicas, shards = layout
-    row = Row(f"rayeval {replicas}x{shards}", f"{replicas}x{shards}")
-    started = time.perf_counter()
-    lm = RayEvalLM(
-        pretrained=model_dir,
-        num_replicas=replicas,
-        shard_size=shards,
-        batch_size="auto",
-        max_batch_tokens=args.max_batch_tokens,
-        device=args.device,
-        dtype=args.dtype,
-    )
-    row.start_s = time.perf_counter() - started
-    try:
-        # Waits until every rank has loaded the model, so the load stays out of the eval time.
-        row.load_reports = lm.load_reports
-        row.load_s = time.perf_counter() - started
-        evaluate_timed(row, lm, args, task_manager)
-        for phase, stats in lm.stats.items():
-            figures = row.phases.setdefault(phase, PhaseFigures())
-            figures.engine_seconds = stats.seconds
-            figures.micro_batches = stats.micro_batches
-            figures.real_tokens = stats.real_tokens
-            figures.padded_tokens = stats.padded_tokens
-            busy = stats.replica_utilisation  # a replica that ran nothing is absent: show 0
-            figures.replica_utilisation = {r: busy.get(r, 0.0) for r in range(replicas)}
-    finally:
-        started = time.perf_counter()
-        lm.close()
-        row.close_s = time.perf_counter() - started
-    return row
-
-
-def make_task_manager(tasks: list[str], include_path: str) -> Any:
-    """Only the include path when it has every task (skips lm-eval's index scan), else both."""
-    from lm_eval.tasks import TaskManager
-
-    local = TaskManager(include_defaults=False, include_path=include_path)
-    if all(local.match_tasks([task]) for task in tasks):
-        return local
-    return TaskManager(include_path=include_path)
-
-
-# ---------------------------------------------------------------------------------- agreement
-@dataclass
-class Agreement:
-    """How one row's results compare with the baseline row's."""
-
-    max_metric_diff: float = 0.0
-    max_metric_name: str = ""
-    max_logprob_diff: float = 0.0
-    #: the (baseline, other) log-probabilities of the largest difference
-    max_logprob_pair: tuple[float, float] | None = None
-    #: log-probabilities differing by more than ``logprob_tolerance`` allows
-    beyond_tolerance: int = 0
-    discrete_diffs: int = 0
-    samples: int = 0
-    problems: list[str] = field(default_factory=list)
-
-    def ok(self) -> bool:
-        return not self.problems and self.discrete_diffs == 0 and self.beyond_tolerance == 0
-
-
-def logprob_tolerance(a: float, b: float) -> float:
-    """|dlogprob| allowed between two log-probabilities: ``LOGPROB_TOL``, or two float32 ulps.
-
-    A log-probability summed over hundreds of tokens (a ``loglikelihood_rolling`` document) is
-    larger than 1024 in magnitude, where float32 values are 1.2e-4 apart: the 1e-4 of the
-    invariant is then below float32's own resolution, and two exact computations that sum the
-    same tokens in another order (another batch shape) differ by one ulp.
+    Splits ``args.tasks`` into a list. Returns the model directory and the task manager.
     """
-    import numpy
-
-    magnitude = numpy.float32(max(abs(a), abs(b)))
-    return max(LOGPROB_TOL, 2 * float(numpy.spacing(magnitude)))
-
-
-def compare(baseline: dict[str, Any], other: dict[str, Any]) -> Agreement:
-    agreement = Agreement()
-    for section in ("results", "groups"):
-        for name, metrics in baseline.get(section, {}).items():
-            for key, value in metrics.items():
-                if (
-                    "_stderr" in key
-                    or isinstance(value, bool)
-                    or not isinstance(value, int | float)
-                ):
-                    continue
-                theirs = other.get(section, {}).get(name, {}).get(key)
-                if not isinstance(theirs, int | float):
-                    agreement.problems.append(f"{section}/{name}/{key} missing")
-                    continue
-                if math.isnan(value) and math.isnan(theirs):
-                    continue
-                diff = abs(float(value) - float(theirs))
-                if math.isnan(diff) or diff > agreement.max_metric_diff:
-                    agreement.max_metric_diff = diff
-                    agreement.max_metric_name = f"{name}/{key}"
-    base_samples = baseline.get("samples", {})
-    other_samples = other.get("samples", {})
-    if set(base_samples) != set(other_samples):
-        agreement.problems.append(
-            f"task sets differ: {sorted(set(base_samples) ^ set(other_samples))}"
-        )
-    for task in set(base_samples) & set(other_samples):
-        theirs_by_doc = {s["doc_id"]: s for s in other_samples[task]}
-        for sample in base_samples[task]:
-            theirs = theirs_by_doc.get(sample["doc_id"])
-            if theirs is None:
-                agreement.problems.append(f"{task}/{sample['doc_id']} missing")
-                continue
-            agreement.samples += 1
-            if sample["arguments"] != theirs["arguments"]:
-                agreement.problems.append(f"{task}/{sample['doc_id']}: prompts differ")
-            for a, b in _leaves(sample["resps"], theirs["resps"]):
-                if isinstance(a, float) and isinstance(b, float) and not isinstance(a, bool):
-                    if abs(a - b) > logprob_tolerance(a, b):
-                        agreement.beyond_tolerance += 1
-                    if abs(a - b) >= agreement.max_logprob_diff:
-                        agreement.max_logprob_diff = abs(a - b)
-                        agreement.max_logprob_pair = (a, b)
-                elif a != b:
-                    agreement.discrete_diffs += 1
-    return agreement
-
-
-def _leaves(a: Any, b: Any) -> Iterator[tuple[Any, Any]]:
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
-        for x, y in zip(a, b, strict=True):
-            yield from _leaves(x, y)
-    else:
-        yield a, b
-
-
-# ----------------------------------------------------------------------------------- printing
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(  # noqa: E731
-        c.ljust(w) if i == 0 else c.rjust(w)
-        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-    )
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
-
-
-def workload_tokens(rows: list[Row]) -> tuple[dict[str, int], list[str]]:
-    """Real tokens per request type as rayeval counts them; warns when layouts disagree."""
-    tokens: dict[str, int] = {}
-    warnings = []
-    for row in rows:
-        for phase, figures in row.phases.items():
-            if figures.real_tokens is None:
-                continue
-            if phase in tokens and tokens[phase] != figures.real_tokens:
-                warnings.append(
-                    f"{row.name}: {phase} has {figures.real_tokens} real tokens, another layout "
-                    f"{tokens[phase]} (planning should not depend on the layout)"
-                )
-            tokens.setdefault(phase, figures.real_tokens)
-    return tokens, warnings
-
-
-def report(
-    args: argparse.Namespace,
-    rows: list[Row],
-    agreements: dict[str, Agreement],
-    header: dict[str, Any],
-) -> dict[str, Any]:
-    tokens, warnings = workload_tokens(rows)
-    total_tokens = sum(tokens.values()) if tokens else None
-    hf = next((row for row in rows if row.layout is None), None)
-
-    def per_row(row: Row) -> dict[str, Any]:
-        lm_s = row.lm_s
-        covered = tokens and all(phase in tokens for phase in row.phases)
-        return {
-            "name": row.name,
-            "layout": row.layout,
-            "load_s": row.load_s,
-            "start_s": row.start_s,
-            "eval_s": row.eval_s,
-            "close_s": row.close_s,
-            "total_s": row.total_s,
-            "lm_s": lm_s,
-            "requests": row.requests,
-            "requests_per_s": row.requests / lm_s if lm_s else None,
-            "tokens_per_s": total_tokens / lm_s if covered and lm_s and total_tokens else None,
-            "real_token_fraction": row.real_token_fraction(),
-            "speedup_total_vs_hf": hf.total_s / row.total_s if hf and row is not hf else None,
-            "speedup_lm_vs_hf": hf.lm_s / lm_s if hf and row is not hf and lm_s else None,
-            "load_reports": row.load_reports,
-            "phases": {
-                phase: {
-                    **vars(figures),
-                    "requests_per_s": figures.requests / figures.seconds
-                    if figures.seconds
-                    else None,
-                    "tokens_per_s": (
-                        tokens[phase] / figures.seconds
-                        if phase in tokens and figures.seconds
-                        else None
-                    ),
-                    "real_token_fraction": figures.real_token_fraction(),
-                }
-                for phase, figures in row.phases.items()
-            },
-            "agreement": vars(agreements[row.name]) if row.name in agreements else None,
-        }
-
-    figures = [per_row(row) for row in rows]
-
-    print()
-    for key, value in header.items():
-        print(f"{key:<18} {value}")
-    print()
-    table_rows = []
-    for row, fig in zip(rows, figures, strict=True):
-        agreement = agreements.get(row.name)
-        table_rows.append(
-            [
-                row.name,
-                _fmt(row.load_s, ".2f"),
-                _fmt(row.eval_s, ".2f"),
-                _fmt(row.total_s, ".2f"),
-                _fmt(row.lm_s, ".2f"),
-                _fmt(fig["requests_per_s"], ",.0f"),
-                _fmt(fig["tokens_per_s"], ",.0f"),
-                _fmt(fig["real_token_fraction"], ".3f"),
-                _fmt(fig["speedup_total_vs_hf"], ".2f")
-                + ("x" if fig["speedup_total_vs_hf"] else ""),
-                _fmt(fig["speedup_lm_vs_hf"], ".2f") + ("x" if fig["speedup_lm_vs_hf"] else ""),
-                "baseline" if agreement is None else f"{agreement.max_metric_diff:.1e}",
-                "" if agreement is None else f"{agreement.max_logprob_diff:.1e}",
-                ""
-                if agreement is None
-                else str(agreement.discrete_diffs + len(agreement.problems)),
-            ]
-        )
-    print(
-        _table(
-            [
-                "row",
-                "load s",
-                "eval s",
-                "total s",
-                "LM s",
-                "req/s",
-                "tok/s",
-                "real-tok",
-                "total vs hf",
-                "LM vs hf",
-                "max|dmetric|",
-                "max|dlogprob|",
-                "diffs",
-            ],
-            table_rows,
-        )
-    )
-    print()
-    phase_rows = []
-    for phase in PHASES:
-        for row in rows:
-            f = row.phases.get(phase)
-            if f is None:
-                continue
-            phase_rows.append(
-                [
-                    phase,
-                    row.name,
-                    str(f.requests),
-                    _fmt(f.seconds, ".2f"),
-                    _fmt(f.requests / f.seconds if f.seconds else None, ",.0f"),
-                    _fmt(
-                        tokens[phase] / f.seconds if phase in tokens and f.seconds else None, ",.0f"
-                    ),
-                    _fmt(f.engine_seconds, ".2f"),
-                    "n/a" if f.micro_batches is None else str(f.micro_batches),
-                    _fmt(f.real_token_fraction(), ".3f"),
-                    "n/a"
-                    if f.replica_utilisation is None
-                    else "/".join(f"{u:.2f}" for u in f.replica_utilisation.values()) or "-",
-                ]
-            )
-    print(
-        _table(
-            [
-                "request type",
-                "row",
-                "requests",
-                "LM s",
-                "req/s",
-                "tok/s",
-                "engine s",
-                "micro-batches",
-                "real-tok",
-                "replica util",
-            ],
-            phase_rows,
-        )
-    )
-    if tokens:
-        print(
-            "\nworkload tokens (rayeval real tokens): "
-            + ", ".join(f"{phase} {count:,}" for phase, count in tokens.items())
-        )
-    for row in rows:
-        if row.load_reports:
-            secs = ", ".join(f"{r.get('seconds', 0):.2f}" for r in row.load_reports)
-            print(
-                f"{row.name}: load {row.load_s:.2f} s = constructor {row.start_s or 0:.2f} s "
-                f"(tokeniser, placement group, actors created) + waiting for the ranks; "
-                f"per-rank setup (process group + model load) s: {secs}"
-            )
-    for name, agreement in agreements.items():
-        if agreement.max_metric_name:
-            print(
-                f"{name}: largest metric difference at {agreement.max_metric_name}; "
-                f"{agreement.samples} samples compared"
-            )
-        for problem in agreement.problems[:5]:
-            print(f"{name}: PROBLEM {problem}")
-    for warning in warnings:
-        print(f"WARNING {warning}")
-    return {"header": header, "rows": figures, "workload_tokens": tokens, "warnings": warnings}
-
-
-# --------------------------------------------------------------------------------------- main
-def warm_up_imports(model_dir: str) -> None:
-    """Import what both backends import on first use, so the first row does not pay for it."""
-    import lm_eval.models.huggingface  # noqa: F401
-    import torch
-    import transformers
-
-    import rayeval.service.engine.lm  # noqa: F401
-
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        transformers.AutoModelForCausalLM.from_config(config)  # imports the modeling code
-
-
-def _describe_cluster() -> str:
-    import ray
-
-    resources = ray.cluster_resources()
-    return f"{resources.get('CPU', 0):g} logical CPUs, {resources.get('GPU', 0):g} GPUs"
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    set_environment(local_ray=args.address is None and not os.environ.get("RAY_ADDRESS"))
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for name in ("lm_eval", "service", "actors"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-    import lm_eval
-    import ray
-    import torch
-    import transformers
+    from lm_eval.tasks import get_task_dict
 
     from rayeval.service.demo import ensure_demo_assets
 
-    started = time.perf_counter()
     model_dir = args.model
     include_path = args.include_path
     if model_dir is None or include_path is None:
@@ -691,11 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         include_path = include_path or str(assets.tasks_dir)
     args.tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
     task_manager = make_task_manager(args.tasks, include_path)
-    from lm_eval.tasks import get_task_dict
-
     get_task_dict(args.tasks, task_manager)  # warm-up: datasets are prepared before any row
     warm_up_imports(model_dir)
-    prep_s = time.perf_counter() - started
+    return model_dir, task_manager
+
+
+def start_ray(args: argparse.Namespace) -> float:
+    """Connect to ``--address`` / ``RAY_ADDRESS`` or start a local Ray; the seconds it took."""
+    import ray
 
     largest = max((r * g for r, g in args.layouts), default=1)
     started = time.perf_counter()
@@ -708,14 +208,31 @@ def main(argv: list[str] | None = None) -> int:
                 include_dashboard=False,
                 log_to_driver=False,
             )
-    ray_s = time.perf_counter() - started
+    return time.perf_counter() - started
+
+
+def _describe_cluster() -> str:
+    import ray
+
+    resources = ray.cluster_resources()
+    return f"{resources.get('CPU', 0):g} logical CPUs, {resources.get('GPU', 0):g} GPUs"
+
+
+def describe_run(
+    args: argparse.Namespace, model_dir: str, ray_s: float, prep_s: float
+) -> dict[str, Any]:
+    """The header lines: what is evaluated, how, on which machine and versions."""
+    import lm_eval
+    import ray
+    import torch
+    import transformers
 
     gpus = (
         ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         if torch.cuda.is_available()
         else "none"
     )
-    header = {
+    return {
         "model": model_dir,
         "tasks": f"{','.join(args.tasks)} (num_fewshot {args.num_fewshot}, limit {args.limit})",
         "dtype / device": f"{args.dtype} / {args.device}",
@@ -731,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         "load average": "{:.1f} {:.1f} {:.1f} (1/5/15 min, at start)".format(*os.getloadavg()),
     }
 
+
+def run_rows(args: argparse.Namespace, model_dir: str, task_manager: Any) -> list[Row]:
+    """The hf row (unless ``--skip_hf``), then every layout; Ray is shut down afterwards."""
+    import ray
+
     rows: list[Row] = []
     try:
         if not args.skip_hf:
@@ -742,32 +264,58 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if ray.is_initialized():
             ray.shutdown()
+    return rows
+
+
+def verdict_line(baseline: str, failed: list[str]) -> str:
+    """Whether every row agrees with the baseline row, and which do not."""
+    if failed:
+        return (
+            f"results DIFFER from {baseline} beyond |dlogprob| {LOGPROB_TOL:g} (two "
+            "float32 ulps for sums above 1024) or in "
+            f"greedy flags / generations: {', '.join(failed)}"
+        )
+    return (
+        f"results agree with {baseline} (|dlogprob| <= {LOGPROB_TOL:g} or two "
+        "float32 ulps of a sum above 1024, same generations)"
+    )
+
+
+def write_json(path: str, figures: dict[str, Any], verdict: str) -> None:
+    """Every figure, the command line and the verdict, as JSON."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figures["argv"] = sys.argv
+    figures["verdict"] = verdict
+    out.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+    print(f"figures written to {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every row, print the tables; 1 if a float32 row's results differ, else 0."""
+    args = parse_args(argv)
+    set_environment(local_ray=args.address is None and not os.environ.get("RAY_ADDRESS"))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("lm_eval", "service", "actors"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    started = time.perf_counter()
+    model_dir, task_manager = prepare(args)
+    prep_s = time.perf_counter() - started
+    ray_s = start_ray(args)
+    header = describe_run(args, model_dir, ray_s, prep_s)
+    rows = run_rows(args, model_dir, task_manager)
 
     baseline = rows[0]
     assert baseline.results is not None
     agreements = {row.name: compare(baseline.results, row.results or {}) for row in rows[1:]}
     figures = report(args, rows, agreements, header)
     failed = [name for name, a in agreements.items() if not a.ok()]
-    if failed:
-        verdict = (
-            f"results DIFFER from {baseline.name} beyond |dlogprob| {LOGPROB_TOL:g} (two "
-            "float32 ulps for sums above 1024) or in "
-            f"greedy flags / generations: {', '.join(failed)}"
-        )
-    else:
-        verdict = (
-            f"results agree with {baseline.name} (|dlogprob| <= {LOGPROB_TOL:g} or two "
-            "float32 ulps of a sum above 1024, same generations)"
-        )
+    verdict = verdict_line(baseline.name, failed)
     print("load average at end: {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     print(f"\n{verdict}")
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        figures["argv"] = sys.argv
-        figures["verdict"] = verdict
-        out.write_text(json.dumps(figures, indent=2, default=str) + "\n")
-        print(f"figures written to {out}")
+        write_json(args.json_out, figures, verdict)
     # In float32 the rows must agree; bf16/fp16 batches legitimately round differently.
     return 1 if failed and args.dtype == "float32" else 0
 

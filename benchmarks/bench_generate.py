@@ -30,10 +30,15 @@ identical texts / all) and its log-probs (``max|dlogprob|``); the exit status is
 row differs (any generation, or a log-prob by more than 1e-4). Timings are only meaningful with
 the machine to itself: run it under ``flock -x /tmp/rayeval-cpu.lock`` on shared machines.
 
+``--workload varied`` runs instead, on the same rows, a generation workload whose greedy answers
+need 2 to 96 tokens (a tiny model it trains in well under a minute, 360 requests through an
+lm-eval task) and counts the decode row-steps each row computes (:mod:`benchmarks.varied_bench`).
+
 Usage::
 
     .venv/bin/python benchmarks/bench_generate.py                     # ~240M-parameter Llama
     .venv/bin/python benchmarks/bench_generate.py --layers 12 --json out/generate.json
+    .venv/bin/python benchmarks/bench_generate.py --workload varied --only "1x1 c1,1x2 default"
     # GPU machine (CUDA torch): NCCL, bf16, one GPU per rank
     .venv/bin/python benchmarks/bench_generate.py --device cuda --dtype bfloat16 --rows gpu
 """
@@ -56,8 +61,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.bench_engine import set_environment  # noqa: E402
 from benchmarks.bench_memory import add_model_arguments, build_model, model_figures  # noqa: E402
+from benchmarks.common import set_environment  # noqa: E402
 
 MIB = 1024 * 1024
 LOGPROB_TOL = 1e-4
@@ -74,6 +79,7 @@ class RowSpec:
     batch: int | None = None  # rows per micro-batch; None: --batch
     hf: bool = False
     gloo: bool = False  # the ranks' collectives on gloo even where shared memory would serve
+    static: bool = False  # generate in static batches (continuous batching off)
 
 
 @dataclass
@@ -108,6 +114,8 @@ def row_specs(args: argparse.Namespace) -> list[RowSpec]:
             RowSpec("1x2 fsdp", 2, 1, "fsdp"),
             RowSpec("1x2 default", 2, 1, "auto"),
             RowSpec("1x2 default gloo", 2, 1, "auto", gloo=True),
+            RowSpec("1x1 c1 static", 1, 1, static=True),
+            RowSpec("1x2 default static", 2, 1, "auto", static=True),
         ]
     rows += [RowSpec(f"1x2 fsdp w{w}", 2, 1, "fsdp", batch=w) for w in args.fsdp_widths]
     if args.only:
@@ -161,7 +169,8 @@ def run_row(
         import torch
         from lm_eval.models.huggingface import HFLM
 
-        torch.set_num_threads(args.cores if args.device == "cpu" else torch.get_num_threads())
+        cpu_threads = args.hf_threads or args.cores
+        torch.set_num_threads(cpu_threads if args.device == "cpu" else torch.get_num_threads())
         lm: Any = HFLM(
             pretrained=str(model_dir), device=args.device, dtype=args.dtype, batch_size=batch
         )
@@ -176,6 +185,7 @@ def run_row(
             cpus_per_rank=spec.cpus_per_rank,
             shard_strategy=spec.strategy,
             shm_collectives=not spec.gloo,
+            continuous_batching=not spec.static,
             dtype=args.dtype,
             device=args.device,
             batch_size=batch,
@@ -257,12 +267,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", help="float32 (CPU) or bfloat16 (GPU)")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="CPU cores")
+    parser.add_argument(
+        "--hf_threads", type=int, default=None, help="torch threads of the hf row (--cores)"
+    )
     parser.add_argument("--num_cpus", type=int, default=4, help="logical CPUs of the local Ray")
     parser.add_argument("--model_dir", default=None, help="build (or reuse) the model here")
     parser.add_argument(
         "--only", default="", help="comma-separated row names to run (the hf row always runs)"
     )
     parser.add_argument("--json", default=None, help="also write every figure as JSON here")
+    parser.add_argument(
+        "--workload",
+        default="fixed",
+        choices=["fixed", "varied"],
+        help="fixed: the random model, fixed answer lengths (default); varied: a trained tiny "
+        "model whose 360 greedy answers need 2-96 tokens, through an lm-eval task "
+        "(benchmarks/varied_bench.py)",
+    )
+    parser.add_argument(
+        "--rayeval_batch_size",
+        default="auto",
+        help="varied workload: rayeval's batch_size (auto); --batch is the hf row's",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="varied workload: model, questions")
     args = parser.parse_args(argv)
     args.fsdp_widths = [int(w) for w in args.fsdp_widths.split(",") if w.strip()]
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
@@ -273,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_environment(local_ray=True)  # the local, single-user Ray below
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.workload == "varied":
+        from benchmarks.varied_bench import main_varied
+
+        return main_varied(args, row_specs(args))
 
     import ray
     import torch

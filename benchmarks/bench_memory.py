@@ -37,6 +37,9 @@ Usage::
 With ``--shard_strategy tp`` the ranks hold transformers' tensor-parallel slices (the projections
 split, the embeddings and norms whole on every rank) and add no all-gathered unit, only the
 activations of the batch they compute together.
+
+The sampler is in ``rank_memory.py``, the model builder (shared with bench_generate.py) in
+``llama_model.py``; this script runs the layouts and prints the figures.
 """
 
 from __future__ import annotations
@@ -48,9 +51,7 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,191 +60,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.bench_engine import set_environment  # noqa: E402
+from benchmarks.common import set_environment  # noqa: E402
+from benchmarks.llama_model import add_model_arguments, build_model, model_figures  # noqa: E402
+from benchmarks.rank_memory import PHASES, EmptyRank, RankMemory, RankSampler  # noqa: E402
+
+__all__ = ["add_model_arguments", "build_model", "main", "model_figures"]
 
 MIB = 1024 * 1024
-STATUS_FIELDS = ("RssAnon", "VmHWM", "VmRSS")
-PHASES = ("load", "loglikelihood", "generate_until")
-
-
-# ------------------------------------------------------------------------------ /proc reading
-def read_status(pid: int) -> dict[str, int] | None:
-    """``RssAnon``, ``VmHWM`` and ``VmRSS`` of ``pid`` in bytes, or None once it has exited."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    figures = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key in STATUS_FIELDS:
-            figures[key] = int(value.split()[0]) * 1024  # the kernel reports kB
-    return figures if len(figures) == len(STATUS_FIELDS) else None
-
-
-@dataclass
-class RankMemory:
-    """What the sampler saw of one rank process, in bytes."""
-
-    name: str
-    pid: int
-    peak_anon: dict[str, int] = field(default_factory=dict)  # per phase
-    last_anon: int = 0
-    vm_hwm: int = 0
-    samples: int = 0
-
-
-class RankSampler:
-    """A driver thread that samples ``/proc/<pid>/status`` of the actors named ``prefix-*``.
-
-    Args:
-        prefix: The worker group's name; its rank actors are ``<prefix>-r<replica>-s<shard>``.
-        interval_s: Seconds between samples.
-    """
-
-    def __init__(self, prefix: str, interval_s: float) -> None:
-        self._prefix = prefix + "-"
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rank-sampler", daemon=True)
-        #: Where the evaluation is; set by the driver thread, read by the sampler.
-        self.phase = "load"
-        self.ranks: dict[str, RankMemory] = {}
-
-    def __enter__(self) -> RankSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        next_lookup = 0.0
-        while not self._stop.is_set():
-            now = time.monotonic()
-            if now >= next_lookup:  # the actor table is a GCS round-trip: not every sample
-                self._find_ranks()
-                next_lookup = now + 0.5
-            self.sample()
-            self._stop.wait(self._interval_s)
-
-    def sample(self) -> None:
-        """Read every known rank once."""
-        for rank in list(self.ranks.values()):
-            figures = read_status(rank.pid)
-            if figures is None:
-                continue
-            phase = self.phase
-            rank.peak_anon[phase] = max(rank.peak_anon.get(phase, 0), figures["RssAnon"])
-            rank.last_anon = figures["RssAnon"]
-            rank.vm_hwm = max(rank.vm_hwm, figures["VmHWM"])
-            rank.samples += 1
-
-    def _find_ranks(self) -> None:
-        from ray._private import state
-
-        for info in state.actors().values():
-            name, pid = info.get("Name") or "", info.get("Pid") or 0
-            fresh = name.startswith(self._prefix) and name not in self.ranks
-            if fresh and pid and info.get("State") == "ALIVE":
-                self.ranks[name] = RankMemory(name=name, pid=pid)
-
-    def track(self, lm: Any) -> None:
-        """Set :attr:`phase` while lm-eval is inside ``lm.loglikelihood`` / ``generate_until``."""
-        for phase in PHASES[1:]:
-            setattr(lm, phase, self._in_phase(phase, getattr(lm, phase)))
-
-    def _in_phase(self, phase: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def tracked(*args: Any, **kwargs: Any) -> Any:
-            self.phase = phase
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.sample()
-                self.phase = "between"  # lm-eval's own work on the driver
-
-        return tracked
-
-
-class EmptyRank:
-    """An idle actor with what a rank imports and no weights: the baseline of every figure.
-
-    It imports torch, transformers and the rank code, and builds the model on the meta device
-    (which imports its modeling code and holds no tensor data): memory that every rank pays
-    whatever the model's size.
-    """
-
-    def measure(self, model_dir: str) -> dict[str, int]:
-        import gc
-
-        import torch
-        import transformers
-
-        import rayeval.actors.worker  # noqa: F401
-
-        config = transformers.AutoConfig.from_pretrained(model_dir)
-        with torch.device("meta"):
-            transformers.AutoModelForCausalLM.from_config(config)
-        gc.collect()
-        figures = read_status(os.getpid())
-        assert figures is not None
-        return figures
-
-
-# ------------------------------------------------------------------------------------ the model
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The shape of the Llama :func:`build_model` builds (default: 239M parameters, 912 MiB)."""
-    parser.add_argument("--hidden", type=int, default=768, help="Llama hidden size (768)")
-    parser.add_argument("--intermediate", type=int, default=2048, help="MLP size (2048)")
-    parser.add_argument("--layers", type=int, default=32, help="decoder blocks (32)")
-    parser.add_argument("--heads", type=int, default=12, help="attention heads (12)")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary (8192)")
-
-
-def build_model(out_dir: Path, args: argparse.Namespace, tokenizer_dir: Path) -> None:
-    """Save a random-weight fp32 Llama and the demo tokenizer in ``out_dir``."""
-    import torch
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-
-
-def model_figures(model_dir: Path) -> dict[str, int]:
-    """Bytes of the whole model and of its largest FSDP unit (as ``actors`` shards it)."""
-    import torch
-    import transformers
-
-    from rayeval.actors.fsdp_units import decoder_blocks, embedding_units
-
-    config = transformers.AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-    def size(modules: list[Any]) -> int:
-        params = {id(p): p for m in modules for p in m.parameters()}
-        return sum(p.numel() * p.element_size() for p in params.values())
-
-    units = [[block] for block in decoder_blocks(model)] + embedding_units(model)
-    return {"model": size([model]), "largest_unit": max(size(unit) for unit in units)}
 
 
 # ------------------------------------------------------------------------------------ running
@@ -343,6 +166,7 @@ COLUMNS = [
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    """The rows of :func:`table_rows` under ``COLUMNS``' titles, right-aligned."""
     cells = [
         [fmt.format(row[key]) if row[key] is not None else "n/a" for key, _, fmt in COLUMNS]
         for row in rows
@@ -357,6 +181,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``--shard_sizes`` and ``--tasks`` as lists."""
     parser = argparse.ArgumentParser(description="Peak private memory per rank, G = 1, 2, 4.")
     parser.add_argument("--shard_sizes", default="1,2,4", help="G values (default 1,2,4)")
     parser.add_argument(
@@ -385,13 +210,117 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@dataclass
+class Measured:
+    """Every layout's rows, seconds, and whether its results equal the first layout's."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    seconds: dict[int, float] = field(default_factory=dict)
+    identical: dict[int, bool] = field(default_factory=dict)
+
+
+def measure_empty_rank(model_dir: Path) -> dict[str, int]:
+    """The memory of an idle actor that imported what a rank imports (no weights)."""
+    import ray
+
+    empty_actor = ray.remote(num_cpus=1)(EmptyRank).remote()
+    empty = ray.get(empty_actor.measure.remote(str(model_dir)), timeout=300)
+    ray.kill(empty_actor)
+    return dict(empty)
+
+
+def describe_run(
+    args: argparse.Namespace,
+    sizes: dict[str, int],
+    empty: dict[str, int],
+    built: float | None,
+    model_dir: Path,
+) -> dict[str, str]:
+    """The header lines; ``built`` is the seconds the model took to build, None if reused."""
+    import ray
+    import torch
+
+    return {
+        "model": f"Llama, {sizes['model'] / 4e6:.0f}M parameters, fp32, "
+        f"{sizes['model'] / MIB:,.0f} MiB, random weights "
+        + (f"(built in {built:.1f} s)" if built is not None else f"(reused {model_dir})"),
+        "largest unit": f"{sizes['largest_unit'] / MIB:,.0f} MiB "
+        f"({sizes['largest_unit'] / sizes['model']:.1%} of the model)",
+        "tasks": f"{','.join(args.tasks)} (limit {args.limit}, num_fewshot {args.num_fewshot})",
+        "machine": f"{os.cpu_count()} CPU cores, CPU only, torch {torch.__version__}, "
+        f"ray {ray.__version__}",
+        "empty rank": f"RssAnon {empty['RssAnon'] / MIB:,.0f} MiB, "
+        f"VmHWM {empty['VmHWM'] / MIB:,.0f} MiB (subtracted from every figure)",
+        "sampling": f"every {args.interval_ms:g} ms from the driver",
+    }
+
+
+def measure_layouts(
+    args: argparse.Namespace,
+    model_dir: Path,
+    task_manager: Any,
+    sizes: dict[str, int],
+    empty: dict[str, int],
+) -> Measured:
+    """Every ``--shard_sizes`` layout in turn, its results compared with the first one's."""
+    measured = Measured()
+    baseline: dict[tuple[str, int], Any] | None = None
+    for shard_size in args.shard_sizes:
+        ranks, results, measured.seconds[shard_size] = run_layout(
+            shard_size, model_dir, task_manager, args
+        )
+        measured.rows += table_rows(shard_size, ranks, sizes, empty)
+        ours = responses(results)
+        baseline = baseline or ours
+        measured.identical[shard_size] = ours == baseline
+    return measured
+
+
+def print_summary(args: argparse.Namespace, measured: Measured) -> None:
+    """The memory table, then each layout's time and whether its results are identical."""
+    print("RssAnon peak per phase, MiB above the empty rank (sampled); VmHWM: kernel peak")
+    print_table(measured.rows)
+    print()
+    for shard_size in args.shard_sizes:
+        same = "identical to" if measured.identical[shard_size] else "DIFFERENT from"
+        print(
+            f"G={shard_size}: {measured.seconds[shard_size]:.1f} s (load + evaluation), results "
+            f"{same} G={args.shard_sizes[0]}"
+        )
+
+
+def write_json(
+    args: argparse.Namespace,
+    header: dict[str, str],
+    sizes: dict[str, int],
+    empty: dict[str, int],
+    measured: Measured,
+) -> None:
+    """Every figure, and the arguments, as JSON in ``--json``."""
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "header": header,
+                "sizes": sizes,
+                "empty_rank": empty,
+                "rows": measured.rows,
+                "seconds": measured.seconds,
+                "identical_results": measured.identical,
+                "args": vars(args),
+            },
+            indent=2,
+        )
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Build (or reuse) the model, measure every layout; 1 if fsdp results differ, else 0."""
     args = parse_args(argv)
     set_environment(local_ray=True)  # the local, single-user Ray below
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     import ray
-    import torch
     from lm_eval.tasks import TaskManager
 
     from rayeval.service.demo import ensure_demo_assets
@@ -399,72 +328,25 @@ def main(argv: list[str] | None = None) -> int:
     assets = ensure_demo_assets()
     task_manager = TaskManager(include_defaults=False, include_path=str(assets.tasks_dir))
     model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="bench-memory-"))
-    started = time.perf_counter()
-    built = not (model_dir / "config.json").is_file()
-    if built:
+    built = None
+    if not (model_dir / "config.json").is_file():
+        started = time.perf_counter()
         build_model(model_dir, args, assets.model_dir)
-    build_s = time.perf_counter() - started
+        built = time.perf_counter() - started
     sizes = model_figures(model_dir)
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        empty_actor = ray.remote(num_cpus=1)(EmptyRank).remote()
-        empty = ray.get(empty_actor.measure.remote(str(model_dir)), timeout=300)
-        ray.kill(empty_actor)
-        header = {
-            "model": f"Llama, {sizes['model'] / 4e6:.0f}M parameters, fp32, "
-            f"{sizes['model'] / MIB:,.0f} MiB, random weights "
-            + (f"(built in {build_s:.1f} s)" if built else f"(reused {model_dir})"),
-            "largest unit": f"{sizes['largest_unit'] / MIB:,.0f} MiB "
-            f"({sizes['largest_unit'] / sizes['model']:.1%} of the model)",
-            "tasks": f"{','.join(args.tasks)} (limit {args.limit}, num_fewshot {args.num_fewshot})",
-            "machine": f"{os.cpu_count()} CPU cores, CPU only, torch {torch.__version__}, "
-            f"ray {ray.__version__}",
-            "empty rank": f"RssAnon {empty['RssAnon'] / MIB:,.0f} MiB, "
-            f"VmHWM {empty['VmHWM'] / MIB:,.0f} MiB (subtracted from every figure)",
-            "sampling": f"every {args.interval_ms:g} ms from the driver",
-        }
+        empty = measure_empty_rank(model_dir)
+        header = describe_run(args, sizes, empty, built, model_dir)
         for key, value in header.items():
             print(f"{key:<13} {value}")
         print()
-        rows: list[dict[str, Any]] = []
-        seconds: dict[int, float] = {}
-        baseline: dict[tuple[str, int], Any] | None = None
-        identical: dict[int, bool] = {}
-        for shard_size in args.shard_sizes:
-            ranks, results, seconds[shard_size] = run_layout(
-                shard_size, model_dir, task_manager, args
-            )
-            rows += table_rows(shard_size, ranks, sizes, empty)
-            ours = responses(results)
-            baseline = baseline or ours
-            identical[shard_size] = ours == baseline
-        print("RssAnon peak per phase, MiB above the empty rank (sampled); VmHWM: kernel peak")
-        print_table(rows)
-        print()
-        for shard_size in args.shard_sizes:
-            same = "identical to" if identical[shard_size] else "DIFFERENT from"
-            print(
-                f"G={shard_size}: {seconds[shard_size]:.1f} s (load + evaluation), results {same} "
-                f"G={args.shard_sizes[0]}"
-            )
+        measured = measure_layouts(args, model_dir, task_manager, sizes, empty)
+        print_summary(args, measured)
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(
-                json.dumps(
-                    {
-                        "header": header,
-                        "sizes": sizes,
-                        "empty_rank": empty,
-                        "rows": rows,
-                        "seconds": seconds,
-                        "identical_results": identical,
-                        "args": vars(args),
-                    },
-                    indent=2,
-                )
-            )
+            write_json(args, header, sizes, empty, measured)
         exact = args.shard_strategy == "fsdp"
-        return 0 if all(identical.values()) or not exact else 1
+        return 0 if all(measured.identical.values()) or not exact else 1
     finally:
         ray.shutdown()
         if args.model_dir is None:

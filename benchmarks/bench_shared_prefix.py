@@ -43,16 +43,15 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-for path in (REPO_ROOT, Path(__file__).resolve().parent):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
-from bench_engine import (  # noqa: E402
+from benchmarks.agreement import compare  # noqa: E402
+from benchmarks.common import (  # noqa: E402
     PhaseTimer,
-    _parse_layout,
-    _table,
-    compare,
+    format_table,
     make_task_manager,
+    parse_layout,
     set_environment,
 )
 
@@ -77,10 +76,12 @@ class HfTokenCounter:
             self.real += sum(1 for token in row if token != self._pad)
 
     def snapshot(self) -> dict[str, int]:
+        """Tokens fed so far, and how many of them were not padding."""
         return {"fed": self.fed, "real": self.real}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with ``--layouts`` as ``(R, G)`` pairs."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", default="1x1", help="rayeval layouts RxG (default 1x1)")
     parser.add_argument("--docs", type=int, default=40, help="documents per shape (default 40)")
@@ -111,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", dest="json_out", default=None, metavar="OUT")
     args = parser.parse_args(argv)
-    args.layouts = [_parse_layout(item) for item in args.layouts.split(",") if item.strip()]
+    args.layouts = [parse_layout(item) for item in args.layouts.split(",") if item.strip()]
     return args
 
 
@@ -187,70 +188,159 @@ def run_interleaved(
                 backend.evaluate(shape, task_manager)
 
 
+def select_shapes(args: argparse.Namespace, work: Path) -> tuple[list[str], Any]:
+    """The shapes asked for, their task YAMLs written under ``work``, datasets prepared.
+
+    Returns the shapes and the task manager. Raises SystemExit naming the known shapes when
+    ``--shapes`` names another.
+    """
+    from lm_eval.tasks import get_task_dict
+
+    from rayeval.service.demo.shaped import SHAPED_TASKS, write_shaped_tasks
+
+    tasks_dir = write_shaped_tasks(work / "tasks", docs=args.docs)
+    shapes = list(SHAPED_TASKS)
+    if args.shapes:
+        unknown = set(args.shapes.split(",")) - set(shapes)
+        if unknown:
+            raise SystemExit(f"unknown --shapes {sorted(unknown)}: choose from {shapes}")
+        shapes = [shape for shape in shapes if shape in args.shapes.split(",")]
+    task_manager = make_task_manager(shapes, str(tasks_dir))
+    get_task_dict(shapes, task_manager)  # datasets prepared before any row
+    return shapes, task_manager
+
+
+def hf_backend(args: argparse.Namespace, model_dir: str) -> Backend:
+    """lm-eval's own ``hf`` model in this process, its input tokens counted."""
+    from lm_eval.api.registry import get_model
+
+    hf = get_model("hf").create_from_arg_obj(
+        {"pretrained": model_dir, "dtype": args.dtype},
+        {"batch_size": args.batch_size, "max_batch_size": None, "device": args.device},
+    )
+    counter = HfTokenCounter(hf.model, hf.tokenizer.pad_token_id)
+    return Backend("lm-eval hf", hf, counter.snapshot)
+
+
+def run_with_rayeval(
+    args: argparse.Namespace,
+    model_dir: str,
+    backends: list[Backend],
+    shapes: list[str],
+    task_manager: Any,
+) -> None:
+    """Start Ray and every layout beside ``backends``, then run every shape on all of them."""
+    import ray
+
+    from rayeval.service.engine.lm import RayEvalLM
+
+    # Every layout's ranks stay up beside hf's model (idle ranks cost no CPU).
+    cpus = sum(r * g for r, g in args.layouts)
+    ray.init(num_cpus=max(os.cpu_count() or 1, cpus), log_to_driver=False)
+    try:
+        with contextlib.ExitStack() as stack:
+            for replicas, shards in args.layouts:
+                lm = stack.enter_context(
+                    RayEvalLM(
+                        pretrained=model_dir,
+                        num_replicas=replicas,
+                        shard_size=shards,
+                        batch_size="auto",
+                        max_batch_tokens=args.max_batch_tokens,
+                        device=args.device,
+                        dtype=args.dtype,
+                        share_prefixes=not args.no_share,
+                    )
+                )
+                lm.load_reports  # noqa: B018 -- loading stays out of every shape's time
+                name = f"rayeval {replicas}x{shards}"
+                backends.append(Backend(name, lm, lm.input_token_counts))
+            run_interleaved(backends, shapes, task_manager, args.repeat)
+    finally:
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run every shape on every backend and print the table; 1 if a float32 row differs."""
     args = parse_args(argv)
     set_environment(local_ray=not os.environ.get("RAY_ADDRESS"))
     import lm_eval
-    import ray
     import torch
-    from lm_eval.api.registry import get_model
-
-    from rayeval.service.demo.shaped import SHAPED_TASKS, write_shaped_tasks
-    from rayeval.service.engine.lm import RayEvalLM
 
     work = Path(tempfile.mkdtemp(prefix="bench-shared-"))
     try:
         model_dir = args.model or wide_demo_model(work, args.hidden, args.layers)
-        tasks_dir = write_shaped_tasks(work / "tasks", docs=args.docs)
-        shapes = list(SHAPED_TASKS)
-        if args.shapes:
-            unknown = set(args.shapes.split(",")) - set(shapes)
-            if unknown:
-                raise SystemExit(f"unknown --shapes {sorted(unknown)}: choose from {shapes}")
-            shapes = [shape for shape in shapes if shape in args.shapes.split(",")]
-        task_manager = make_task_manager(shapes, str(tasks_dir))
-        from lm_eval.tasks import get_task_dict
-
-        get_task_dict(shapes, task_manager)  # datasets prepared before any row
+        shapes, task_manager = select_shapes(args, work)
         if args.hf_threads:
             torch.set_num_threads(args.hf_threads)
-
-        hf = get_model("hf").create_from_arg_obj(
-            {"pretrained": model_dir, "dtype": args.dtype},
-            {"batch_size": args.batch_size, "max_batch_size": None, "device": args.device},
-        )
-        counter = HfTokenCounter(hf.model, hf.tokenizer.pad_token_id)
-        backends = [Backend("lm-eval hf", hf, counter.snapshot)]
-
-        # Every layout's ranks stay up beside hf's model (idle ranks cost no CPU).
-        cpus = sum(r * g for r, g in args.layouts)
-        ray.init(num_cpus=max(os.cpu_count() or 1, cpus), log_to_driver=False)
-        try:
-            with contextlib.ExitStack() as stack:
-                for replicas, shards in args.layouts:
-                    lm = stack.enter_context(
-                        RayEvalLM(
-                            pretrained=model_dir,
-                            num_replicas=replicas,
-                            shard_size=shards,
-                            batch_size="auto",
-                            max_batch_tokens=args.max_batch_tokens,
-                            device=args.device,
-                            dtype=args.dtype,
-                            share_prefixes=not args.no_share,
-                        )
-                    )
-                    lm.load_reports  # noqa: B018 -- loading stays out of every shape's time
-                    name = f"rayeval {replicas}x{shards}"
-                    backends.append(Backend(name, lm, lm.input_token_counts))
-                run_interleaved(backends, shapes, task_manager, args.repeat)
-        finally:
-            ray.shutdown()
+        backends = [hf_backend(args, model_dir)]
+        run_with_rayeval(args, model_dir, backends, shapes, task_manager)
         rows = {backend.name: backend.figures for backend in backends}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     return report(args, rows, shapes, model_dir, lm_eval.__version__, torch.__version__)
+
+
+#: The columns of the table :func:`report` prints.
+COLUMNS = ["shape", "row", "fed", "real", "fed vs hf", "LM s", "LM vs hf", "max |dlp|", "agrees"]
+KEPT = ("fed", "real", "lm_s")
+
+
+def _agreement(
+    name: str, shape: str, mine: dict[str, Any], base: dict[str, Any], failed: list[str]
+) -> tuple[str, str]:
+    """("yes"/"NO", largest |dlogprob|) against hf, blank for hf itself; records a failure."""
+    if name == "lm-eval hf":
+        return "", ""
+    agreement = compare(base["results"], mine["results"])
+    if agreement.ok():
+        return "yes", f"{agreement.max_logprob_diff:.1e}"
+    failed.append(
+        f"{name}/{shape} (max |dlogprob| {agreement.max_logprob_diff:.2e} "
+        f"at {agreement.max_logprob_pair}, {agreement.beyond_tolerance} beyond "
+        "tolerance, "
+        f"{agreement.discrete_diffs} discrete differences, "
+        f"{agreement.samples} samples; {'; '.join(agreement.problems[:3])})"
+    )
+    return "NO", f"{agreement.max_logprob_diff:.1e}"
+
+
+def _cells(
+    shape: str, name: str, mine: dict[str, Any], base: dict[str, Any], worst: str, agree: str
+) -> list[str]:
+    return [
+        shape, name, f"{mine['fed']:,}", f"{mine['real']:,}",
+        f"{mine['fed'] / base['fed']:.2f}x" if base["fed"] else "n/a",
+        f"{mine['lm_s']:.2f}",
+        f"{base['lm_s'] / mine['lm_s']:.2f}x" if mine["lm_s"] else "n/a",
+        worst,
+        agree,
+    ]  # fmt: skip
+
+
+def _backend_rows(
+    name: str,
+    figures: dict[str, dict[str, Any]],
+    hf: dict[str, dict[str, Any]],
+    shapes: list[str],
+    failed: list[str],
+) -> tuple[list[list[str]], dict[str, Any]]:
+    """One backend's table rows (every shape, then the ``mix`` of them) and its JSON summary."""
+    totals: dict[str, Any] = {"fed": 0, "real": 0, "lm_s": 0.0}
+    hf_totals: dict[str, Any] = {"fed": 0, "real": 0, "lm_s": 0.0}
+    table, summary = [], {}
+    for shape in shapes:
+        mine, base = figures[shape], hf[shape]
+        for key in totals:
+            totals[key] += mine[key]
+            hf_totals[key] += base[key]
+        agree, worst = _agreement(name, shape, mine, base, failed)
+        table.append(_cells(shape, name, mine, base, worst, agree))
+        summary[shape] = {k: v for k, v in mine.items() if k in KEPT}
+    table.append(_cells("mix", name, totals, hf_totals, "", ""))
+    summary["mix"] = dict(totals)
+    return table, summary
 
 
 def report(
@@ -261,6 +351,7 @@ def report(
     lm_eval_version: str,
     torch_version: str,
 ) -> int:
+    """Print the run's description and the table; write ``--json``; return the exit status."""
     hf = rows["lm-eval hf"]
     print(
         f"\nmodel {model_dir} ({args.dtype}, {args.device}); {args.docs} docs per shape; "
@@ -271,49 +362,14 @@ def report(
         f"{args.hf_threads or 'default'}; torch {torch_version}, lm-eval {lm_eval_version}"
     )
     print("load average: {:.1f} {:.1f} {:.1f}\n".format(*os.getloadavg()))
-    table = []
-    failed = []
+    table: list[list[str]] = []
+    failed: list[str] = []
     summary: dict[str, Any] = {}
     for name, figures in rows.items():
-        totals = {"fed": 0, "real": 0, "lm_s": 0.0}
-        hf_totals = {"fed": 0, "real": 0, "lm_s": 0.0}
-        for shape in [*shapes, "mix"]:
-            if shape == "mix":
-                mine, base, agree, worst = totals, hf_totals, "", ""
-            else:
-                mine, base = figures[shape], hf[shape]
-                for key in totals:
-                    totals[key] += mine[key]
-                    hf_totals[key] += base[key]
-                agree, worst = "", ""
-                if name != "lm-eval hf":
-                    agreement = compare(base["results"], mine["results"])
-                    agree = "yes" if agreement.ok() else "NO"
-                    worst = f"{agreement.max_logprob_diff:.1e}"
-                    if agree == "NO":
-                        failed.append(
-                            f"{name}/{shape} (max |dlogprob| {agreement.max_logprob_diff:.2e} "
-                            f"at {agreement.max_logprob_pair}, {agreement.beyond_tolerance} beyond "
-                            "tolerance, "
-                            f"{agreement.discrete_diffs} discrete differences, "
-                            f"{agreement.samples} samples; {'; '.join(agreement.problems[:3])})"
-                        )
-            table.append([
-                shape, name, f"{mine['fed']:,}", f"{mine['real']:,}",
-                f"{mine['fed'] / base['fed']:.2f}x" if base["fed"] else "n/a",
-                f"{mine['lm_s']:.2f}",
-                f"{base['lm_s'] / mine['lm_s']:.2f}x" if mine["lm_s"] else "n/a",
-                worst,
-                agree,
-            ])  # fmt: skip
-            summary.setdefault(name, {})[shape] = {
-                k: v for k, v in mine.items() if k in ("fed", "real", "lm_s")
-            }
+        backend_table, summary[name] = _backend_rows(name, figures, hf, shapes, failed)
+        table += backend_table
     table.sort(key=lambda r: ([*shapes, "mix"].index(r[0]), r[1] != "lm-eval hf"))
-    print(_table(
-        ["shape", "row", "fed", "real", "fed vs hf", "LM s", "LM vs hf", "max |dlp|", "agrees"],
-        table,
-    ))  # fmt: skip
+    print(format_table(COLUMNS, table))
     verdict = f"DIFFER from hf: {', '.join(failed)}" if failed else "every shape agrees with hf"
     print(f"\n{verdict}")
     if args.json_out:

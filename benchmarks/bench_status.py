@@ -97,6 +97,67 @@ def _duration(state: dict[str, Any]) -> float:
     return seconds_between(state["started_at"], state["finished_at"])
 
 
+class _LoadGenerator:
+    """Pollers of one evaluation and clients of its event stream, until it has finished.
+
+    Args:
+        client: The aiohttp session (its base URL is the server's).
+        path: ``/evaluations/{id}`` of the evaluation.
+        interval_s: Seconds a poller waits after each answer (0: closed loop).
+    """
+
+    def __init__(self, client: Any, path: str, interval_s: float) -> None:
+        self.client, self.path, self.interval_s = client, path, interval_s
+        self.done = asyncio.Event()
+        self.latencies: list[float] = []
+        self.errors = 0
+
+    async def poll(self, phase_s: float) -> None:
+        """Poll from ``phase_s`` on until a poller sees the evaluation finished."""
+        import aiohttp
+
+        await asyncio.sleep(phase_s)
+        while not self.done.is_set():
+            sent = time.perf_counter()
+            try:
+                async with self.client.get(self.path) as response:
+                    state = await response.json()
+                self.latencies.append(time.perf_counter() - sent)
+                if response.status != 200:
+                    self.errors += 1
+                elif state["status"] in ("succeeded", "failed", "cancelled"):
+                    self.done.set()
+            except aiohttp.ClientError:
+                self.errors += 1
+            if self.interval_s:
+                await asyncio.sleep(self.interval_s)
+
+    async def stream(self) -> None:
+        """Read the event stream until the evaluation has finished."""
+        async with self.client.get(f"{self.path}/events") as response:
+            async for _ in response.content:
+                if self.done.is_set():
+                    return
+
+    async def run(self, pollers: int, streams: int, spread: bool) -> float:
+        """Every poller and stream until the evaluation has finished; the seconds that took."""
+        started = time.perf_counter()
+        # With ``spread``, pollers start at random phases of the interval, as independent
+        # dashboards do; started together they stay in lockstep: one burst per interval.
+        phases = random.Random(0)
+        tasks = [
+            asyncio.create_task(self.poll(phases.uniform(0, self.interval_s) if spread else 0.0))
+            for _ in range(pollers)
+        ]
+        tasks += [asyncio.create_task(self.stream()) for _ in range(streams)]
+        await asyncio.wait_for(self.done.wait(), timeout=1800)
+        elapsed = time.perf_counter() - started
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return elapsed
+
+
 async def _run_under_load(
     base: str,
     body: dict[str, Any],
@@ -114,60 +175,19 @@ async def _run_under_load(
     async with aiohttp.ClientSession(base, connector=connector, timeout=timeout) as client:
         async with client.post("/evaluations", json=body) as response:
             evaluation = await response.json()
-        path = f"/evaluations/{evaluation['id']}"
-        done = asyncio.Event()
-        latencies: list[float] = []
-        errors = 0
-
-        async def poll(phase_s: float) -> None:
-            nonlocal errors
-            await asyncio.sleep(phase_s)
-            while not done.is_set():
-                sent = time.perf_counter()
-                try:
-                    async with client.get(path) as response:
-                        state = await response.json()
-                    latencies.append(time.perf_counter() - sent)
-                    if response.status != 200:
-                        errors += 1
-                    elif state["status"] in ("succeeded", "failed", "cancelled"):
-                        done.set()
-                except aiohttp.ClientError:
-                    errors += 1
-                if interval_s:
-                    await asyncio.sleep(interval_s)
-
-        async def stream() -> None:
-            async with client.get(f"{path}/events") as response:
-                async for _ in response.content:
-                    if done.is_set():
-                        return
-
-        started = time.perf_counter()
-        # With ``spread``, pollers start at random phases of the interval, as independent
-        # dashboards do; started together they stay in lockstep: one burst per interval.
-        phases = random.Random(0)
-        tasks = [
-            asyncio.create_task(poll(phases.uniform(0, interval_s) if spread else 0.0))
-            for _ in range(pollers)
-        ]
-        tasks += [asyncio.create_task(stream()) for _ in range(streams)]
-        await asyncio.wait_for(done.wait(), timeout=1800)
-        elapsed = time.perf_counter() - started
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        async with client.get(path) as response:
+        load = _LoadGenerator(client, f"/evaluations/{evaluation['id']}", interval_s)
+        elapsed = await load.run(pollers, streams, spread)
+        async with client.get(load.path) as response:
             final = await response.json()
-    ordered = sorted(latencies)
+    ordered = sorted(load.latencies)
     return {
         "duration_s": _duration(final),
-        "requests": len(latencies),
-        "requests_per_s": len(latencies) / elapsed,
+        "requests": len(load.latencies),
+        "requests_per_s": len(load.latencies) / elapsed,
         "p50_ms": 1000 * statistics.median(ordered),
         "p99_ms": 1000 * ordered[int(0.99 * (len(ordered) - 1))],
         "max_ms": 1000 * ordered[-1],
-        "errors": errors,
+        "errors": load.errors,
     }
 
 

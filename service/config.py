@@ -10,15 +10,15 @@ Where an evaluation runs and writes — output path, task directories, the Ray a
 trackers and caches — is not part of it: :class:`HostOptions` carries that, set by whoever runs
 the evaluation (the CLI's user, or the server operator), never by a REST client.
 
-Errors name the field; :func:`field_path` turns pydantic's error location into the dotted REST
-name and :func:`cli_flag` into the ``rayeval run`` flag, so each door reports in its own words.
-No torch here: the API process imports this module.
+Errors name the field in each door's words (:mod:`rayeval.service.config_fields`); lm-eval's
+model-arg tables and host-only options are :mod:`rayeval.service.lm_eval_options`'. No torch here:
+the API process imports this module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,6 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy, Timeouts
 from rayeval.actors.sharding import ShardStrategy
+from rayeval.service.lm_eval_options import (
+    HF_MODEL_NAMES,
+    HOST_ONLY_OPTIONS,
+    LM_EVAL_HOST_FIELDS,
+    checked_model_args,
+    lm_eval_evaluator_config,
+    parse_args_string,
+    parsed_batch_size,
+)
 
 #: lm-eval's default seeds for random, numpy, torch and few-shot sampling (its ``DEFAULT_SEED``).
 DEFAULT_SEED: tuple[int, int, int, int] = (0, 1234, 1234, 1234)
@@ -37,86 +46,6 @@ DEFAULT_MAX_BATCH_TOKENS = 8192
 DEFAULT_CPU_SCORE_BATCH_TOKENS = 2048
 #: Rows per micro-batch with ``batch_size=auto`` when ``max_batch_size`` is unset.
 DEFAULT_MAX_BATCH_ROWS = 64
-
-#: Names lm-eval gives its Hugging Face backend; rayeval runs exactly that backend.
-HF_MODEL_NAMES = frozenset({"hf", "hf-auto", "huggingface"})
-
-#: lm-eval HF model args that rayeval replaces or does not support, and what to do instead.
-UNSUPPORTED_MODEL_ARGS = {
-    "parallelize": "rayeval shards the model itself: use --shard_size instead",
-    "device_map": "rayeval places the model itself: use --shard_size instead",
-    "max_memory_per_gpu": "rayeval places the model itself: use --shard_size instead",
-    "max_cpu_memory": "rayeval places the model itself: use --shard_size instead",
-    "offload_folder": "CPU offload is not supported: use a larger --shard_size",
-    "tp_plan": "rayeval applies the model's tensor-parallel plan itself: use --shard_size with "
-    "--shard_strategy tp (or auto)",
-    "peft": "PEFT adapters are not supported yet: merge the adapter into the model first",
-    "delta": "delta weights are not supported yet: merge them into the model first",
-    "autogptq": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
-    "gptqmodel": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
-    "gguf_file": "GGUF checkpoints are not supported: use a safetensors checkpoint",
-}
-
-#: lm-eval HF model args that only shape tokenisation (the driver's HFLM reads them).
-ENCODER_MODEL_ARGS = frozenset(
-    {
-        "tokenizer",
-        "use_fast_tokenizer",
-        "add_bos_token",
-        "prefix_token_id",
-        "max_length",
-        "truncation",
-        "think_end_token",
-        "enable_thinking",
-        "chat_template_args",
-    }
-)
-
-#: lm-eval HF model args that are booleans: read strictly (a string "no" is not true).
-BOOLEAN_MODEL_ARGS = frozenset(
-    {
-        "trust_remote_code",
-        "use_fast_tokenizer",
-        "add_bos_token",
-        "truncation",
-        "logits_cache",
-        "enable_thinking",
-    }
-)
-
-#: lm-eval ``run`` options that are the host's, not the evaluation's, and why a body can't set
-#: them. (The layout keys are here because a flat ``num_replicas`` is a common mistake.)
-HOST_ONLY_OPTIONS = {
-    "include_path": "task directories come only from the server's --include-path; ask the "
-    "server operator to add yours",
-    "output_path": "the server keeps results: read them from GET /evaluations/{id}/results",
-    "use_cache": "model-output caches are server files: not settable by a request",
-    "cache_requests": "request caches are server files: not settable by a request",
-    "trust_remote_code": "running code from model or dataset repositories is the server "
-    "operator's decision: not settable by a request",
-    "confirm_run_unsafe_code": "executing model-generated code is the server operator's "
-    "decision: not settable by a request",
-    "wandb_args": "logging integrations run on the server: not settable by a request",
-    "wandb_config_args": "logging integrations run on the server: not settable by a request",
-    "hf_hub_log_args": "logging integrations run on the server: not settable by a request",
-    "trackio_args": "logging integrations run on the server: not settable by a request",
-    "check_integrity": "task integrity tests run on the server: not settable by a request",
-    "write_out": "prompt printing goes to the server's log: not settable by a request",
-    "show_config": "task configs are in the results: read them from GET /evaluations/{id}/results",
-    "verbosity": "the server's log level is the operator's: not settable by a request",
-    "config": "send the options themselves in the body",
-    "num_replicas": 'put it under "parallelism": {"num_replicas": R, "shard_size": G}',
-    "shard_size": 'put it under "parallelism": {"num_replicas": R, "shard_size": G}',
-    "cpus_per_rank": 'put it under "parallelism": {"cpus_per_rank": N}',
-    "shard_strategy": 'put it under "parallelism": {"shard_strategy": "auto"}',
-    "placement": 'put it under "parallelism": {"placement": "spread"}',
-    "shm_collectives": 'put it under "parallelism": {"shm_collectives": false}',
-    "address": "the server's Ray cluster is fixed by its --ray-address",
-    "placement_timeout": 'put it under "timeouts": {"placement_s": ...}',
-    "load_timeout": 'put it under "timeouts": {"load_s": ...}',
-    "step_timeout": 'put it under "timeouts": {"step_s": ...}',
-    "collective_timeout": 'put it under "timeouts": {"collective_s": ...}',
-}
 
 _EXAMPLE: dict[str, Any] = {
     "model": "hf",
@@ -177,7 +106,12 @@ class Parallelism(_Frozen):
 
 
 class TimeoutSettings(_Frozen):
-    """Every wait of the run, in seconds; the defaults are the rank side's own."""
+    """Every wait of the run, in seconds.
+
+    The first four are the rank side's (:class:`rayeval.actors.layout.Timeouts`, with its
+    defaults); ``control_s`` and ``reuse_s`` bound the service's calls to what an earlier
+    evaluation kept loaded (warm replicas).
+    """
 
     placement_s: float = Field(
         default=Timeouts.placement_s,
@@ -197,10 +131,23 @@ class TimeoutSettings(_Frozen):
         gt=0,
         description="Seconds one collective may take inside a replica.",
     )
+    control_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a control call to a runner kept loaded by an earlier evaluation may "
+        "take (handing it this evaluation; the runner waits up to a third of it for its previous "
+        "run to end) before a new runner is started instead.",
+    )
+    reuse_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds the ranks kept loaded by an earlier evaluation have to begin this one "
+        "(re-seeded) before new ranks are started instead.",
+    )
 
     def for_ranks(self) -> Timeouts:
-        """The same values as the rank side's value object."""
-        return Timeouts(**self.model_dump())
+        """The rank side's value object: the waits of the ranks, with the same values."""
+        return Timeouts(**self.model_dump(include=_RANK_TIMEOUTS))
 
 
 class EngineConfig(_Frozen):
@@ -270,6 +217,8 @@ class EngineConfig(_Frozen):
         """
         from pydantic import ValidationError
 
+        from rayeval.service.config_fields import describe_errors
+
         data: dict[str, Any] = {"model_args": {"pretrained": pretrained}}
         flat: dict[str, dict[str, Any]] = {group: {} for group in _GROUPS}
         for key, value in options.items():
@@ -323,35 +272,17 @@ class EngineConfig(_Frozen):
     @field_validator("model_args", mode="before")
     @classmethod
     def _parse_model_args(cls, value: Any) -> Any:
-        return _parse_args_string(value)
+        return parse_args_string(value)
 
     @field_validator("model_args")
     @classmethod
     def _model_args(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if not value.get("pretrained") or not isinstance(value["pretrained"], str):
-            raise ValueError('needs pretrained: e.g. {"pretrained": "org/model-name"}')
-        value = {**value, **_strict_booleans(value)}
-        problems = [
-            f"{key}: {why}" for key, why in UNSUPPORTED_MODEL_ARGS.items() if value.get(key)
-        ]
-        if value.get("backend", "default") not in ("default", "causal"):
-            problems.append("backend: only causal (decoder-only) models are supported")
-        if problems:
-            raise ValueError("unsupported — " + "; ".join(problems))
-        return value
+        return checked_model_args(value)
 
     @field_validator("batch_size")
     @classmethod
     def _batch_size(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-        if isinstance(value, str) and value.isdigit() and int(value) >= 1:
-            return int(value)
-        if isinstance(value, str) and value.startswith("auto"):
-            rest = value.removeprefix("auto")
-            if not rest or (rest.startswith(":") and rest[1:].isdigit() and int(rest[1:]) >= 1):
-                return value
-        raise ValueError(f'{value!r} is not a batch size: use an integer >= 1, "auto" or "auto:N"')
+        return parsed_batch_size(value)
 
     @field_validator("device", mode="before")
     @classmethod
@@ -371,6 +302,8 @@ class EngineConfig(_Frozen):
 
 
 _GROUPS: dict[str, type[BaseModel]] = {"parallelism": Parallelism, "timeouts": TimeoutSettings}
+#: The fields of :class:`TimeoutSettings` that are the rank side's :class:`Timeouts`.
+_RANK_TIMEOUTS = {f.name for f in fields(Timeouts)}
 
 
 class EvaluationConfig(EngineConfig):
@@ -437,7 +370,7 @@ class EvaluationConfig(EngineConfig):
     @field_validator("gen_kwargs", mode="before")
     @classmethod
     def _parse_gen_kwargs(cls, value: Any) -> Any:
-        return _parse_args_string(value)
+        return parse_args_string(value)
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -483,53 +416,12 @@ class EvaluationConfig(EngineConfig):
         Raises:
             ConfigError: lm-eval rejected a combination of options (message says which).
         """
-        from lm_eval.config.evaluate_config import EvaluatorConfig
-
-        cfg = EvaluatorConfig(
-            **dict(host.lm_eval),
-            model=self.model,
-            model_args=dict(self.model_args),
-            tasks=list(self.tasks),
-            num_fewshot=self.num_fewshot,
-            batch_size=self.batch_size,  # type: ignore[arg-type]  # lm-eval takes "auto" too
-            max_batch_size=self.max_batch_size,
-            device=self.device,
-            limit=self.limit,
-            samples={k: list(v) for k, v in self.samples.items()} if self.samples else None,
-            log_samples=self.log_samples,
-            predict_only=self.predict_only,
+        return lm_eval_evaluator_config(
+            self,
             output_path=host.output_path,
-            system_instruction=self.system_instruction,
-            apply_chat_template=self.apply_chat_template,
-            fewshot_as_multiturn=self.fewshot_as_multiturn,
-            include_path=list(host.include_paths) or None,  # type: ignore[arg-type]  # lists work
-            gen_kwargs=dict(self.gen_kwargs),
-            seed=list(self.seed) if isinstance(self.seed, tuple) else self.seed,
-            metadata=dict(self.metadata),
+            include_paths=host.include_paths,
+            host_options=host.lm_eval,
         )
-        try:
-            return cfg._configure()
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{exc} (fix this option of the evaluation)") from None
-
-
-#: Fields of lm-eval's ``EvaluatorConfig`` that :class:`HostOptions` carries, not the config.
-LM_EVAL_HOST_FIELDS = frozenset(
-    {
-        "use_cache",
-        "cache_requests",
-        "check_integrity",
-        "write_out",
-        "show_config",
-        "verbosity",
-        "wandb_args",
-        "wandb_config_args",
-        "hf_hub_log_args",
-        "trackio_args",
-        "trust_remote_code",
-        "confirm_run_unsafe_code",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -554,112 +446,3 @@ class HostOptions:
         unknown = sorted(set(self.lm_eval) - LM_EVAL_HOST_FIELDS)
         if unknown:
             raise ConfigError(f"not lm-eval host options: {unknown}")
-
-
-#: ``rayeval run`` flags of the config fields that lm-eval's own parser does not have; every other
-#: field has lm-eval's flag of the same name.
-RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
-    ("parallelism", "num_replicas"): "--num_replicas",
-    ("parallelism", "shard_size"): "--shard_size",
-    ("parallelism", "cpus_per_rank"): "--cpus_per_rank",
-    ("parallelism", "shard_strategy"): "--shard_strategy",
-    ("parallelism", "placement"): "--placement",
-    ("parallelism", "shm_collectives"): "--shm_collectives",
-    ("max_batch_tokens",): "--max_batch_tokens",
-    ("share_prefixes",): "--share_prefixes",
-    ("continuous_batching",): "--continuous_batching",
-    ("kv_cache_tokens",): "--kv_cache_tokens",
-    ("timeouts", "placement_s"): "--placement_timeout",
-    ("timeouts", "load_s"): "--load_timeout",
-    ("timeouts", "step_s"): "--step_timeout",
-    ("timeouts", "collective_s"): "--collective_timeout",
-    ("bootstrap_iters",): "--bootstrap_iters",
-}
-
-
-def field_path(loc: Sequence[Any]) -> tuple[str, ...]:
-    """A pydantic error location as a config field path (list indices and dict keys dropped)."""
-    path: list[str] = []
-    model: type[BaseModel] | None = EvaluationConfig
-    for part in loc:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
-            break
-        path.append(part)
-        annotation = model.model_fields[part].annotation
-        model = (
-            annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
-            else None
-        )
-    return tuple(path)
-
-
-def cli_flag(path: Sequence[str]) -> str:
-    """The ``rayeval run`` flag that sets the config field at ``path``."""
-    return RAYEVAL_FLAGS.get(tuple(path)) or f"--{path[0]}"
-
-
-def config_field_paths() -> list[tuple[str, ...]]:
-    """Every leaf field of :class:`EvaluationConfig`, nested groups expanded."""
-    paths: list[tuple[str, ...]] = []
-    for name, info in EvaluationConfig.model_fields.items():
-        annotation = info.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            paths += [(name, sub) for sub in annotation.model_fields]
-        else:
-            paths.append((name,))
-    return paths
-
-
-def field_info(path: Sequence[str]) -> Any:
-    """Pydantic's ``FieldInfo`` of the field at ``path`` (default, description, bounds)."""
-    model: type[BaseModel] = EvaluationConfig
-    for part in path[:-1]:
-        annotation = model.model_fields[part].annotation
-        assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
-        model = annotation
-    return model.model_fields[path[-1]]
-
-
-def describe_errors(exc: Any, name: Any) -> str:
-    """A pydantic ``ValidationError`` as one message, each field named by ``name(path)``."""
-    problems = []
-    for error in exc.errors():
-        path = field_path(error.get("loc", ()))
-        message = str(error.get("msg", "")).removeprefix("Value error, ")
-        where = name(path) if path else "options"
-        if error.get("type") == "extra_forbidden":
-            problems.append(f"unknown option {'.'.join(map(str, error['loc']))!r}")
-        elif error.get("type", "").startswith(("greater", "less")):
-            problems.append(f"{where}: {message}, got {error.get('input')!r}")
-        else:
-            problems.append(f"{where}: {message}")
-    return "; ".join(dict.fromkeys(problems))
-
-
-def _strict_booleans(model_args: Mapping[str, Any]) -> dict[str, bool]:
-    """The boolean model args as booleans; ``"true"``/``"false"`` strings are read, anything else
-    is an error (lm-eval would take any non-empty string, ``"no"`` included, as true)."""
-    parsed: dict[str, bool] = {}
-    for key in BOOLEAN_MODEL_ARGS & model_args.keys():
-        value = model_args[key]
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            value = value.strip().lower() == "true"
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: {value!r} is not a boolean: use true or false")
-        parsed[key] = value
-    return parsed
-
-
-def _parse_args_string(value: Any) -> Any:
-    """lm-eval's ``key=value,key2=value2`` form as a dict (other values unchanged)."""
-    if isinstance(value, str):
-        from lm_eval.utils import simple_parse_args_string
-
-        try:
-            return simple_parse_args_string(value)
-        except (ValueError, IndexError):
-            raise ValueError(
-                f"cannot parse {value!r}: use key=value pairs separated by commas"
-            ) from None
-    return value

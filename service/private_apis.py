@@ -34,6 +34,8 @@ class PrivateApi:
         checked: The package version it was last checked against.
         used_by: Where rayeval uses it and for what.
         fallback: What rayeval does without it (empty: nothing; the check raises).
+        instance: The name is an attribute of an instance (built with no arguments), not of
+            the class.
     """
 
     package: str
@@ -42,6 +44,7 @@ class PrivateApi:
     checked: str
     used_by: str
     fallback: str = ""
+    instance: bool = False
 
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
@@ -86,6 +89,31 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "",
     ),
     PrivateApi(
+        "transformers",
+        "transformers.generation.utils",
+        "GenerationMixin._prepare_generation_config",
+        "5.25.0",
+        "actors/continuous.py: continuous batching applies generate's own generation config",
+        "generate_until runs in static batches",
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.generation.utils",
+        "GenerationMixin._get_logits_processor",
+        "5.25.0",
+        "actors/continuous.py: continuous batching applies generate's own logits processors",
+        "generate_until runs in static batches",
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.cache_utils",
+        "DynamicLayer.keys",
+        "5.25.0",
+        "actors/continuous.py: rows' KV caches joined, dropped and trimmed",
+        "generate_until runs in static batches",
+        instance=True,
+    ),
+    PrivateApi(
         "lm_eval",
         "lm_eval._cli.run",
         "Run._parser",
@@ -118,9 +146,15 @@ def missing(api: PrivateApi) -> bool:
         target: object = importlib.import_module(api.module)
     except ImportError:
         return True
-    for part in api.name.split("."):
+    parts = api.name.split(".")
+    for index, part in enumerate(parts):
         if part == "_parser" and isinstance(target, type):
             return not _has_instance_parser(target)
+        if api.instance and index == len(parts) - 1 and isinstance(target, type):
+            try:
+                target = target()
+            except Exception:
+                return True
         if not hasattr(target, part):
             return True
         target = getattr(target, part)

@@ -11,16 +11,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from rayeval.service.config import (
-    LM_EVAL_HOST_FIELDS,
+from rayeval.service.config import EngineConfig, EvaluationConfig, HostOptions
+from rayeval.service.config_fields import (
     RAYEVAL_FLAGS,
-    EngineConfig,
-    EvaluationConfig,
-    HostOptions,
     cli_flag,
     config_field_paths,
     describe_errors,
 )
+from rayeval.service.lm_eval_options import LM_EVAL_HOST_FIELDS
 
 pytestmark = pytest.mark.unit
 

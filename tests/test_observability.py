@@ -368,59 +368,67 @@ def test_dashboard_plot_eta_and_comparison(
             page.add_init_script(f"sessionStorage.setItem('rayeval-token', {TOKEN!r})")
             page.goto(server.url + "/#" + a)
             page.locator("#metrics tr[data-task='demo_mc']").first.wait_for(timeout=30_000)
-            # Progress per request type, finished: ETA says done; requests/s shown.
-            for phase in ("loglikelihood", "generate_until"):
-                row = page.locator(f"#phases tr[data-phase='{phase}']")
-                assert row.locator("td.eta").text_content() == "done"
-            # The throughput plot: one line per request type, drawn from the timeline.
-            plot = page.locator("#throughput-plot")
-            page.wait_for_function(
-                "document.querySelector('#throughput-plot').dataset.points > 0", timeout=30_000
-            )
-            assert plot.get_attribute("data-points") == str(len(timeline["points"]))
-            types = plot.locator("polyline.series").evaluate_all(
-                "lines => lines.map(l => l.dataset.requestType)"
-            )
-            assert set(types) == {p["request_type"] for p in timeline["points"]}
-            coloured = _coloured_pixels(page, plot.screenshot())
-            assert coloured > 200, f"the plot shows almost nothing ({coloured} coloured pixels)"
-            # Only metrics ("metric,filter" keys): not lm-eval's name and sample_len entries.
-            assert page.locator("#metrics tr[data-metric='sample_len']").count() == 0
-            # Samples links of the finished evaluation.
-            assert page.locator("#samples-links a").count() == len(TASKS)
-
-            # Compare A and B: per task and metric, each value with its stderr, differences marked.
-            for evaluation in (a, b):
-                page.locator(f"#evaluations tr[data-id='{evaluation}'] input.compare").check()
-            page.click("#compare-button")
-            page.locator("#compare-table tbody tr").first.wait_for(timeout=30_000)
-            for task in TASKS:
-                metrics = results[a]["results"][task]
-                for key, value in metrics.items():
-                    if key == "alias" or "_stderr," in key or not isinstance(value, float):
-                        continue
-                    metric, filter_ = key.split(",")
-                    row = page.locator(
-                        f"#compare-table tr[data-task='{task}'][data-metric='{metric}']"
-                        f"[data-filter='{filter_}']"
-                    )
-                    cells = row.locator("td.value")
-                    assert cells.nth(0).text_content().startswith(f"{value:.4f}")
-                    stderr = metrics.get(f"{metric}_stderr,{filter_}")
-                    if isinstance(stderr, float):
-                        assert cells.nth(0).text_content().endswith(f" ± {stderr:.4f}")
-                    other = results[b]["results"][task][key]
-                    assert cells.nth(1).text_content().startswith(f"{other:.4f}")
-                    marked = "diff" in (cells.nth(1).get_attribute("class") or "")
-                    assert marked == (other != value), (task, key, value, other)
-                samples = page.locator(f"#compare-table tr[data-task='{task}'] a.samples")
-                assert samples.count() >= 2
-            assert page.locator("#compare-table td.value.diff").count() > 0, "A and B differ"
+            _check_progress_and_plot(page, timeline)
+            _check_comparison(page, results, a, b)
             if os.environ.get("RAYEVAL_SCREENSHOT"):  # how docs/dashboard.png is made
                 page.screenshot(path=os.environ["RAYEVAL_SCREENSHOT"], full_page=True)
             assert errors == []
         finally:
             browser.close()
+
+
+def _check_progress_and_plot(page: Any, timeline: dict[str, Any]) -> None:
+    """A finished evaluation's page: progress per request type, its plot, metrics, samples."""
+    # Progress per request type, finished: ETA says done; requests/s shown.
+    for phase in ("loglikelihood", "generate_until"):
+        row = page.locator(f"#phases tr[data-phase='{phase}']")
+        assert row.locator("td.eta").text_content() == "done"
+    # The throughput plot: one line per request type, drawn from the timeline.
+    plot = page.locator("#throughput-plot")
+    page.wait_for_function(
+        "document.querySelector('#throughput-plot').dataset.points > 0", timeout=30_000
+    )
+    assert plot.get_attribute("data-points") == str(len(timeline["points"]))
+    types = plot.locator("polyline.series").evaluate_all(
+        "lines => lines.map(l => l.dataset.requestType)"
+    )
+    assert set(types) == {p["request_type"] for p in timeline["points"]}
+    coloured = _coloured_pixels(page, plot.screenshot())
+    assert coloured > 200, f"the plot shows almost nothing ({coloured} coloured pixels)"
+    # Only metrics ("metric,filter" keys): not lm-eval's name and sample_len entries.
+    assert page.locator("#metrics tr[data-metric='sample_len']").count() == 0
+    # Samples links of the finished evaluation.
+    assert page.locator("#samples-links a").count() == len(TASKS)
+
+
+def _check_comparison(page: Any, results: dict[str, Any], a: str, b: str) -> None:
+    """Compare A and B: per task and metric, each value with its stderr, differences marked."""
+    for evaluation in (a, b):
+        page.locator(f"#evaluations tr[data-id='{evaluation}'] input.compare").check()
+    page.click("#compare-button")
+    page.locator("#compare-table tbody tr").first.wait_for(timeout=30_000)
+    for task in TASKS:
+        metrics = results[a]["results"][task]
+        for key, value in metrics.items():
+            if key == "alias" or "_stderr," in key or not isinstance(value, float):
+                continue
+            metric, filter_ = key.split(",")
+            row = page.locator(
+                f"#compare-table tr[data-task='{task}'][data-metric='{metric}']"
+                f"[data-filter='{filter_}']"
+            )
+            cells = row.locator("td.value")
+            assert cells.nth(0).text_content().startswith(f"{value:.4f}")
+            stderr = metrics.get(f"{metric}_stderr,{filter_}")
+            if isinstance(stderr, float):
+                assert cells.nth(0).text_content().endswith(f" ± {stderr:.4f}")
+            other = results[b]["results"][task][key]
+            assert cells.nth(1).text_content().startswith(f"{other:.4f}")
+            marked = "diff" in (cells.nth(1).get_attribute("class") or "")
+            assert marked == (other != value), (task, key, value, other)
+        samples = page.locator(f"#compare-table tr[data-task='{task}'] a.samples")
+        assert samples.count() >= 2
+    assert page.locator("#compare-table td.value.diff").count() > 0, "A and B differ"
 
 
 def _coloured_pixels(page: Any, png: bytes) -> int:

@@ -422,8 +422,8 @@ def test_dashboard_lists_evaluation_and_shows_metrics(
 def test_restart_keeps_finished_and_fails_lost_runs(
     main_run: dict[str, Any], server: ServerThread, client: httpx.Client, demo: Any
 ) -> None:
-    from rayeval.service.jobs.states import EvaluationStatus
     from rayeval.service.jobs.store import EvaluationStore
+    from rayeval.service.states import EvaluationStatus
 
     evaluation_id = main_run["final"]["id"]
     results_before = client.get(f"/evaluations/{evaluation_id}/results").content
@@ -507,7 +507,17 @@ def test_admission_fifo_cancel_and_reattach(
         status = client.get(f"/evaluations/{evaluation['id']}").json()
         assert status["status"] in {"starting", "running", "succeeded"}, status["error"]
 
-    # Cancelling C while it runs releases its runner, rank actor and placement group at once.
+    _cancel_while_running(client, c)
+    a, b = _a_then_b(server, client, a, b)
+    for evaluation in (a, b, d):
+        assert leftovers_after(evaluation["id"]) == ([], [])
+    # The manager never overwrote a cancel with a "runner died" failure.
+    assert client.get(f"/evaluations/{c['id']}").json()["status"] == "cancelled"
+    assert client.get(f"/evaluations/{d['id']}").json()["status"] == "cancelled"
+
+
+def _cancel_while_running(client: httpx.Client, c: dict[str, Any]) -> None:
+    """Cancelling C while it runs releases its runner, rank actor and placement group at once."""
     running = wait_for(client, c["id"], lambda e: e["status"] in TERMINAL | {"running"}, 180)
     assert running["status"] == "running", running["error"]
     actors, groups = ray_leftovers(c["id"])
@@ -522,7 +532,11 @@ def test_admission_fifo_cancel_and_reattach(
     assert again.status_code == 409 and "already cancelled" in again.json()["detail"]
     assert client.get(f"/evaluations/{c['id']}/results").status_code == 409
 
-    # A then B, never both at once; B started only after A had finished.
+
+def _a_then_b(
+    server: ServerThread, client: httpx.Client, a: dict[str, Any], b: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A then B, never both at once; B started only after A had finished."""
     a = wait_for(client, a["id"], finished)
     b = wait_for(client, b["id"], finished)
     assert a["status"] == b["status"] == "succeeded", (a["error"], b["error"])
@@ -534,11 +548,7 @@ def test_admission_fifo_cancel_and_reattach(
     assert b_started >= a_last_batch, "B started while A's ranks were computing"
     states = [e["data"]["status"] for e in a_events if e["event"] == "state"]
     assert states == ["queued", "starting", "running", "succeeded"], "A ran exactly once"
-    for evaluation in (a, b, d):
-        assert leftovers_after(evaluation["id"]) == ([], [])
-    # The manager never overwrote a cancel with a "runner died" failure.
-    assert client.get(f"/evaluations/{c['id']}").json()["status"] == "cancelled"
-    assert client.get(f"/evaluations/{d['id']}").json()["status"] == "cancelled"
+    return a, b
 
 
 # --------------------------------------------------------------------------- bad inputs
@@ -919,8 +929,8 @@ def test_loopback_rule() -> None:
 def test_store_state_changes_are_exclusive_and_events_numbered(tmp_path: Path) -> None:
     """A cancel racing a completion and a progress report: exactly one of the two state changes
     wins, results exist only if completion won, and event numbers stay 1, 2, 3, ..."""
-    from rayeval.service.jobs.states import EvaluationStatus
     from rayeval.service.jobs.store import EvaluationStore
+    from rayeval.service.states import EvaluationStatus
 
     store = EvaluationStore(f"sqlite:///{tmp_path / 'race.db'}")
     store.create_schema()
@@ -940,7 +950,7 @@ def test_store_state_changes_are_exclusive_and_events_numbered(tmp_path: Path) -
 
 def _race(store: Any, record_id: str) -> list[bool]:
     """Cancel, complete and report progress at the same instant; the two state changes' results."""
-    from rayeval.service.jobs.states import EvaluationStatus, EventKind
+    from rayeval.service.states import EvaluationStatus, EventKind
 
     barrier = threading.Barrier(3)
     outcomes: list[bool] = []
@@ -982,8 +992,8 @@ def test_api_never_imports_torch() -> None:
 @pytest.mark.unit
 def test_status_lifecycle(tmp_path: Path) -> None:
     """The state machine: terminal states have no way out, and the store allows only its moves."""
-    from rayeval.service.jobs.states import EvaluationStatus as S
     from rayeval.service.jobs.store import EvaluationStore
+    from rayeval.service.states import EvaluationStatus as S
 
     assert {s.value for s in S if s.is_terminal} == TERMINAL
     assert {s.value for s in S if s.is_active} == {"starting", "running"}

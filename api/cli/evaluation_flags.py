@@ -26,7 +26,7 @@ def add_config_flags(group: argparse._ArgumentGroup) -> None:
     Args:
         group: Where the flags go (``run``'s or ``submit``'s argument group).
     """
-    from rayeval.service.config import RAYEVAL_FLAGS, field_info
+    from rayeval.service.config_fields import RAYEVAL_FLAGS, field_info
 
     for path, flag in RAYEVAL_FLAGS.items():
         info = field_info(path)
@@ -78,7 +78,7 @@ def parse_bool(text: str) -> bool:
 
 def dest(path: Sequence[str]) -> str:
     """The namespace attribute of a rayeval flag: its name (``num_replicas``, ...)."""
-    from rayeval.service.config import RAYEVAL_FLAGS
+    from rayeval.service.config_fields import RAYEVAL_FLAGS
 
     return RAYEVAL_FLAGS[tuple(path)].removeprefix("--")
 
@@ -102,14 +102,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     from pydantic import ValidationError
 
     from rayeval.actors.errors import ConfigError
-    from rayeval.service.config import (
-        LM_EVAL_HOST_FIELDS,
-        RAYEVAL_FLAGS,
-        EvaluationConfig,
-        HostOptions,
-        cli_flag,
-        describe_errors,
-    )
+    from rayeval.service.config import EvaluationConfig, HostOptions
+    from rayeval.service.config_fields import RAYEVAL_FLAGS, cli_flag, describe_errors
+    from rayeval.service.lm_eval_options import LM_EVAL_HOST_FIELDS
 
     ours = {path: getattr(args, dest(path)) for path in RAYEVAL_FLAGS}
     rayeval_only = {dest(path) for path in RAYEVAL_FLAGS} | {"address"}

@@ -21,6 +21,7 @@ from typing import Any
 from rayeval.actors.errors import ConfigError, RayEvalError
 from rayeval.api.cli.evaluation_flags import GROUP_TITLE, add_config_flags, config_from_args
 from rayeval.api.client import RayEvalClient, ServiceError
+from rayeval.service.events import PhaseCounts
 
 #: The commands this module runs.
 COMMANDS = ("submit", "status", "results", "cancel")
@@ -142,7 +143,7 @@ def submission_body(
     Raises:
         ConfigError: a bad flag, or one that only the server's operator sets.
     """
-    from rayeval.service.config import LM_EVAL_HOST_FIELDS
+    from rayeval.service.lm_eval_options import LM_EVAL_HOST_FIELDS
 
     given = vars(args)
     refused = [f"--{name}" for name in LM_EVAL_HOST_FIELDS | {"include_path"} if given.get(name)]
@@ -182,8 +183,8 @@ def _status(client: RayEvalClient, args: argparse.Namespace) -> int:
         return 0
     evaluation = _watch(client, args.id) if args.watch else client.get(args.id)
     print(_line(evaluation))
-    for phase, p in evaluation["progress"]["phases"].items():
-        print(f"  {phase}: {p['done']}/{p['total']} requests, {p['tokens_per_s']:,.0f} tokens/s")
+    for phase, p in _phases(evaluation).items():
+        print(f"  {phase}: {p.done}/{p.total} requests, {p.tokens_per_s:,.0f} tokens/s")
     return 0 if evaluation["status"] != "failed" else 1
 
 
@@ -199,19 +200,19 @@ def _watch(client: RayEvalClient, evaluation_id: str) -> dict[str, Any]:
         if evaluation.get("queue_position"):
             where += f" (queue #{evaluation['queue_position']})"
         status_bar.set_description_str(f"{evaluation_id}: {where}")
-        for phase, p in evaluation["progress"]["phases"].items():
+        for phase, p in _phases(evaluation).items():
             bar = bars.get(phase)
             if bar is None:
                 bar = bars[phase] = tqdm(
-                    total=p["total"],
+                    total=p.total,
                     desc=phase,
                     unit="req",
                     position=len(bars) + 1,
                     file=sys.stderr,
                 )
-            bar.total = p["total"]
-            bar.n = p["done"]
-            bar.set_postfix(tok_s=f"{p['tokens_per_s']:,.0f}", refresh=False)
+            bar.total = p.total
+            bar.n = p.done
+            bar.set_postfix(tok_s=f"{p.tokens_per_s:,.0f}", refresh=False)
             bar.refresh()
 
     try:
@@ -220,6 +221,14 @@ def _watch(client: RayEvalClient, evaluation_id: str) -> dict[str, Any]:
         for bar in bars.values():
             bar.close()
         status_bar.close()
+
+
+def _phases(evaluation: dict[str, Any]) -> dict[str, PhaseCounts]:
+    """An evaluation's progress per request type, as the server answered it."""
+    return {
+        phase: PhaseCounts.parse(counts)
+        for phase, counts in evaluation["progress"]["phases"].items()
+    }
 
 
 def _results(

@@ -17,7 +17,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
-from rayeval.actors.errors import EvaluationNotFoundError, EvaluationStateError
 from rayeval.api.deps import FeedDep, ManagerDep, SettingsDep, StoreDep, ViewsDep, require_token
 from rayeval.api.schemas import (
     EVALUATION_ERRORS,
@@ -26,14 +25,15 @@ from rayeval.api.schemas import (
     EvaluationList,
     EvaluationPublic,
     Links,
-    PhaseProgress,
     ProgressPublic,
     Throughput,
 )
 from rayeval.api.views import EventFeed
 from rayeval.service.config import EvaluationConfig
-from rayeval.service.jobs.states import EvaluationStatus, EventKind
+from rayeval.service.errors import EvaluationNotFoundError, EvaluationStateError
+from rayeval.service.events import StateEvent
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
+from rayeval.service.states import EvaluationStatus, EventKind
 
 router = APIRouter(
     prefix="/evaluations",
@@ -256,11 +256,6 @@ def _public(
 ) -> EvaluationPublic:
     if sample_tasks is None:
         sample_tasks = store.sample_tasks([record.id])[record.id]
-    phases = {
-        name: PhaseProgress.model_validate(p)
-        for name, p in record.progress.get("phases", {}).items()
-    }
-    done = sum(p.done for p in phases.values())
     stats = None
     if with_stats and record.status is EvaluationStatus.SUCCEEDED:
         stats = store.stats(record.id)
@@ -273,10 +268,8 @@ def _public(
         started_at=record.started_at,
         finished_at=record.finished_at,
         error=record.error,
-        progress=ProgressPublic(
-            done=done, total=sum(p.total for p in phases.values()), phases=phases
-        ),
-        throughput=_throughput(record, done),
+        progress=ProgressPublic.of(record.progress),
+        throughput=_throughput(record),
         stats=stats,
         request=EvaluationConfig.from_json(record.config),
         links=Links.model_validate(
@@ -290,16 +283,16 @@ def _public(
     )
 
 
-def _throughput(record: EvaluationRecord, done: int) -> Throughput:
-    phases = record.progress.get("phases", {})
-    current = max(phases.values(), key=lambda p: p.get("updated_at", 0.0), default=None)
+def _throughput(record: EvaluationRecord) -> Throughput:
+    current = record.progress.latest()
+    done = record.progress.done
     requests_per_s = None
     if record.started_at is not None and done:
         end = record.finished_at or datetime.now(UTC)
         elapsed = (end - record.started_at).total_seconds()
         requests_per_s = done / elapsed if elapsed > 0 else None
     return Throughput(
-        tokens_per_s=current["tokens_per_s"] if current is not None else None,
+        tokens_per_s=current.tokens_per_s if current is not None else None,
         requests_per_s=requests_per_s,
     )
 
@@ -381,4 +374,7 @@ async def _format(store: EvaluationStore, evaluation_id: str, event: EventRecord
 
 
 def _is_terminal(event: EventRecord) -> bool:
-    return event.type is EventKind.STATE and EvaluationStatus(event.data["status"]).is_terminal
+    if event.type is not EventKind.STATE:
+        return False
+    state = event.payload()
+    return isinstance(state, StateEvent) and state.status.is_terminal

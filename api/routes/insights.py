@@ -7,14 +7,15 @@ that polls reads each point once.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
 from rayeval.api.deps import StoreDep, require_token
 from rayeval.api.schemas import EVALUATION_ERRORS
-from rayeval.service.jobs.states import EventKind
+from rayeval.service.events import ProgressEvent
+from rayeval.service.states import EventKind
 
 router = APIRouter(
     prefix="/evaluations",
@@ -68,20 +69,21 @@ def get_timeline(
         if not events:
             break
         seq = events[-1].seq
-        points += [_point(e.seq, e.data) for e in events if e.type is EventKind.PROGRESS]
+        progress = [e for e in events if e.type is EventKind.PROGRESS]
+        points += [_point(e.seq, ProgressEvent.parse(e.data)) for e in progress]
     return Timeline(points=points, last_seq=seq, complete=len(points) < MAX_POINTS)
 
 
-def _point(seq: int, data: dict[str, Any]) -> TimelinePoint:
-    seconds = float(data.get("seconds") or 0.0)
+def _point(seq: int, event: ProgressEvent) -> TimelinePoint:
+    seconds = event.seconds
     return TimelinePoint(
         seq=seq,
-        time=float(data["updated_at"]),
-        request_type=data["phase"],
-        done=data["done"],
-        total=data["total"],
+        time=event.updated_at,
+        request_type=event.phase,
+        done=event.done,
+        total=event.total,
         seconds=seconds,
-        tokens_per_s=data["tokens_per_s"],
-        tokens=data["tokens_per_s"] * seconds,
-        requests_per_s=data["done"] / seconds if seconds > 0 else None,
+        tokens_per_s=event.tokens_per_s,
+        tokens=event.tokens_per_s * seconds,
+        requests_per_s=event.done / seconds if seconds > 0 else None,
     )

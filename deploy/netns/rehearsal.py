@@ -24,7 +24,9 @@ What it does (as root; Linux with ``ip netns``), printing every command it runs:
 6. Tears everything down — also on failure or Ctrl-C — by the recorded process groups, then by
    any process that names the work directory, then the namespaces (which take the link along).
 
-``--report FILE`` writes what it saw as JSON; ``tests/test_netns.py`` runs this script. See
+``--report FILE`` writes what it saw as JSON; ``tests/test_netns.py`` runs this script. The
+steps live beside it: ``nodes.py`` (1-3: commands, namespaces, ``ray start``), ``layouts.py``
+(4-5: the evaluations and the comparison) and ``cleanup.py`` (6: tear-down). See
 ``deploy/README.md`` ("Rehearsal for a real cluster") for how each step maps to real nodes.
 
 Usage (from the repository root, with the project's virtual environment)::
@@ -39,8 +41,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
-import re
 import secrets
 import shlex
 import shutil
@@ -48,179 +48,45 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a file: the repository's packages (tests.helpers)
+if str(REPO) not in sys.path:  # run as a file: the repository's packages (deploy, tests.helpers)
     sys.path.insert(0, str(REPO))
+
+from deploy.netns.cleanup import teardown  # noqa: E402
+from deploy.netns.layouts import (  # noqa: E402
+    LayoutSpec,
+    check_layout,
+    evaluate,
+    lm_eval_args,
+    reference,
+    same_as_reference,
+)
+from deploy.netns.nodes import (  # noqa: E402
+    Cluster,
+    RehearsalError,
+    cluster_env,
+    in_ns,
+    make_network,
+    preflight,
+    ray_start,
+    start_node,
+    wait_running,
+)
 
 logger = logging.getLogger("rehearsal")
 
 DEFAULT_LAYOUTS = ("2x1", "1x2:spread")
 DEFAULT_TASKS = "demo_gen_short,demo_mc"
-#: Seconds for one node to start, for both to be seen, for one evaluation.
+#: Seconds for one node to start, and for both to be seen.
 NODE_TIMEOUT_S = 180.0
-EVAL_TIMEOUT_S = 600.0
-#: Seconds a process group has to exit after SIGTERM before it gets SIGKILL.
-STOP_GRACE_S = 10.0
-#: One rank in ``rayeval run``'s ``ranks:`` line.
-RANK_ENTRY = re.compile(
-    r"r(?P<replica>\d+)\.s(?P<shard>\d+) on (?P<ip>\S+) \(node (?P<node>\w+), pid (?P<pid>\d+)\)"
-)
-
-
-class RehearsalError(RuntimeError):
-    """A step failed; the message says which and where its log is."""
-
-
-@dataclass
-class Cluster:
-    """Names, addresses and recorded processes of one rehearsal (what ``state.json`` holds)."""
-
-    prefix: str
-    subnet: str
-    work_dir: Path
-    port: int = 6379
-    processes: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def head_ns(self) -> str:
-        return f"{self.prefix}-head"
-
-    @property
-    def worker_ns(self) -> str:
-        return f"{self.prefix}-work"
-
-    @property
-    def links(self) -> tuple[str, str]:
-        """The veth pair's two ends (head side, worker side); names fit Linux's 15 characters."""
-        return f"{self.prefix}-h", f"{self.prefix}-w"
-
-    @property
-    def head_ip(self) -> str:
-        return f"{self.subnet}.1"
-
-    @property
-    def worker_ip(self) -> str:
-        return f"{self.subnet}.2"
-
-    @property
-    def address(self) -> str:
-        return f"{self.head_ip}:{self.port}"
-
-    @property
-    def state_file(self) -> Path:
-        return self.work_dir / "state.json"
-
-    def save(self) -> None:
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        state = {
-            "prefix": self.prefix,
-            "namespaces": [self.head_ns, self.worker_ns],
-            "links": list(self.links),
-            "processes": self.processes,
-        }
-        self.state_file.write_text(json.dumps(state, indent=1))
-
-
-# ----------------------------------------------------------------------------- commands
-def _run(command: list[str], timeout_s: float = 60.0, check: bool = True) -> str:
-    """Run a short command, log it, return its stdout."""
-    logger.info("$ %s", shlex.join(command))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    if check and done.returncode != 0:
-        raise RehearsalError(f"`{shlex.join(command)}` failed: {done.stderr.strip()}")
-    return done.stdout
-
-
-def _in_ns(ns: str, command: list[str]) -> list[str]:
-    return ["ip", "netns", "exec", ns, *command]
-
-
-def preflight() -> None:
-    """Refuse early, with the fix, where the rehearsal cannot run."""
-    if os.geteuid() != 0:
-        raise RehearsalError("network namespaces need root: run it with sudo (or as root)")
-    if shutil.which("ip") is None:
-        raise RehearsalError("`ip` (iproute2) is not installed: apt-get install iproute2")
-    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise RehearsalError(f"`ip netns` does not work here: {done.stderr.strip()}")
-
-
-def make_network(cluster: Cluster) -> None:
-    """Two namespaces joined by a veth pair, one address each, loopback up."""
-    head_link, worker_link = cluster.links
-    for ns in (cluster.head_ns, cluster.worker_ns):
-        _run(["ip", "netns", "add", ns])
-    _run(["ip", "link", "add", head_link, "netns", cluster.head_ns, "type", "veth",
-          "peer", "name", worker_link, "netns", cluster.worker_ns])  # fmt: skip
-    for ns, link, ip in (
-        (cluster.head_ns, head_link, cluster.head_ip),
-        (cluster.worker_ns, worker_link, cluster.worker_ip),
-    ):
-        _run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", link])
-        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-        _run(["ip", "-n", ns, "link", "set", link, "up"])
-
-
-def cluster_env(token: str | None) -> dict[str, str]:
-    """The environment of every Ray process and driver of the rehearsal."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "GLOO_SOCKET")) and k != "RAY_TMPDIR"
-    }
-    if token is None:
-        env["RAY_AUTH_MODE"] = "disabled"
-    else:
-        env["RAY_AUTH_MODE"] = "token"
-        env["RAY_AUTH_TOKEN"] = token
-    env.update(
-        HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
-        HF_DATASETS_OFFLINE=env.get("HF_DATASETS_OFFLINE", "1"),
-        TOKENIZERS_PARALLELISM="false",
-        # A loaded machine can take longer than Ray's defaults to start a node's agents.
-        RAY_agent_register_timeout_ms="120000",
-        RAY_worker_register_timeout_seconds="120",
-    )
-    return env
-
-
-def start_node(
-    cluster: Cluster, role: str, argv: list[str], env: dict[str, str], ns: str
-) -> subprocess.Popen[bytes]:
-    """``ray start ... --block`` in ``ns``, in its own process group, recorded before it runs."""
-    log = cluster.work_dir / f"{role}.log"
-    command = _in_ns(ns, argv)
-    logger.info("$ %s  > %s", shlex.join(command), log)
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    cluster.processes[role] = process.pid  # its pid is its process group's id
-    cluster.save()
-    return process
-
-
-def ray_start(cluster: Cluster, head: bool, num_cpus: int) -> list[str]:
-    """The ``ray start`` command line of the head or of the worker node."""
-    ray = str(Path(sys.executable).with_name("ray"))
-    common = [f"--num-cpus={num_cpus}", "--disable-usage-stats", "--block"]
-    if head:
-        return [ray, "start", "--head", f"--node-ip-address={cluster.head_ip}",
-                f"--port={cluster.port}", f"--temp-dir={cluster.work_dir / 'h'}",
-                "--include-dashboard=false", *common]  # fmt: skip
-    return [ray, "start", f"--address={cluster.address}",
-            f"--node-ip-address={cluster.worker_ip}", f"--temp-dir={cluster.work_dir / 'w'}",
-            *common]  # fmt: skip
 
 
 def helper(cluster: Cluster, ns: str, env: dict[str, str], *args: str, timeout_s: float) -> Any:
     """Run this script's internal ``_probe`` subcommand in ``ns``; return its JSON answer."""
-    command = _in_ns(ns, [sys.executable, __file__, "_probe", *args])
+    command = in_ns(ns, [sys.executable, __file__, "_probe", *args])
     logger.info("$ %s", shlex.join(command))
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s + 30)
     if done.returncode != 0:
@@ -234,270 +100,43 @@ def helper(cluster: Cluster, ns: str, env: dict[str, str], *args: str, timeout_s
     return answer
 
 
-def wait_running(process: subprocess.Popen[bytes], log: Path, probe: Any) -> Any:
-    """``probe()``, failing at once with the node's log if its ``ray start`` already exited."""
-    if process.poll() is not None:
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RehearsalError(f"ray start exited with {process.returncode}; {log}:\n{tail}")
-    return probe()
-
-
-# ----------------------------------------------------------------------------- evaluations
-@dataclass(frozen=True)
-class LayoutSpec:
-    """``RxG`` or ``RxG:placement`` as given on the command line."""
-
-    replicas: int
-    shard_size: int
-    placement: str = "auto"
-
-    @classmethod
-    def parse(cls, text: str) -> LayoutSpec:
-        shape, _, placement = text.partition(":")
-        try:
-            replicas, shard_size = (int(part) for part in shape.lower().split("x"))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a layout: write RxG or RxG:placement, e.g. 1x2:spread"
-            ) from None
-        return cls(replicas, shard_size, placement or "auto")
-
-    @property
-    def name(self) -> str:
-        shape = f"{self.replicas}x{self.shard_size}"
-        return shape if self.placement == "auto" else f"{shape}:{self.placement}"
-
-
-def lm_eval_args(model_dir: str, tasks_dir: str, tasks: str, limit: int) -> list[str]:
-    """The options rayeval and lm-eval's reference run share (lm-eval's own flags)."""
-    return [
-        "--model", "hf",
-        "--model_args", f"pretrained={model_dir},dtype=float32",
-        "--include_path", tasks_dir,
-        "--tasks", tasks,
-        "--limit", str(limit), "--num_fewshot", "2", "--gen_kwargs", "max_gen_toks=5",
-        "--seed", "7", "--log_samples",
-    ]  # fmt: skip
-
-
-def evaluate(
-    cluster: Cluster, env: dict[str, str], layout: LayoutSpec, shared: list[str], out: Path
-) -> dict[str, Any]:
-    """``rayeval run`` on the cluster from the head's namespace; where its ranks ran."""
-    rayeval = str(Path(sys.executable).with_name("rayeval"))
-    argv = [rayeval, "run", "--address", cluster.address, *shared, "--device", "cpu",
-            "--batch_size", "auto", "--num_replicas", str(layout.replicas),
-            "--shard_size", str(layout.shard_size), "--placement", layout.placement,
-            "--output_path", str(out)]  # fmt: skip
-    log = cluster.work_dir / f"driver-{layout.name.replace(':', '-')}.log"
-    command = _in_ns(cluster.head_ns, argv)
-    logger.info("$ %s  > %s", shlex.join(command), log)
-    started = time.monotonic()
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        cluster.processes["driver"] = process.pid
-        cluster.save()
-        try:
-            process.wait(timeout=EVAL_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            stop_groups([process.pid])
-            raise RehearsalError(
-                f"rayeval run {layout.name} outlasted {EVAL_TIMEOUT_S:g}s; see {log}"
-            ) from None
-        finally:
-            cluster.processes.pop("driver", None)
-            cluster.save()
-    text = log.read_text(errors="replace")
-    if process.returncode != 0:
-        raise RehearsalError(f"rayeval run {layout.name} failed; {log}:\n{text[-3000:]}")
-    ranks = parse_ranks(text)
-    if len(ranks) != layout.replicas * layout.shard_size:
-        raise RehearsalError(f"rayeval run {layout.name} reported ranks {ranks}; see {log}")
-    return {"ranks": ranks, "seconds": round(time.monotonic() - started, 1), "log": str(log)}
-
-
-def parse_ranks(output: str) -> list[dict[str, Any]]:
-    """``rayeval run``'s ``ranks: r0.s0 on 10.77.0.1 (node 1a2b3c4d, pid 12); ...`` line."""
-    lines = [line for line in output.splitlines() if line.startswith("ranks: ")]
-    if not lines:
-        return []
-    return [
-        {
-            "replica": int(match["replica"]),
-            "shard_rank": int(match["shard"]),
-            "ip": match["ip"],
-            "node": match["node"],
-            "pid": int(match["pid"]),
-        }
-        for match in RANK_ENTRY.finditer(lines[-1])
-    ]
-
-
-def check_layout(cluster: Cluster, layout: LayoutSpec, ranks: list[dict[str, Any]]) -> None:
-    """Both nodes ran ranks, and a lone replica asked to spread spans both."""
-    used = {rank["ip"] for rank in ranks}
-    if used != {cluster.head_ip, cluster.worker_ip}:
-        raise RehearsalError(f"layout {layout.name} ran on {sorted(used)}, not on both nodes")
-    spans = {rank["ip"] for rank in ranks if rank["replica"] == 0}
-    if layout.placement == "spread" and layout.replicas == 1 and len(spans) != 2:
-        raise RehearsalError(f"layout {layout.name}: the replica did not span the nodes")
-
-
-def reference(shared: list[str], out: Path, env: dict[str, str], log: Path) -> None:
-    """lm-eval's own ``hf`` backend, in this (the root) namespace, on the CPU in fp32."""
-    lm_eval = str(Path(sys.executable).with_name("lm_eval"))
-    command = [lm_eval, "run", *shared, "--device", "cpu", "--batch_size", "4",
-               "--output_path", str(out)]  # fmt: skip
-    logger.info("$ %s  > %s", shlex.join(command), log)
-    with log.open("wb") as sink:
-        done = subprocess.run(
-            command, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=EVAL_TIMEOUT_S
-        )
-    if done.returncode != 0:
-        raise RehearsalError(f"lm_eval run failed; see {log}")
-
-
-def same_as_reference(ref: Path, ours: Path) -> None:
-    """Per-sample results and metrics equal (tests.helpers: |delta logprob| <= 1e-4)."""
-    from tests.helpers import assert_same_results, read_outputs
-
-    _, ref_results, ref_samples = read_outputs(ref)
-    _, our_results, our_samples = read_outputs(ours)
-    try:
-        assert_same_results(
-            {"results": ref_results["results"], "samples": ref_samples},
-            {"results": our_results["results"], "samples": our_samples},
-        )
-    except AssertionError as exc:
-        raise RehearsalError(f"{ours} differs from lm-eval's hf backend: {exc}") from None
-
-
-# ----------------------------------------------------------------------------- tear-down
-def _owned_pids(cluster: Cluster) -> list[int]:
-    """Processes whose command line names the rehearsal's Ray temp dirs or outputs: its nodes'
-    processes, Ray's workers and the driver (never this process or what started it)."""
-    markers = tuple(str(cluster.work_dir / part) for part in ("h", "w", "out"))
-    ours = _ancestors()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) in ours:
-            continue
-        with contextlib.suppress(OSError):
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-            if any(marker in cmdline for marker in markers):
-                found.append(int(entry.name))
-    return found
-
-
-def _ancestors() -> set[int]:
-    """This process and every process above it."""
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            break
-        pid = int(stat.rsplit(")", 1)[1].split()[1])
-    return pids
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of the group still runs (a zombie, exited but not yet reaped by its
-    parent, does not count)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    return True
-    return False
-
-
-def stop_groups(pgids: list[int], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM process groups we started (``ray start --block`` stops its node); SIGKILL what
-    is left of them after ``grace_s``."""
-    for pgid in pgids:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while any(_group_alive(pgid) for pgid in pgids) and time.monotonic() < deadline:
-        for pgid in pgids:  # reap our own children, or they stay as zombies of the group
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(-pgid, os.WNOHANG)
-        time.sleep(0.2)
-    for pgid in pgids:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-
-
-def teardown(cluster: Cluster) -> None:
-    """Remove everything a rehearsal with this prefix and work dir made; safe to repeat."""
-    recorded: dict[str, int] = {}
-    if cluster.state_file.exists():
-        with contextlib.suppress(ValueError, OSError):
-            recorded = json.loads(cluster.state_file.read_text()).get("processes", {})
-    recorded.update(cluster.processes)
-    # Only groups that still hold a process of ours (pids are reused).
-    live = {_pgid(pid) for pid in _owned_pids(cluster)}
-    groups = {role: pgid for role, pgid in recorded.items() if pgid in live}
-    if groups:
-        logger.info("stopping %s", ", ".join(f"{r} (process group {g})" for r, g in groups.items()))
-        stop_groups(list(groups.values()))
-    for pid in _owned_pids(cluster):  # Ray processes that left the groups, by pid
-        logger.info("killing leftover process %d", pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    cluster.processes.clear()
-    existing = _run(["ip", "netns", "list"], check=False)
-    for ns in (cluster.head_ns, cluster.worker_ns):
-        if any(line.split()[0] == ns for line in existing.splitlines() if line.strip()):
-            _run(["ip", "netns", "del", ns], check=False)  # takes its end of the veth along
-    for link in cluster.links:  # an end left in this namespace by a failed set-up
-        if subprocess.run(["ip", "link", "show", link], capture_output=True).returncode == 0:
-            _run(["ip", "link", "del", link], check=False)
-    if cluster.state_file.exists():
-        cluster.save()
-
-
-# ----------------------------------------------------------------------------- main
-def rehearse(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
-    """Steps 2-5 of the module docstring; returns the report."""
-    timings: dict[str, float] = {}
-    started = time.monotonic()
+# ----------------------------------------------------------------------------- steps 2-5
+def _model_and_tasks(args: argparse.Namespace) -> tuple[str, str]:
+    """``--model-dir`` and ``--tasks-dir`` if both are given, else the bundled demo's."""
     if args.model_dir and args.tasks_dir:
-        model_dir, tasks_dir = str(args.model_dir), str(args.tasks_dir)
-    else:
-        from rayeval.service.demo import ensure_demo_assets
+        return str(args.model_dir), str(args.tasks_dir)
+    from rayeval.service.demo import ensure_demo_assets
 
-        assets = ensure_demo_assets()
-        model_dir, tasks_dir = str(assets.model_dir), str(assets.tasks_dir)
+    assets = ensure_demo_assets()
+    return str(assets.model_dir), str(assets.tasks_dir)
+
+
+def _auth_token(args: argparse.Namespace, cluster: Cluster) -> str | None:
+    """A fresh token (None with ``--no-auth``), kept readable by root only in the work dir."""
     token = None if args.no_auth else secrets.token_hex(32)
     if token is not None:  # for the operator's own `ray status` while it runs; never logged
         token_file = cluster.work_dir / "auth_token"
         token_file.touch(mode=0o600)
         token_file.write_text(token)
-    env = cluster_env(token)
+    return token
 
+
+def bring_up(cluster: Cluster, env: dict[str, str], num_cpus: int) -> Any:
+    """Steps 2-3: the network, the head, then the worker node; the nodes Ray sees alive.
+
+    Raises:
+        RehearsalError: A node did not start or join, with the tail of both nodes' logs.
+    """
     make_network(cluster)
-    head = start_node(cluster, "head", ray_start(cluster, True, args.num_cpus), env,
+    head = start_node(cluster, "head", ray_start(cluster, True, num_cpus), env,
                       cluster.head_ns)  # fmt: skip
     wait_running(head, cluster.work_dir / "head.log", lambda: helper(
         cluster, cluster.worker_ns, env, "port", cluster.address, str(NODE_TIMEOUT_S),
         timeout_s=NODE_TIMEOUT_S))  # fmt: skip
-    worker = start_node(cluster, "worker", ray_start(cluster, False, args.num_cpus), env,
+    worker = start_node(cluster, "worker", ray_start(cluster, False, num_cpus), env,
                         cluster.worker_ns)  # fmt: skip
     try:
-        nodes = wait_running(worker, cluster.work_dir / "worker.log", lambda: helper(
+        return wait_running(worker, cluster.work_dir / "worker.log", lambda: helper(
             cluster, cluster.head_ns, env, "nodes", cluster.address,
             f"{cluster.head_ip},{cluster.worker_ip}", str(NODE_TIMEOUT_S),
             timeout_s=NODE_TIMEOUT_S))  # fmt: skip
@@ -507,26 +146,60 @@ def rehearse(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             for log in (cluster.work_dir / "head.log", cluster.work_dir / "worker.log")
         )
         raise RehearsalError(f"{exc}\n{tails}") from None
-    timings["cluster_up_s"] = round(time.monotonic() - started, 1)
-    logger.info("cluster up: %s", nodes)
-    refused = None
-    if token is not None and args.refusal_check:
-        wrong = {**env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-        refused = helper(cluster, cluster.head_ns, wrong, "refused", cluster.address, "60",
-                         timeout_s=60)  # fmt: skip
-        logger.info("a driver with a wrong token was refused: %s", refused)
 
-    shared = lm_eval_args(model_dir, tasks_dir, args.tasks, args.limit)
-    layouts: dict[str, Any] = {}
-    for layout in args.layouts:
+
+def check_refusal(cluster: Cluster, env: dict[str, str]) -> Any:
+    """A driver with a wrong token is refused; why, as Ray said it."""
+    wrong = {**env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    refused = helper(cluster, cluster.head_ns, wrong, "refused", cluster.address, "60",
+                     timeout_s=60)  # fmt: skip
+    logger.info("a driver with a wrong token was refused: %s", refused)
+    return refused
+
+
+def run_layouts(
+    cluster: Cluster, env: dict[str, str], layouts: list[LayoutSpec], shared: list[str]
+) -> dict[str, Any]:
+    """Step 4: every layout evaluated on the cluster and checked to use both nodes."""
+    records: dict[str, Any] = {}
+    for layout in layouts:
         out = cluster.work_dir / "out" / layout.name.replace(":", "-")
         record = evaluate(cluster, env, layout, shared, out)
         check_layout(cluster, layout, record["ranks"])
         record["output_path"] = str(out)
-        layouts[layout.name] = record
+        records[layout.name] = record
         logger.info("%s: ranks %s (%.0fs)", layout.name,
                     [(r["replica"], r["shard_rank"], r["ip"]) for r in record["ranks"]],
                     record["seconds"])  # fmt: skip
+    return records
+
+
+def compare_with_reference(
+    cluster: Cluster, env: dict[str, str], shared: list[str], layouts: dict[str, Any]
+) -> str:
+    """Step 5: lm-eval's hf backend, and every layout's results equal to it; its output path."""
+    ref = cluster.work_dir / "out" / "lm-eval-hf"
+    reference(shared, ref, env, cluster.work_dir / "reference.log")
+    for name, record in layouts.items():
+        same_as_reference(ref, Path(record["output_path"]))
+        record["same_as_lm_eval_hf"] = True
+        logger.info("%s: results identical to lm-eval's hf backend", name)
+    return str(ref)
+
+
+def rehearse(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
+    """Steps 2-5 of the module docstring; returns the report."""
+    timings: dict[str, float] = {}
+    started = time.monotonic()
+    model_dir, tasks_dir = _model_and_tasks(args)
+    token = _auth_token(args, cluster)
+    env = cluster_env(token)
+    nodes = bring_up(cluster, env, args.num_cpus)
+    timings["cluster_up_s"] = round(time.monotonic() - started, 1)
+    logger.info("cluster up: %s", nodes)
+    refused = check_refusal(cluster, env) if token is not None and args.refusal_check else None
+    shared = lm_eval_args(model_dir, tasks_dir, args.tasks, args.limit)
+    layouts = run_layouts(cluster, env, args.layouts, shared)
     report: dict[str, Any] = {
         "auth": "disabled" if token is None else "token",
         "wrong_token_refused": refused,
@@ -538,16 +211,11 @@ def rehearse(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
         "timings": timings,
     }
     if args.reference:
-        ref = cluster.work_dir / "out" / "lm-eval-hf"
-        reference(shared, ref, env, cluster.work_dir / "reference.log")
-        for name, record in layouts.items():
-            same_as_reference(ref, Path(record["output_path"]))
-            record["same_as_lm_eval_hf"] = True
-            logger.info("%s: results identical to lm-eval's hf backend", name)
-        report["reference_path"] = str(ref)
+        report["reference_path"] = compare_with_reference(cluster, env, shared, layouts)
     return report
 
 
+# ----------------------------------------------------------------------------- main
 def _probe(argv: list[str]) -> int:
     """Internal: run inside a namespace, print one JSON line (``port``, ``nodes``, ``refused``)."""
     import socket

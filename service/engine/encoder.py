@@ -28,8 +28,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from rayeval.actors.batches import ModelSpec
 from rayeval.actors.checkpoints import resolve_dtype
 from rayeval.actors.errors import ConfigError
-from rayeval.service.config import ENCODER_MODEL_ARGS
 from rayeval.service.engine.planner import GenerateRequest
+from rayeval.service.lm_eval_options import ENCODER_MODEL_ARGS
 
 #: Model args the ranks' ModelSpec carries in its own fields (the rest go to from_pretrained).
 _SPEC_FIELDS = ENCODER_MODEL_ARGS | {

@@ -28,7 +28,7 @@ from rayeval.service.config import (
     EngineConfig,
 )
 from rayeval.service.engine.dispatch import PieceDone, StepDone, run_steps
-from rayeval.service.engine.phases import PhaseStats, PhaseTracker, Progress, StartUp
+from rayeval.service.engine.phases import PhaseStats, PhaseTracker, StartUp
 from rayeval.service.engine.planner import (
     GenerateRequest,
     SlotBudget,
@@ -39,6 +39,7 @@ from rayeval.service.engine.planner import (
     request_seeds,
 )
 from rayeval.service.engine.response_cache import ResponseCache, generate_key, score_key
+from rayeval.service.events import Progress, RankMemory
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Executor:
         self._on_progress = on_progress
         self._created = created
         self._startup_s: float | None = None
-        self._rank_memory: dict[str, list[dict[str, float]]] = {}
+        self._rank_memory: dict[str, list[RankMemory]] = {}
         self._group: WorkerGroup | None = None
         self._begun = self._reused = False
         self._swap_load_s: float | None = None

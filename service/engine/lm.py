@@ -30,11 +30,7 @@ from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
 from rayeval.actors.sharding import ShardStrategy
-from rayeval.service.config import (
-    DEFAULT_SEED,
-    EngineConfig,
-    HostOptions,
-)
+from rayeval.service.config import DEFAULT_SEED, EngineConfig, HostOptions
 from rayeval.service.engine import model_shell
 from rayeval.service.engine.checks import (
     RequestReport,
@@ -52,9 +48,10 @@ from rayeval.service.engine.encoder import (
     rolling_windows,
 )
 from rayeval.service.engine.executor import Executor
-from rayeval.service.engine.phases import PhaseStats, Progress
+from rayeval.service.engine.phases import PhaseStats
 from rayeval.service.engine.response_cache import open_cache
 from rayeval.service.engine.warm import KeptReplicas, replica_key
+from rayeval.service.events import Progress
 from rayeval.service.private_apis import check_private_apis
 
 logger = logging.getLogger(__name__)
@@ -402,8 +399,8 @@ class RayEvalLM(TemplateLM):
         background); the executor computes on them."""
         kept = None
         if self._replicas is not None:
-            control_s = min(self._timeouts.step_s, 60.0)
-            kept = self._replicas.take_ready(self._key, seed, timeout_s=control_s)
+            wait_s = min(self._timeouts.step_s, self.config.timeouts.reuse_s)
+            kept = self._replicas.take_ready(self._key, seed, timeout_s=wait_s)
         parallelism = self.config.parallelism
         group = kept or WorkerGroup.create(
             self.name,

@@ -3,7 +3,7 @@
 :class:`PhaseStats` accumulates a request type's figures over an evaluation (requests, tokens,
 seconds, per-replica work) for the results and the benchmarks. :class:`PhaseTracker` follows one
 run of micro-batches: after every finished step it adds the step's figures, moves the progress
-bar and reports a :class:`Progress`.
+bar and reports a :class:`rayeval.service.events.Progress`.
 """
 
 from __future__ import annotations
@@ -17,31 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from rayeval.service.engine.dispatch import PieceDone, StepDone
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Progress of one request type, reported after every finished step.
-
-    Beyond the counts: ``seconds`` of the request type so far (its rate and ETA are
-    ``done / seconds`` and ``(total - done) / rate``), requests it answered from the response
-    cache, per replica what it computed (``{replica: {requests, tokens, busy_s}}``), per replica
-    each shard rank's memory after its last micro-batch (``{replica: [{rss_mib, device_mib}]}``),
-    and the engine's start-up: the slowest rank's model load and the seconds from the engine's
-    start to its first batch.
-    """
-
-    phase: str
-    done: int
-    total: int
-    tokens_per_s: float
-    real_token_fraction: float
-    seconds: float = 0.0
-    cached: int = 0
-    replicas: dict[str, dict[str, float]] = field(default_factory=dict)
-    rank_memory: dict[str, list[dict[str, float]]] = field(default_factory=dict)
-    load_s: float | None = None
-    startup_s: float | None = None
+from rayeval.service.events import Progress, RankMemory, ReplicaWork
 
 
 @dataclass
@@ -121,7 +97,7 @@ class PhaseTracker:
         stats: PhaseStats,
         requests_per_micro_batch: Counter[int],
         replicas: range,
-        rank_memory: dict[str, list[dict[str, float]]],
+        rank_memory: dict[str, list[RankMemory]],
         start: StartUp,
         on_progress: Callable[[Progress], None] | None,
         disable_tqdm: bool,
@@ -156,7 +132,7 @@ class PhaseTracker:
         stats.replica_requests[replica] = stats.replica_requests.get(replica, 0) + count
         stats.replica_tokens[replica] = stats.replica_tokens.get(replica, 0) + real
         self._rank_memory[str(replica)] = [
-            {"rss_mib": s.rss_mib, "device_mib": s.device_mib} for s in step.stats
+            RankMemory(rss_mib=s.rss_mib, device_mib=s.device_mib) for s in step.stats
         ]
         self._moved(count)
 
@@ -181,12 +157,12 @@ class PhaseTracker:
         )
         ranks = self._rank_memory.setdefault(str(replica), [])
         ranks.extend(
-            {"rss_mib": 0.0, "device_mib": 0.0} for _ in range(piece.shard_rank + 1 - len(ranks))
+            RankMemory(rss_mib=0.0, device_mib=0.0)
+            for _ in range(piece.shard_rank + 1 - len(ranks))
         )
-        ranks[piece.shard_rank] = {
-            "rss_mib": piece.stats.rss_mib,
-            "device_mib": piece.stats.device_mib,
-        }
+        ranks[piece.shard_rank] = RankMemory(
+            rss_mib=piece.stats.rss_mib, device_mib=piece.stats.device_mib
+        )
         self._moved(count)
 
     def _moved(self, count: int) -> None:
@@ -204,19 +180,19 @@ class PhaseTracker:
         """The request type's progress as it stands."""
         stats = self._stats
         return Progress(
-            self._phase,
-            self.done,
-            self.total,
-            stats.tokens_per_s,
-            stats.real_token_fraction,
+            phase=self._phase,
+            done=self.done,
+            total=self.total,
+            tokens_per_s=stats.tokens_per_s,
+            real_token_fraction=stats.real_token_fraction,
             seconds=stats.seconds,
             cached=stats.cached,
             replicas={
-                str(r): {
-                    "requests": stats.replica_requests.get(r, 0),
-                    "tokens": stats.replica_tokens.get(r, 0),
-                    "busy_s": busy_s,
-                }
+                str(r): ReplicaWork(
+                    requests=stats.replica_requests.get(r, 0),
+                    tokens=stats.replica_tokens.get(r, 0),
+                    busy_s=busy_s,
+                )
                 for r, busy_s in sorted(stats.replica_busy_s.items())
             },
             rank_memory=dict(self._rank_memory),

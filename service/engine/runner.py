@@ -21,9 +21,10 @@ from lm_eval.tasks import TaskManager
 
 from rayeval.actors.errors import ConfigError, RayEvalError
 from rayeval.service.config import EvaluationConfig, HostOptions
-from rayeval.service.engine.lm import Progress, RayEvalLM
+from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
 from rayeval.service.engine.warm import KeptReplicas
+from rayeval.service.events import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -38,11 +38,12 @@ from typing import Any
 from rayeval.actors.checkpoint_dirs import label_of, labels, step_of
 from rayeval.actors.errors import CheckpointError, ConfigError
 from rayeval.service.config import EvaluationConfig, HostOptions
-from rayeval.service.engine.lm import Progress, RayEvalLM
+from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
 from rayeval.service.engine.response_cache import ResponseCache, cache_file, model_fingerprint
 from rayeval.service.engine.runner import evaluate_on, make_tracker, resolve_tasks, save
 from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary, metrics_of
+from rayeval.service.events import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -10,82 +10,63 @@ One :class:`EvaluationManager` per API process. Submissions are checked
    which that event carries — and the terminal state in one transaction;
 2. admits queued evaluations (:mod:`rayeval.service.jobs.admission`), on warm replicas where it can.
 
-Warm replicas (``warm_replicas`` > 0): the runner of an evaluation that succeeded keeps its loaded
-ranks and placement group; the next evaluation of the same model and layout
-(:func:`rayeval.service.engine.warm.replica_key`) runs on that runner without starting or loading
-anything. At most ``warm_replicas`` runners are kept; they are released when a queued evaluation
-needs their room (oldest first), and when the manager stops. An evaluation on a kept runner is
-known by its owner: the evaluation whose names the runner, ranks and placement group carry.
+Around it: what the manager knows of each evaluation beyond the database is one object per
+evaluation (:mod:`rayeval.service.jobs.tracking`); when a followed evaluation fails is decided by
+policies (:mod:`rayeval.service.jobs.following`), as admission is by
+:func:`rayeval.service.jobs.admission.plan`; warm replicas (runners kept loaded for the next
+evaluation of the same model and layout) are :class:`rayeval.service.jobs.kept.KeptRunners`; what a
+restarted API does with what the previous one left is :mod:`rayeval.service.jobs.recovery`.
 
 Releasing an ended evaluation's actors and placement group waits for Ray, so the loop hands it to
 a small pool and goes on: no thread is held for long by one evaluation. A cancel releases in the
 request's own thread (bounded) and answers once Ray shows nothing left. On start, evaluations that
 were active are re-attached when their detached runner actor still exists, else marked failed.
-No torch here: runners are created from a class reference and import torch in their own process.
+No torch here: runner actors (:func:`rayeval.service.jobs.runner_actor.launch_runner`) import
+torch in their own process.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from rayeval.actors.errors import EvaluationNotFoundError, EvaluationStateError
-from rayeval.actors.process import runner_environment
 from rayeval.service.config import EvaluationConfig
 from rayeval.service.engine.cluster import pick_device
 from rayeval.service.engine.warm import replica_key
+from rayeval.service.errors import EvaluationNotFoundError, EvaluationStateError
+from rayeval.service.events import RunnerEvent, RunnerSucceeded, RunOutputs
 from rayeval.service.jobs.admission import Kept, free_resources, plan
-from rayeval.service.jobs.ray_resources import brief, release, runner_name
-from rayeval.service.jobs.runner_actor import EvaluationRunner
-from rayeval.service.jobs.states import EvaluationStatus, EventKind, RunnerEventKind
-from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, NewEvent
+from rayeval.service.jobs.following import (
+    RUNNER_GONE,
+    RUNNER_GONE_AT_START,
+    Watch,
+    digest,
+    runner_died,
+    task_results,
+    verdict,
+)
+from rayeval.service.jobs.kept import KeptRunners
+from rayeval.service.jobs.options import ManagerOptions
+from rayeval.service.jobs.ray_resources import Releaser, brief, find_runner
+from rayeval.service.jobs.recovery import plan_recovery, scan_runners
+from rayeval.service.jobs.runner_actor import launch_runner
+from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
 from rayeval.service.jobs.tasks import TaskCatalog
-from rayeval.service.jobs.validation import ServerPolicy, check_submission
+from rayeval.service.jobs.tracking import FollowedEvaluations
+from rayeval.service.jobs.validation import check_submission
+from rayeval.service.states import EvaluationStatus
+
+__all__ = ["EvaluationManager", "ManagerOptions"]
 
 logger = logging.getLogger(__name__)
 
 #: How long one round waits for runners' answers (unanswered calls stay in flight).
 _ANSWER_WAIT_S = 0.2
-
-
-@dataclass(frozen=True)
-class ManagerOptions:
-    """How the manager runs evaluations.
-
-    Args:
-        namespace: Ray namespace of the runner actors (fixed, so a restarted API finds them).
-        poll_interval_s: Pause between two rounds of polling and admission.
-        runner_unreachable_s: A runner that does not answer for this long fails its evaluation
-            (it includes the runner actor's start).
-        cancel_timeout_s: Bound on waiting for Ray to release an ended or cancelled evaluation.
-        task_index_wait_s: Bound on waiting for lm-eval's task index when validating tasks.
-        policy: What a request may do (models, remote code, generation settings).
-        response_cache: Path prefix of the response cache runners read and fill (None: none).
-        stall_timeout_s: An evaluation whose runner reports nothing new for this long, beyond
-            its own load (before the first batch) or step timeout, fails naming where it
-            stopped, and is released.
-        warm_replicas: Most runners kept loaded after their evaluation succeeded, for the next
-            evaluation of the same model and layout (0: release at once).
-    """
-
-    namespace: str = "rayeval"
-    poll_interval_s: float = 0.5
-    runner_unreachable_s: float = 120.0
-    cancel_timeout_s: float = 30.0
-    task_index_wait_s: float = 20.0
-    policy: ServerPolicy = field(default_factory=ServerPolicy)
-    response_cache: str | None = None
-    stall_timeout_s: float = 1800.0
-    warm_replicas: int = 0
 
 
 class EvaluationManager:
@@ -103,22 +84,14 @@ class EvaluationManager:
         self._store = store
         self._catalog = catalog
         self._options = options
-        self._lock = threading.Lock()  # guards admission, terminal transitions and _cancelling
-        self._cancelling: set[str] = set()
-        self._runners: dict[str, Any] = {}
-        # Owned by the polling thread: evaluation id -> (pending events_since call, sent at),
-        # and when its runner last reported something new.
-        self._inflight: dict[str, tuple[Any, float]] = {}
-        self._heard: dict[str, float] = {}
-        # Evaluations running on a kept runner -> the evaluation that owns its resources.
-        self._owners: dict[str, str] = {}
-        # Kept runners, least recently kept first: owner -> (kept replicas, runner handle).
-        self._kept: OrderedDict[str, tuple[Kept, Any]] = OrderedDict()
-        self._keys: dict[str, str] = {}  # queued evaluation -> replica key
+        # Guards admission, terminal transitions and the start of a cancel.
+        self._lock = threading.Lock()
+        self._followed = FollowedEvaluations()
+        self._releaser = Releaser(options.cancel_timeout_s)
+        self._kept = KeptRunners(options.warm_replicas, self._releaser.later)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._releaser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rayeval-release")
 
     # -------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -138,10 +111,8 @@ class EvaluationManager:
             if self._thread.is_alive():
                 logger.warning("the manager thread did not stop within %.0fs", timeout_s)
             self._thread = None
-        for owner, (_, handle) in list(self._kept.items()):
-            release(owner, handle, self._timeout_s)
-        self._kept.clear()
-        self._releaser.shutdown(wait=False)
+        self._kept.release_all(self._releaser.now)
+        self._releaser.shutdown()
 
     # ------------------------------------------------------------------- operations
     def submit(self, config: EvaluationConfig) -> EvaluationRecord:
@@ -206,8 +177,9 @@ class EvaluationManager:
                 self._store.transition(
                     evaluation_id, EvaluationStatus.CANCELLED, only_from=[EvaluationStatus.QUEUED]
                 )
+                self._followed.drop(evaluation_id)
                 return self._store.get(evaluation_id)
-            self._cancelling.add(evaluation_id)
+            self._followed[evaluation_id].cancelling = True
         try:
             released = self._release(evaluation_id)
             note = (
@@ -222,7 +194,7 @@ class EvaluationManager:
             logger.info("cancelled evaluation %s", evaluation_id)
         finally:
             with self._lock:
-                self._cancelling.discard(evaluation_id)
+                self._followed.drop(evaluation_id)
         return self._store.get(evaluation_id)
 
     # ----------------------------------------------------------------- background loop
@@ -234,230 +206,173 @@ class EvaluationManager:
                 return
             try:
                 self._follow_active()
+                self._forget_ended()
                 self._admit()
             except Exception:  # one bad round must not stop the service
                 logger.exception("manager round failed; retrying")
+
+    def _forget_ended(self) -> None:
+        """Drop what is known of evaluations that are neither queued nor active any more."""
+        waiting = {record.id for record in (*self._store.active(), *self._store.queued())}
+        with self._lock:  # a cancel marks its evaluation under the same lock
+            self._followed.keep_only(waiting)
 
     def _admit(self) -> None:
         queued = self._store.queued()
         if not queued:
             return
-        kept = [entry for entry, _ in self._kept.values()]
-        decided = plan(
-            queued, free_resources(self._store.active(), self._owners, kept), kept, self._key_of
-        )
+        kept = self._kept.entries()
+        free = free_resources(self._store.active(), self._followed.owners(), kept)
+        decided = plan(queued, free, kept, self._key_of)
         for freed in decided.release:
             logger.info(
                 "releasing the kept replicas of %s: a queued evaluation needs room", freed.owner
             )
-            self._release_kept(freed.owner)
+            self._kept.release(freed.owner)
         for record, entry in decided.start:
             # Under the lock, so that a cancel sees either a queued evaluation or a runner handle.
             with self._lock:
-                if self._store.transition(record.id, EvaluationStatus.STARTING):
-                    self._keys.pop(record.id, None)
-                    if entry is None or not self._start_on_kept(record, entry.owner):
-                        self._start_runner(record)
+                if not self._store.transition(record.id, EvaluationStatus.STARTING):
+                    continue
+                if entry is None or not self._start_on_kept(record, entry.owner):
+                    self._start_runner(record)
 
     def _key_of(self, record: EvaluationRecord) -> str:
-        key = self._keys.get(record.id)
-        if key is None:
-            key = self._keys[record.id] = replica_key(record.config)
-        return key
+        followed = self._followed[record.id]
+        if followed.key is None:
+            followed.key = replica_key(record.config)
+        return followed.key
 
     def _start_on_kept(self, record: EvaluationRecord, owner: str) -> bool:
         """Run ``record`` on the runner kept by ``owner``; False (and it is released) if not."""
-        _, handle = self._kept.pop(owner)
-        try:
-            started = ray.get(handle.start_next.remote(record.id, record.config), timeout=30)
-        except Exception as exc:  # the runner died while kept: start anew
-            logger.warning("the kept runner of %s cannot be reused: %s", owner, brief(exc))
-            started = False
-        if not started:
-            self._release_in_background(owner, handle)
+        timeout_s = EvaluationConfig.from_json(record.config).timeouts.control_s
+        handle = self._kept.hand_over(owner, record.id, record.config, timeout_s)
+        if handle is None:
             return False
-        self._runners[record.id] = handle
-        self._owners[record.id] = owner
-        self._heard[record.id] = time.monotonic()
+        self._follow(record.id, handle, owner, heard=True)
         logger.info("started evaluation %s on the replicas kept by %s", record.id, owner)
         return True
 
-    def _keep(self, evaluation_id: str, record: EvaluationRecord) -> bool:
-        """Keep the evaluation's runner and its loaded ranks for the next evaluation."""
-        if self._options.warm_replicas <= 0:
-            return False
-        handle = self._forget_runner(evaluation_id)
-        if handle is None:  # gone: the caller releases by the owner's names
-            return False
-        owner = self._owners.pop(evaluation_id, evaluation_id)
-        entry = Kept(owner, replica_key(record.config), dict(record.resources))
-        for other, (kept, _) in list(self._kept.items()):  # one kept runner per key
-            if kept.key == entry.key:
-                self._release_kept(other)
-        self._kept[owner] = (entry, handle)
-        while len(self._kept) > self._options.warm_replicas:
-            self._release_kept(next(iter(self._kept)))
-        logger.info("keeping the replicas of %s loaded for the next evaluation", owner)
-        return True
-
-    def _release_kept(self, owner: str) -> None:
-        _, handle = self._kept.pop(owner)
-        self._release_in_background(owner, handle)
-
     def _start_runner(self, record: EvaluationRecord) -> None:
-        env = runner_environment()
         try:
-            handle = (
-                ray.remote(EvaluationRunner)
-                .options(
-                    name=runner_name(record.id),
-                    namespace=self._options.namespace,
-                    lifetime="detached",
-                    get_if_exists=True,
-                    num_cpus=0,
-                    max_restarts=0,
-                    runtime_env={"env_vars": env},
-                )
-                .remote(
-                    record.id,
-                    record.config,
-                    list(self._catalog.include_paths),
-                    self._options.response_cache,
-                    self._options.warm_replicas > 0,
-                )
+            handle = launch_runner(
+                record.id,
+                record.config,
+                self._options.namespace,
+                list(self._catalog.include_paths),
+                self._options.response_cache,
+                self._kept.enabled,
             )
         except Exception as exc:  # e.g. a bad runtime_env: the evaluation cannot start
             error = f"could not start the runner actor: {brief(exc)}"
             self._store.transition(record.id, EvaluationStatus.FAILED, error=error)
             return
-        self._runners[record.id] = handle
-        self._heard[record.id] = time.monotonic()
+        self._follow(record.id, handle, record.id, heard=True)
         logger.info("started evaluation %s", record.id)
 
+    def _follow(self, evaluation_id: str, handle: Any, owner: str, heard: bool) -> None:
+        """Follow the evaluation on the runner ``handle`` (carrying ``owner``'s names)."""
+        followed = self._followed[evaluation_id]
+        followed.runner = handle
+        followed.owner = owner if owner != evaluation_id else None
+        if heard:
+            followed.heard_at = time.monotonic()
+
     def _follow_active(self) -> None:
-        """Ask every active runner for its new events; apply the answers that are back.
+        """Ask every active runner for its new events; apply the answers that are back; fail
+        what the watchdog says failed.
 
         At most one call per runner is in flight and a round waits only briefly for answers, so
         a runner that is slow to start (or stuck) delays neither the others nor admission.
         """
         for record in self._store.active():
-            if record.id in self._inflight or self._is_cancelling(record.id):
+            followed = self._followed[record.id]
+            if followed.call is not None or self._is_cancelling(record.id):
                 continue
             runner = self._runner(record.id)
             if runner is None:
-                self._fail(
-                    record.id,
-                    "the runner actor of this evaluation no longer exists on the Ray cluster (it "
-                    "died or the cluster restarted): resubmit the evaluation",
-                )
+                self._fail(record.id, RUNNER_GONE)
                 continue
             call = runner.events_since.remote(record.runner_cursor, record.id)
-            self._inflight[record.id] = (call, time.monotonic())
-        if not self._inflight:
+            followed.ask(call, time.monotonic())
+        self._collect_answers()
+        self._watch(self._store.active())
+
+    def _collect_answers(self) -> None:
+        """Apply the events of the calls answered within a fraction of a second."""
+        calls = {followed.call: followed for followed in self._followed.asking()}
+        if not calls:
             return
-        calls = {call: evaluation_id for evaluation_id, (call, _) in self._inflight.items()}
         answered, _ = ray.wait(list(calls), num_returns=len(calls), timeout=_ANSWER_WAIT_S)
         for call in answered:
-            evaluation_id = calls[call]
-            del self._inflight[evaluation_id]
-            record = self._store.get(evaluation_id)
-            if not record.status.is_active or self._is_cancelling(evaluation_id):
+            followed = calls[call]
+            followed.answered()
+            record = self._store.get(followed.evaluation_id)
+            if not record.status.is_active or self._is_cancelling(record.id):
                 continue
             try:
                 events = ray.get(call, timeout=0)
             except ray.exceptions.RayError as exc:
-                self._fail(evaluation_id, f"the runner actor died: {brief(exc)}")
+                self._fail(record.id, runner_died(brief(exc)))
                 continue
             if events:
-                self._heard[evaluation_id] = time.monotonic()
+                followed.heard_at = time.monotonic()
                 self._apply(record, events)
-        self._fail_stalled()
-        now = time.monotonic()
-        for evaluation_id, (_, sent) in list(self._inflight.items()):
-            if now - sent > self._options.runner_unreachable_s:
-                del self._inflight[evaluation_id]
-                self._fail(
-                    evaluation_id,
-                    f"the runner actor did not answer for {self._options.runner_unreachable_s:g}s:"
-                    " check the Ray cluster (dashboard, `ray status`) and resubmit",
-                )
 
-    def _fail_stalled(self) -> None:
-        """Fail active evaluations whose runner answers but reports no progress (a stuck metric,
-        a hung child process): the runner-unreachable check cannot see those."""
+    def _watch(self, active: list[EvaluationRecord]) -> None:
+        """Fail active evaluations whose runner does not answer, or answers but reports no
+        progress (a stuck metric, a hung child process): no event says either."""
         now = time.monotonic()
-        for record in self._store.active():
+        for record in active:
             if self._is_cancelling(record.id):
                 continue
-            silent = now - self._heard.setdefault(record.id, now)
-            timeouts = record.config.get("timeouts", {})
-            phases = record.progress.get("phases", {})
-            own = (
-                timeouts.get("step_s", 0.0)
-                if phases
-                else timeouts.get("placement_s", 0.0) + timeouts.get("load_s", 0.0)
-            )
-            limit = self._options.stall_timeout_s + own
-            if silent > limit:
-                self._fail(
-                    record.id,
-                    f"no progress for {silent:.0f}s (limit {limit:.0f}s: the server's stall "
-                    f"timeout plus the evaluation's own timeout); it stopped {_where(record)}. "
-                    "Its actors were released; retry it, or raise the stall timeout "
-                    "(--stall-timeout) if this step is legitimately slow",
-                )
+            followed = self._followed[record.id]
+            if followed.heard_at is None:
+                followed.heard_at = now
+            watch = Watch.of(record, now, followed.heard_at, followed.asked_at)
+            options = self._options
+            error = verdict(watch, options.stall_timeout_s, options.runner_unreachable_s)
+            if error is not None:
+                followed.answered()
+                self._fail(record.id, error)
 
     def _is_cancelling(self, evaluation_id: str) -> bool:
         with self._lock:
-            return evaluation_id in self._cancelling
+            followed = self._followed.get(evaluation_id)
+            return followed is not None and followed.cancelling
 
-    def _apply(self, record: EvaluationRecord, events: list[dict[str, Any]]) -> None:
-        phases = dict(record.progress.get("phases", {}))
-        latest: dict[str, dict[str, Any]] = {}
-        warnings: list[NewEvent] = []
-        for event in events:
-            if event["type"] == RunnerEventKind.PROGRESS:
-                data = dict(event["data"], updated_at=event["time"])
-                phases[data["phase"]] = latest[data["phase"]] = data
-            elif event["type"] == RunnerEventKind.WARNING:
-                warnings.append((EventKind.WARNING, event["data"]))
-        cursor = events[-1]["seq"]
-        ended = next(
-            (e for e in events if e["type"] in (RunnerEventKind.SUCCEEDED, RunnerEventKind.FAILED)),
-            None,
-        )
-        if latest and record.status is EvaluationStatus.STARTING:
+    def _apply(self, record: EvaluationRecord, events: list[RunnerEvent]) -> None:
+        digested = digest(record.progress, events)
+        if digested.moved and record.status is EvaluationStatus.STARTING:
             self._store.transition(record.id, EvaluationStatus.RUNNING)
-        progress_events: list[NewEvent] = warnings + [
-            (EventKind.PROGRESS, _progress_event(data, phases)) for data in latest.values()
-        ]
-        self._store.record_progress(record.id, {"phases": phases}, cursor, progress_events)
-        if ended is not None and ended["type"] == RunnerEventKind.SUCCEEDED:
-            self._succeed(record.id, ended["data"])
-        elif ended is not None:
-            self._fail(record.id, ended["data"]["error"])
+        self._store.record_progress(record.id, digested.progress, digested.cursor, digested.events)
+        if isinstance(digested.ended, RunnerSucceeded):
+            self._succeed(record, digested.ended.outputs)
+        elif digested.ended is not None:
+            self._fail(record.id, digested.ended.error)
 
-    def _succeed(self, evaluation_id: str, output: dict[str, Any]) -> None:
-        results = json.loads(output["results_json"])
-        events: list[NewEvent] = [
-            (EventKind.TASK_RESULT, {"task": task, "metrics": metrics})
-            for task, metrics in results.get("results", {}).items()
-        ]
+    def _succeed(self, record: EvaluationRecord, outputs: RunOutputs) -> None:
+        events = task_results(outputs.results_json)
         with self._lock:
-            if evaluation_id in self._cancelling:
+            if self._followed[record.id].cancelling:
                 return
             stored = self._store.finish_succeeded(
-                evaluation_id, output["results_json"], output["samples"], output["stats"], events
+                record.id, outputs.results_json, outputs.samples, outputs.stats, events
             )
         if stored:
-            logger.info("evaluation %s succeeded", evaluation_id)
-        kept = output.get("replicas", {}).get("kept", False)
-        if not (stored and kept and self._keep(evaluation_id, self._store.get(evaluation_id))):
-            self._release_later(evaluation_id)
+            logger.info("evaluation %s succeeded", record.id)
+        if not (stored and outputs.replicas.kept and self._kept.enabled):
+            self._release_later(record.id)
+            return
+        owner, handle = self._let_go(record.id)
+        if handle is None:  # gone: release what is left by the owner's names
+            self._releaser.later(owner, handle)
+            return
+        self._kept.keep(Kept(owner, replica_key(record.config), dict(record.resources)), handle)
 
     def _fail(self, evaluation_id: str, error: str) -> None:
         with self._lock:
-            if evaluation_id in self._cancelling:
+            if self._followed[evaluation_id].cancelling:
                 return
             failed = self._store.transition(evaluation_id, EvaluationStatus.FAILED, error=error)
         if failed:
@@ -466,118 +381,48 @@ class EvaluationManager:
 
     # ------------------------------------------------------------------- Ray actors
     def _runner(self, evaluation_id: str) -> Any | None:
-        handle = self._runners.get(evaluation_id)
-        if handle is None:
-            try:
-                name = runner_name(evaluation_id)
-                handle = ray.get_actor(name, namespace=self._options.namespace)
-            except ValueError:
-                return None
-            self._runners[evaluation_id] = handle
-        return handle
+        """The evaluation's runner handle, found by name if not known yet (None: gone)."""
+        followed = self._followed[evaluation_id]
+        if followed.runner is None:
+            followed.runner = find_runner(evaluation_id, self._options.namespace)
+        return followed.runner
+
+    def _ended(self, evaluation_id: str) -> bool | None:
+        try:
+            return self._store.get(evaluation_id).status.is_terminal
+        except EvaluationNotFoundError:
+            return None
 
     def _recover(self) -> None:
-        running = self._scan_runners()
-        for record in self._store.active():
-            found = running.pop(record.id, None)
-            if found is not None:
-                handle, owner = found
-                self._runners[record.id] = handle
-                if owner != record.id:
-                    self._owners[record.id] = owner
-                logger.info("re-attached evaluation %s to its runner actor", record.id)
-            elif self._runner(record.id) is not None:
-                logger.info("re-attached evaluation %s to its runner actor", record.id)
-            else:
-                self._fail(
-                    record.id,
-                    "the API server restarted and the runner actor of this evaluation no longer "
-                    "exists on the Ray cluster (the cluster restarted or the runner died): "
-                    "resubmit the evaluation",
-                )
-        for evaluation_id, (handle, owner) in running.items():
-            # Kept by the previous API process, or left over. A runner of an evaluation this
-            # database does not know belongs to another service on the same cluster: not ours.
-            try:
-                ended = self._store.get(evaluation_id).status.is_terminal
-            except EvaluationNotFoundError:
-                continue
-            if ended:
-                logger.info("releasing runner %s (last ran %s): unfollowed", owner, evaluation_id)
-                self._release_in_background(owner, handle)
+        found = scan_runners(self._options.namespace, self._options.runner_scan_timeout_s)
+        by_name = functools.partial(find_runner, namespace=self._options.namespace)
+        decided = plan_recovery(self._store.active(), found, by_name, self._ended)
+        for evaluation_id, runner in decided.attach.items():
+            self._follow(evaluation_id, runner.handle, runner.owner, heard=False)
+            logger.info("re-attached evaluation %s to its runner actor", evaluation_id)
+        for evaluation_id in decided.lost:
+            self._fail(evaluation_id, RUNNER_GONE_AT_START)
+        for evaluation_id, runner in decided.release:
+            logger.info(
+                "releasing runner %s (last ran %s): unfollowed", runner.owner, evaluation_id
+            )
+            self._releaser.later(runner.owner, runner.handle)
 
-    def _scan_runners(self, timeout_s: float = 10.0) -> dict[str, tuple[Any, str]]:
-        """The runner actors alive in this namespace: last evaluation -> (handle, owner)."""
-        handles = []
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry["namespace"] == self._options.namespace and entry["name"].startswith(
-                runner_name("")
-            ):
-                with contextlib.suppress(ValueError):  # died meanwhile
-                    handles.append(ray.get_actor(entry["name"], namespace=entry["namespace"]))
-        calls: dict[Any, Any] = {handle.current.remote(): handle for handle in handles}
-        if not calls:
-            return {}
-        ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-        found: dict[str, tuple[Any, str]] = {}
-        for call in ready:
-            try:
-                current = ray.get(call, timeout=0)
-            except ray.exceptions.RayError:
-                continue  # a runner of an older version, or dying: found by name if needed
-            found[current["evaluation_id"]] = (calls[call], current["owner"])
-        return found
+    def _let_go(self, evaluation_id: str) -> tuple[str, Any | None]:
+        """Stop following the evaluation: whose names its resources carry, and its runner's
+        handle if Ray still has it."""
+        self._runner(evaluation_id)
+        with self._lock:
+            followed = self._followed[evaluation_id]
+            names, handle = followed.let_go()
+            if not followed.cancelling:
+                self._followed.drop(evaluation_id)
+        return names, handle
 
     def _release(self, evaluation_id: str) -> bool:
         """Release the evaluation's runner, rank actors and placement group (bounded wait)."""
-        owner = self._owners.pop(evaluation_id, evaluation_id)
-        return release(owner, self._forget_runner(evaluation_id), self._timeout_s)
+        return self._releaser.now(*self._let_go(evaluation_id))
 
     def _release_later(self, evaluation_id: str) -> None:
         """Release in the background: the polling thread does not wait for Ray to let go."""
-        owner = self._owners.pop(evaluation_id, evaluation_id)
-        self._release_in_background(owner, self._forget_runner(evaluation_id))
-
-    def _release_in_background(self, owner: str, handle: Any | None) -> None:
-        try:
-            self._releaser.submit(release, owner, handle, self._timeout_s)
-        except RuntimeError:  # shutting down: release here rather than leak the actors
-            release(owner, handle, self._timeout_s)
-
-    @property
-    def _timeout_s(self) -> float:
-        return self._options.cancel_timeout_s
-
-    def _forget_runner(self, evaluation_id: str) -> Any | None:
-        """The evaluation's runner handle (if Ray still has it), no longer tracked here."""
-        handle = self._runner(evaluation_id)
-        self._runners.pop(evaluation_id, None)
-        self._heard.pop(evaluation_id, None)
-        return handle
-
-
-def _where(record: EvaluationRecord) -> str:
-    """Where an evaluation stopped, from its stored progress."""
-    phases = record.progress.get("phases", {})
-    if not phases:
-        return (
-            "before its first batch (reserving resources, loading the model or building requests)"
-        )
-    phase, last = max(phases.items(), key=lambda item: item[1].get("updated_at", 0.0))
-    where = f"after {last['done']}/{last['total']} {phase} requests"
-    if all(p["done"] >= p["total"] for p in phases.values()):
-        iters = record.config.get("bootstrap_iters", 0)
-        where += (
-            ": every request was answered, so lm-eval was computing metrics "
-            f"(bootstrap_iters={iters}) or building the next request type"
-        )
-    return where
-
-
-def _progress_event(latest: dict[str, Any], phases: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """A progress event: the phase that moved, plus totals over every phase seen so far."""
-    return {
-        **latest,
-        "overall_done": sum(p["done"] for p in phases.values()),
-        "overall_total": sum(p["total"] for p in phases.values()),
-    }
+        self._releaser.later(*self._let_go(evaluation_id))

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,14 @@ logger = logging.getLogger(__name__)
 def runner_name(evaluation_id: str) -> str:
     """Name of the detached runner actor of an evaluation."""
     return f"rayeval-runner-{evaluation_id}"
+
+
+def find_runner(evaluation_id: str, namespace: str) -> Any | None:
+    """The runner actor of an evaluation, looked up by its name (None: it does not exist)."""
+    try:
+        return ray.get_actor(runner_name(evaluation_id), namespace=namespace)
+    except ValueError:
+        return None
 
 
 def group_name(evaluation_id: str) -> str:
@@ -109,6 +118,34 @@ def release(evaluation_id: str, runner: Any | None, timeout_s: float) -> bool:
         for pg in leftovers.placement_groups:
             remove_placement_group(pg)
         time.sleep(0.2)
+
+
+class Releaser:
+    """Releases evaluations' Ray objects (:func:`release`), now or in a small background pool,
+    so that the manager's polling thread never waits for Ray to let go.
+
+    Args:
+        timeout_s: Bound on each release.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rayeval-release")
+
+    def now(self, evaluation_id: str, runner: Any | None) -> bool:
+        """:func:`release`, in this thread."""
+        return release(evaluation_id, runner, self.timeout_s)
+
+    def later(self, evaluation_id: str, runner: Any | None) -> None:
+        """:func:`release`, in the background (here once the pool is shut down)."""
+        try:
+            self._pool.submit(release, evaluation_id, runner, self.timeout_s)
+        except RuntimeError:  # shutting down: release here rather than leak the actors
+            release(evaluation_id, runner, self.timeout_s)
+
+    def shutdown(self) -> None:
+        """Stop taking work; releases under way finish in the background."""
+        self._pool.shutdown(wait=False)
 
 
 def kill(handle: Any) -> None:

@@ -15,8 +15,6 @@ inside the actor process only.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import shutil
 import tempfile
@@ -25,11 +23,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from rayeval.actors.errors import RayEvalError
+from rayeval.actors.process import runner_environment
 from rayeval.service.config import EvaluationConfig, HostOptions
 from rayeval.service.engine.warm import KeptReplicas
-from rayeval.service.jobs.ray_resources import group_name
-from rayeval.service.jobs.states import RunnerEventKind
+from rayeval.service.events import (
+    Progress,
+    ReplicaReuse,
+    RequestWarning,
+    RunnerEvent,
+    RunnerFailed,
+    RunnerProgress,
+    RunnerStatus,
+    RunnerSucceeded,
+    RunnerWarning,
+    RunOutputs,
+)
+from rayeval.service.jobs.ray_resources import group_name, runner_name
 
 logger = logging.getLogger(__name__)
 
@@ -63,20 +75,18 @@ class EvaluationRunner:
         self._response_cache = response_cache
         self._replicas = KeptReplicas(keep=keep_replicas)
         self._lock = threading.Lock()
-        self._events: dict[str, list[dict[str, Any]]] = {}
+        self._events: dict[str, list[RunnerEvent]] = {}
         self._current = evaluation_id
         self._thread: threading.Thread | None = None
-        self._start(evaluation_id, config)
+        self._start(evaluation_id, EvaluationConfig.from_json(config))
 
     # ------------------------------------------------------------------ called by the API
-    def events_since(self, seq: int, evaluation_id: str | None = None) -> list[dict[str, Any]]:
+    def events_since(self, seq: int, evaluation_id: str | None = None) -> list[RunnerEvent]:
         """Events of an evaluation (default: the current one) numbered above ``seq``.
 
-        Numbers start at 1; each event is ``{seq, type, data, time}``. The ``succeeded`` event's
-        data are the run's outputs: ``results_json`` (lm-eval's results file, verbatim),
-        ``samples`` (task -> lm-eval's samples JSONL, verbatim), ``stats`` (throughput per
-        request type) and ``replicas`` (``reused``: it ran on kept ranks; ``kept``: its ranks
-        are kept for the next evaluation).
+        Numbers start at 1. The last one is :class:`RunnerSucceeded`, carrying the run's outputs
+        (lm-eval's files verbatim, throughput per request type, whether its ranks are kept), or
+        :class:`RunnerFailed`.
         """
         with self._lock:
             return self._events.get(evaluation_id or self._current, [])[seq:]
@@ -90,36 +100,36 @@ class EvaluationRunner:
         """
         from rayeval.service.engine.warm import replica_key
 
+        parsed = EvaluationConfig.from_json(config)
         previous = self._thread
         if previous is not None:  # its final event is out; it may still be cleaning up
-            previous.join(timeout=10.0)
+            # A third of the caller's wait for this call: the answer reaches it in time.
+            previous.join(timeout=parsed.timeouts.control_s / 3)
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return False
-            if self._replicas.group is None or self._replicas.key != replica_key(config):
+            if self._replicas.group is None or self._replicas.key != replica_key(parsed):
                 return False
-        self._start(evaluation_id, config)
+        self._start(evaluation_id, parsed)
         return True
 
-    def current(self) -> dict[str, Any]:
-        """``evaluation_id`` (the latest), ``owner`` (whose names the resources carry),
-        ``running`` and ``kept`` (loaded ranks are held)."""
+    def current(self) -> RunnerStatus:
+        """Its latest evaluation, whose names its resources carry, whether it runs, whether
+        loaded ranks are held."""
         with self._lock:
-            running = self._thread is not None and self._thread.is_alive()
-            return {
-                "evaluation_id": self._current,
-                "owner": self.owner_id,
-                "running": running,
-                "kept": self._replicas.group is not None,
-            }
+            return RunnerStatus(
+                evaluation_id=self._current,
+                owner=self.owner_id,
+                running=self._thread is not None and self._thread.is_alive(),
+                kept=self._replicas.group is not None,
+            )
 
     def release_replicas(self) -> None:
         """Shut the kept ranks down (the runner itself is killed by the service)."""
         self._replicas.shutdown()
 
     # ------------------------------------------------------------------------ the run
-    def _start(self, evaluation_id: str, config: dict[str, Any]) -> None:
-        parsed = EvaluationConfig.from_json(config)
+    def _start(self, evaluation_id: str, config: EvaluationConfig) -> None:
         with self._lock:
             # The previous evaluation's final event was read before the service chose this
             # runner: its events are not needed any more.
@@ -127,46 +137,46 @@ class EvaluationRunner:
             self._current = evaluation_id
             self._thread = threading.Thread(
                 target=self._run,
-                args=(evaluation_id, parsed),
+                args=(evaluation_id, config),
                 name=f"rayeval-run-{evaluation_id}",
                 daemon=True,
             )
         self._thread.start()
 
-    def _emit(self, evaluation_id: str, kind: RunnerEventKind, data: dict[str, Any]) -> None:
+    def _emit(self, evaluation_id: str, event_type: type[RunnerEvent], /, **fields: Any) -> None:
+        """Record an event of ``event_type`` with ``fields``, numbered next, timed now."""
         with self._lock:
             events = self._events.setdefault(evaluation_id, [])
-            events.append(
-                {"seq": len(events) + 1, "type": kind.value, "data": data, "time": time.time()}
-            )
+            events.append(event_type(seq=len(events) + 1, time=time.time(), **fields))
 
     def _run(self, evaluation_id: str, config: EvaluationConfig) -> None:
         output_dir = Path(tempfile.mkdtemp(prefix=f"rayeval-{evaluation_id}-"))
-        emit = functools.partial(self._emit, evaluation_id)
         try:
             outputs = self._evaluate(evaluation_id, config, output_dir)
         except RayEvalError as exc:
-            emit(RunnerEventKind.FAILED, {"error": str(exc), "kind": type(exc).__name__})
+            kind = type(exc).__name__
+            self._emit(evaluation_id, RunnerFailed, error=str(exc), kind=kind)
         except Exception as exc:  # lm-eval raises plain exceptions for bad task/model setups
             logger.exception("evaluation %s failed", evaluation_id)
             kind = type(exc).__name__
-            emit(RunnerEventKind.FAILED, {"error": f"{kind}: {exc}", "kind": kind})
+            self._emit(evaluation_id, RunnerFailed, error=f"{kind}: {exc}", kind=kind)
         else:
-            emit(RunnerEventKind.SUCCEEDED, outputs)
+            self._emit(evaluation_id, RunnerSucceeded, outputs=outputs)
         finally:
             shutil.rmtree(output_dir, ignore_errors=True)
 
     def _evaluate(
         self, evaluation_id: str, config: EvaluationConfig, output_dir: Path
-    ) -> dict[str, Any]:
+    ) -> RunOutputs:
         from rayeval.service.engine.runner import run_evaluation
 
-        emit = functools.partial(self._emit, evaluation_id)
-
-        def on_progress(progress: Any) -> None:
-            # Every field of the engine's Progress: counts, rates, per-replica work, rank memory
+        def on_progress(progress: Progress) -> None:
+            # Every figure of the engine's Progress: counts, rates, per-replica work, rank memory
             # and start-up figures (/metrics and the dashboard read them from stored progress).
-            emit(RunnerEventKind.PROGRESS, dataclasses.asdict(progress))
+            self._emit(evaluation_id, RunnerProgress, progress=progress)
+
+        def on_warning(data: dict[str, Any]) -> None:
+            self._emit(evaluation_id, RunnerWarning, warning=RequestWarning.parse(data))
 
         host = HostOptions(
             output_path=str(output_dir),
@@ -178,16 +188,55 @@ class EvaluationRunner:
             config,
             host,
             on_progress=on_progress,
-            on_warning=lambda data: emit(RunnerEventKind.WARNING, data),
+            on_warning=on_warning,
             replicas=self._replicas,
         )
         if output is None:
             raise RayEvalError("lm-eval returned no results for this evaluation")
-        replicas = {"reused": self._replicas.reused, "kept": self._replicas.group is not None}
-        return {**_read_lm_eval_files(output_dir), "stats": output.stats, "replicas": replicas}
+        results_json, samples = _read_lm_eval_files(output_dir)
+        replicas = ReplicaReuse(reused=self._replicas.reused, kept=self._replicas.group is not None)
+        return RunOutputs(
+            results_json=results_json, samples=samples, stats=output.stats, replicas=replicas
+        )
 
 
-def _read_lm_eval_files(output_dir: Path) -> dict[str, Any]:
+def launch_runner(
+    evaluation_id: str,
+    config: dict[str, Any],
+    namespace: str,
+    include_paths: list[str],
+    response_cache: str | None,
+    keep_replicas: bool,
+) -> Any:
+    """Start the named, detached runner actor of an evaluation (its first evaluation starts).
+
+    Args:
+        evaluation_id: Names the runner (:func:`runner_name`) and what it creates.
+        config: ``EvaluationConfig.to_json()`` (device resolved).
+        namespace: The service's Ray namespace (where a restarted API looks for runners).
+        include_paths: The server's task directories.
+        response_cache: Path prefix of the response cache (None: none).
+        keep_replicas: Keep the loaded ranks after a successful evaluation.
+
+    Returns:
+        The actor's handle.
+    """
+    return (
+        ray.remote(EvaluationRunner)
+        .options(
+            name=runner_name(evaluation_id),
+            namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=0,
+            runtime_env={"env_vars": runner_environment()},
+        )
+        .remote(evaluation_id, config, include_paths, response_cache, keep_replicas)
+    )
+
+
+def _read_lm_eval_files(output_dir: Path) -> tuple[str, dict[str, str]]:
     """The results file and per-task samples files lm-eval wrote under ``output_dir``."""
     import json
 
@@ -203,4 +252,4 @@ def _read_lm_eval_files(output_dir: Path) -> dict[str, Any]:
         path = results_file.parent / f"samples_{task}_{date_id}.jsonl"
         if path.is_file():
             samples[task] = path.read_text(encoding="utf-8")
-    return {"results_json": results_json, "samples": samples}
+    return results_json, samples

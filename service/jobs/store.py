@@ -6,7 +6,7 @@ never sees an event whose state is not stored, nor a terminal state without its 
 transitions are conditional updates (``... WHERE status IN (expected)``): whoever changes an
 evaluation first wins and the loser learns it from the return value, which is what makes a
 concurrent cancel and completion safe; the allowed moves are
-:data:`rayeval.service.jobs.states.TRANSITIONS`. lm-eval's results are stored once, in their own
+:data:`rayeval.service.states.TRANSITIONS`. lm-eval's results are stored once, in their own
 table: the ``result`` event on the stream holds no copy (the API fills it in from the results table
 when it sends it). Event numbers (``seq``) start at 1 and increase by one per evaluation. No torch
 here.
@@ -16,142 +16,38 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import (
-    JSON,
-    DateTime,
-    ForeignKey,
-    Integer,
-    String,
-    Text,
-    TypeDecorator,
-    UniqueConstraint,
-    create_engine,
-    event,
-    func,
-    select,
-    update,
-)
-from sqlalchemy.engine import CursorResult, Engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy import func, select, update
+from sqlalchemy.engine import CursorResult
+from sqlalchemy.orm import Session, sessionmaker
 
-from rayeval.actors.errors import EvaluationNotFoundError
-from rayeval.service.jobs.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
+from rayeval.service.errors import EvaluationNotFoundError
+from rayeval.service.events import EvaluationProgress, ResultEvent, StateEvent
+from rayeval.service.jobs.records import (
+    EvaluationRecord,
+    EventRecord,
+    NewEvent,
+    record_of,
+    stored_progress,
+)
+from rayeval.service.jobs.rows import (
+    Base,
+    EvaluationRow,
+    EventRow,
+    ResultRow,
+    SamplesRow,
+    make_engine,
+)
+from rayeval.service.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
+
+#: The records the store hands out are defined beside it; importers may name them from here.
+__all__ = ["EvaluationRecord", "EvaluationStore", "EventRecord", "NewEvent"]
 
 logger = logging.getLogger(__name__)
-
-
-class _UTCDateTime(TypeDecorator[datetime]):
-    """Timezone-aware UTC datetimes on every backend (SQLite drops the zone)."""
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        return value.astimezone(UTC) if value is not None else None
-
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value
-
-
-class _Base(DeclarativeBase):
-    pass
-
-
-class _EvaluationRow(_Base):
-    __tablename__ = "evaluations"
-
-    # ``number`` orders evaluations (FIFO admission, newest-first listing); ``id`` is public.
-    number: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    id: Mapped[str] = mapped_column(String(32), unique=True, index=True)
-    status: Mapped[str] = mapped_column(String(16), index=True)
-    # The column keeps its first name ("spec") so that databases written before stay readable.
-    config: Mapped[dict[str, Any]] = mapped_column("spec", JSON)
-    resources: Mapped[dict[str, float]] = mapped_column(JSON)
-    created_at: Mapped[datetime] = mapped_column(_UTCDateTime)
-    started_at: Mapped[datetime | None] = mapped_column(_UTCDateTime, nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(_UTCDateTime, nullable=True)
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    progress: Mapped[dict[str, Any]] = mapped_column(JSON)
-    last_event_seq: Mapped[int] = mapped_column(Integer, default=0)
-    runner_cursor: Mapped[int] = mapped_column(Integer, default=0)
-
-
-class _EventRow(_Base):
-    __tablename__ = "evaluation_events"
-    __table_args__ = (UniqueConstraint("evaluation_id", "seq"),)
-
-    pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    evaluation_id: Mapped[str] = mapped_column(ForeignKey("evaluations.id"), index=True)
-    seq: Mapped[int] = mapped_column(Integer)
-    type: Mapped[str] = mapped_column(String(32))
-    data: Mapped[dict[str, Any]] = mapped_column(JSON)
-    created_at: Mapped[datetime] = mapped_column(_UTCDateTime)
-
-
-class _ResultRow(_Base):
-    __tablename__ = "evaluation_results"
-
-    evaluation_id: Mapped[str] = mapped_column(ForeignKey("evaluations.id"), primary_key=True)
-    results_json: Mapped[str] = mapped_column(Text)
-    stats: Mapped[dict[str, Any]] = mapped_column(JSON)
-
-
-class _SamplesRow(_Base):
-    __tablename__ = "evaluation_samples"
-
-    evaluation_id: Mapped[str] = mapped_column(ForeignKey("evaluations.id"), primary_key=True)
-    task: Mapped[str] = mapped_column(String(255), primary_key=True)
-    jsonl: Mapped[str] = mapped_column(Text)
-
-
-@dataclass(frozen=True)
-class EvaluationRecord:
-    """One stored evaluation, detached from the database.
-
-    ``config`` is ``EvaluationConfig.to_json()``; ``progress`` is
-    ``{"phases": {request type: {done, total, tokens_per_s, ...}}}``; ``runner_cursor``
-    is the last runner event already turned into stored events.
-    """
-
-    id: str
-    number: int
-    status: EvaluationStatus
-    config: dict[str, Any]
-    resources: dict[str, float]
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-    error: str | None
-    progress: dict[str, Any]
-    last_event_seq: int
-    runner_cursor: int
-
-
-@dataclass(frozen=True)
-class EventRecord:
-    """One event of an evaluation's stream."""
-
-    seq: int
-    type: EventKind
-    data: dict[str, Any]
-    created_at: datetime
-
-
-#: An event about to be stored: its kind and its JSON-able payload.
-NewEvent = tuple[EventKind, dict[str, Any]]
-
-
-def state_event(status: EvaluationStatus, error: str | None = None) -> NewEvent:
-    """The event that records a state change."""
-    return (EventKind.STATE, {"status": status.value, "error": error})
 
 
 class EvaluationStore:
@@ -163,7 +59,7 @@ class EvaluationStore:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self._engine = _make_engine(url)
+        self._engine = make_engine(url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._versions: dict[str, int] = {}
         self._listeners: list[Callable[[str], None]] = []
@@ -184,7 +80,7 @@ class EvaluationStore:
 
     def create_schema(self) -> None:
         """Create missing tables (existing data is kept)."""
-        _Base.metadata.create_all(self._engine)
+        Base.metadata.create_all(self._engine)
 
     def close(self) -> None:
         """Release the connection pool."""
@@ -193,22 +89,22 @@ class EvaluationStore:
     # ------------------------------------------------------------------------ writes
     def create(self, config: dict[str, Any], resources: dict[str, float]) -> EvaluationRecord:
         """Store a new queued evaluation (and its first event) and return it."""
-        row = _EvaluationRow(
+        row = EvaluationRow(
             id=uuid.uuid4().hex[:16],
             status=EvaluationStatus.QUEUED.value,
             config=config,
             resources=resources,
             created_at=_now(),
-            progress={"phases": {}},
+            progress=EvaluationProgress().dump(),
             last_event_seq=0,
             runner_cursor=0,
         )
         with self._transaction(row.id) as session:
             session.add(row)
             session.flush()
-            _append_events(session, row.id, [state_event(EvaluationStatus.QUEUED)])
+            _append_events(session, row.id, [StateEvent(status=EvaluationStatus.QUEUED)])
             session.refresh(row)
-            return _record(row)
+            return record_of(row)
 
     def transition(
         self,
@@ -238,17 +134,20 @@ class EvaluationStore:
         with self._transaction(evaluation_id) as session:
             if not _update_if(session, evaluation_id, expect, **values):
                 return False
-            _append_events(session, evaluation_id, [*events, state_event(to, error)])
+            _append_events(session, evaluation_id, [*events, StateEvent(status=to, error=error)])
             return True
 
     def record_progress(
         self,
         evaluation_id: str,
-        progress: dict[str, Any],
+        progress: EvaluationProgress | Mapping[str, Any],
         runner_cursor: int,
         events: Sequence[NewEvent] = (),
     ) -> bool:
         """Store new progress and the runner cursor of an active evaluation, with its events.
+
+        Args:
+            progress: The evaluation's progress (or its JSON form).
 
         Returns:
             False if the evaluation is no longer active (nothing is written then).
@@ -258,7 +157,7 @@ class EvaluationStore:
                 session,
                 evaluation_id,
                 ACTIVE_STATUSES,
-                progress=progress,
+                progress=stored_progress(progress).dump(),
                 runner_cursor=runner_cursor,
             ):
                 return False
@@ -295,14 +194,14 @@ class EvaluationStore:
             ):
                 return False
             session.add(
-                _ResultRow(evaluation_id=evaluation_id, results_json=results_json, stats=stats)
+                ResultRow(evaluation_id=evaluation_id, results_json=results_json, stats=stats)
             )
             for task, jsonl in samples.items():
-                session.add(_SamplesRow(evaluation_id=evaluation_id, task=task, jsonl=jsonl))
+                session.add(SamplesRow(evaluation_id=evaluation_id, task=task, jsonl=jsonl))
             _append_events(
                 session,
                 evaluation_id,
-                [*events, (EventKind.RESULT, {}), state_event(EvaluationStatus.SUCCEEDED)],
+                [*events, ResultEvent(), StateEvent(status=EvaluationStatus.SUCCEEDED)],
             )
             return True
 
@@ -314,12 +213,12 @@ class EvaluationStore:
             EvaluationNotFoundError: no evaluation has this id.
         """
         with self._sessions() as session:
-            row = session.scalar(select(_EvaluationRow).where(_EvaluationRow.id == evaluation_id))
+            row = session.scalar(select(EvaluationRow).where(EvaluationRow.id == evaluation_id))
             if row is None:
                 raise EvaluationNotFoundError(
                     f"no evaluation with id {evaluation_id!r}: list them with GET /evaluations"
                 )
-            return _record(row)
+            return record_of(row)
 
     def page(
         self,
@@ -329,22 +228,22 @@ class EvaluationStore:
         oldest_first: bool = False,
     ) -> tuple[list[EvaluationRecord], int]:
         """A page of evaluations (newest first unless ``oldest_first``) and the total count."""
-        query = select(_EvaluationRow)
-        count = select(func.count()).select_from(_EvaluationRow)
+        query = select(EvaluationRow)
+        count = select(func.count()).select_from(EvaluationRow)
         if statuses is not None:
             wanted = [s.value for s in statuses]
-            query = query.where(_EvaluationRow.status.in_(wanted))
-            count = count.where(_EvaluationRow.status.in_(wanted))
-        order = _EvaluationRow.number.asc() if oldest_first else _EvaluationRow.number.desc()
+            query = query.where(EvaluationRow.status.in_(wanted))
+            count = count.where(EvaluationRow.status.in_(wanted))
+        order = EvaluationRow.number.asc() if oldest_first else EvaluationRow.number.desc()
         with self._sessions() as session:
             rows = session.scalars(query.order_by(order).limit(limit).offset(offset)).all()
-            return [_record(row) for row in rows], int(session.scalar(count) or 0)
+            return [record_of(row) for row in rows], int(session.scalar(count) or 0)
 
     def count_by_status(self) -> dict[EvaluationStatus, int]:
         """How many evaluations are in each state (states with none are absent)."""
         with self._sessions() as session:
             rows = session.execute(
-                select(_EvaluationRow.status, func.count()).group_by(_EvaluationRow.status)
+                select(EvaluationRow.status, func.count()).group_by(EvaluationRow.status)
             ).all()
         return {EvaluationStatus(status): int(count) for status, count in rows}
 
@@ -363,10 +262,10 @@ class EvaluationStore:
         with self._sessions() as session:
             ahead = session.scalar(
                 select(func.count())
-                .select_from(_EvaluationRow)
+                .select_from(EvaluationRow)
                 .where(
-                    _EvaluationRow.status == EvaluationStatus.QUEUED.value,
-                    _EvaluationRow.number < record.number,
+                    EvaluationRow.status == EvaluationStatus.QUEUED.value,
+                    EvaluationRow.number < record.number,
                 )
             )
             return int(ahead or 0) + 1
@@ -375,9 +274,9 @@ class EvaluationStore:
         """Events with a number above ``seq``, in order (at most ``limit``)."""
         with self._sessions() as session:
             rows = session.scalars(
-                select(_EventRow)
-                .where(_EventRow.evaluation_id == evaluation_id, _EventRow.seq > seq)
-                .order_by(_EventRow.seq)
+                select(EventRow)
+                .where(EventRow.evaluation_id == evaluation_id, EventRow.seq > seq)
+                .order_by(EventRow.seq)
                 .limit(limit)
             ).all()
             return [EventRecord(r.seq, EventKind(r.type), r.data, r.created_at) for r in rows]
@@ -386,13 +285,13 @@ class EvaluationStore:
         """rayeval's figures of a succeeded evaluation (without loading its results file)."""
         with self._sessions() as session:
             return session.scalar(
-                select(_ResultRow.stats).where(_ResultRow.evaluation_id == evaluation_id)
+                select(ResultRow.stats).where(ResultRow.evaluation_id == evaluation_id)
             )
 
     def results_json(self, evaluation_id: str) -> tuple[str, dict[str, Any]] | None:
         """The stored lm-eval results file and rayeval's stats, or None if there are none."""
         with self._sessions() as session:
-            row = session.get(_ResultRow, evaluation_id)
+            row = session.get(ResultRow, evaluation_id)
             return (row.results_json, row.stats) if row is not None else None
 
     def sample_tasks(self, evaluation_ids: Sequence[str]) -> dict[str, list[str]]:
@@ -401,9 +300,9 @@ class EvaluationStore:
             return {}
         with self._sessions() as session:
             rows = session.execute(
-                select(_SamplesRow.evaluation_id, _SamplesRow.task)
-                .where(_SamplesRow.evaluation_id.in_(list(evaluation_ids)))
-                .order_by(_SamplesRow.task)
+                select(SamplesRow.evaluation_id, SamplesRow.task)
+                .where(SamplesRow.evaluation_id.in_(list(evaluation_ids)))
+                .order_by(SamplesRow.task)
             ).all()
         found: dict[str, list[str]] = {i: [] for i in evaluation_ids}
         for evaluation_id, task in rows:
@@ -413,18 +312,18 @@ class EvaluationStore:
     def samples_jsonl(self, evaluation_id: str, task: str) -> str | None:
         """One task's samples file as lm-eval wrote it, or None."""
         with self._sessions() as session:
-            row = session.get(_SamplesRow, (evaluation_id, task))
+            row = session.get(SamplesRow, (evaluation_id, task))
             return row.jsonl if row is not None else None
 
     # ---------------------------------------------------------------------- internals
     def _all(self, statuses: Iterable[EvaluationStatus]) -> list[EvaluationRecord]:
         with self._sessions() as session:
             rows = session.scalars(
-                select(_EvaluationRow)
-                .where(_EvaluationRow.status.in_([s.value for s in statuses]))
-                .order_by(_EvaluationRow.number)
+                select(EvaluationRow)
+                .where(EvaluationRow.status.in_([s.value for s in statuses]))
+                .order_by(EvaluationRow.number)
             ).all()
-            return [_record(row) for row in rows]
+            return [record_of(row) for row in rows]
 
     @contextmanager
     def _transaction(self, evaluation_id: str) -> Iterator[Session]:
@@ -439,16 +338,17 @@ def _append_events(session: Session, evaluation_id: str, events: Sequence[NewEve
     if not events:
         return
     last = session.execute(
-        update(_EvaluationRow)
-        .where(_EvaluationRow.id == evaluation_id)
-        .values(last_event_seq=_EvaluationRow.last_event_seq + len(events))
-        .returning(_EvaluationRow.last_event_seq)
+        update(EvaluationRow)
+        .where(EvaluationRow.id == evaluation_id)
+        .values(last_event_seq=EvaluationRow.last_event_seq + len(events))
+        .returning(EvaluationRow.last_event_seq)
     ).scalar_one()
     now = _now()
-    for offset, (kind, data) in enumerate(events):
+    for offset, new in enumerate(events):
+        kind, data = new if isinstance(new, tuple) else new.stored()
         seq = last - len(events) + 1 + offset
         session.add(
-            _EventRow(evaluation_id=evaluation_id, seq=seq, type=kind, data=data, created_at=now)
+            EventRow(evaluation_id=evaluation_id, seq=seq, type=kind, data=data, created_at=now)
         )
 
 
@@ -457,50 +357,15 @@ def _update_if(
 ) -> bool:
     """Update one evaluation only while its status is one of ``statuses``; True if it was."""
     result = session.execute(
-        update(_EvaluationRow)
+        update(EvaluationRow)
         .where(
-            _EvaluationRow.id == evaluation_id,
-            _EvaluationRow.status.in_([s.value for s in statuses]),
+            EvaluationRow.id == evaluation_id,
+            EvaluationRow.status.in_([s.value for s in statuses]),
         )
         .values(**values)
     )
     assert isinstance(result, CursorResult)
     return int(result.rowcount) == 1
-
-
-def _record(row: _EvaluationRow) -> EvaluationRecord:
-    return EvaluationRecord(
-        id=row.id,
-        number=row.number,
-        status=EvaluationStatus(row.status),
-        config=row.config,
-        resources=row.resources,
-        created_at=row.created_at,
-        started_at=row.started_at,
-        finished_at=row.finished_at,
-        error=row.error,
-        progress=row.progress,
-        last_event_seq=row.last_event_seq,
-        runner_cursor=row.runner_cursor,
-    )
-
-
-def _make_engine(url: str) -> Engine:
-    if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True)
-    # The API's request threads and the manager thread share the file: allow cross-thread use,
-    # wait for a writer instead of failing at once, and let readers proceed during writes (WAL).
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-
-    @event.listens_for(engine, "connect")
-    def _pragmas(connection: Any, _record: Any) -> None:
-        cursor = connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.close()
-
-    return engine
 
 
 def _now() -> datetime:

@@ -20,7 +20,8 @@ import time
 from collections.abc import Sequence
 from enum import StrEnum
 
-from rayeval.actors.errors import ConfigError, ServiceNotReadyError
+from rayeval.actors.errors import ConfigError
+from rayeval.service.errors import ServiceNotReadyError
 
 logger = logging.getLogger(__name__)
 

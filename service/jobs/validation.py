@@ -29,11 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayeval.actors.errors import ConfigError, LayoutError, ServiceNotReadyError
+from rayeval.actors.errors import ConfigError, LayoutError
 from rayeval.actors.profiles import ModelShape
 from rayeval.actors.sharding import ShardStrategy, refusal, strategy
-from rayeval.service.config import ENCODER_MODEL_ARGS, EvaluationConfig, HostOptions
+from rayeval.service.config import EvaluationConfig, HostOptions
+from rayeval.service.errors import ServiceNotReadyError
 from rayeval.service.jobs.tasks import TaskCatalog
+from rayeval.service.lm_eval_options import ENCODER_MODEL_ARGS
 
 #: lm-eval HF model args a request may set (others reach ``from_pretrained`` and could load
 #: files or code: the operator's business).

@@ -1,0 +1,98 @@
+"""The evaluation configuration's fields as each door names them: REST paths and CLI flags.
+
+A pydantic error location becomes the dotted REST name (:func:`field_path`) or the ``rayeval run``
+flag (:func:`cli_flag`), so an error names the field in the words of whoever made it;
+:data:`RAYEVAL_FLAGS` lists the flags of the fields lm-eval's own parser does not have, from which
+``rayeval run`` builds its options. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+from rayeval.service.config import EvaluationConfig
+
+#: ``rayeval run`` flags of the config fields that lm-eval's own parser does not have; every other
+#: field has lm-eval's flag of the same name.
+RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
+    ("parallelism", "num_replicas"): "--num_replicas",
+    ("parallelism", "shard_size"): "--shard_size",
+    ("parallelism", "cpus_per_rank"): "--cpus_per_rank",
+    ("parallelism", "shard_strategy"): "--shard_strategy",
+    ("parallelism", "placement"): "--placement",
+    ("parallelism", "shm_collectives"): "--shm_collectives",
+    ("max_batch_tokens",): "--max_batch_tokens",
+    ("share_prefixes",): "--share_prefixes",
+    ("continuous_batching",): "--continuous_batching",
+    ("kv_cache_tokens",): "--kv_cache_tokens",
+    ("timeouts", "placement_s"): "--placement_timeout",
+    ("timeouts", "load_s"): "--load_timeout",
+    ("timeouts", "step_s"): "--step_timeout",
+    ("timeouts", "collective_s"): "--collective_timeout",
+    ("timeouts", "control_s"): "--control_timeout",
+    ("timeouts", "reuse_s"): "--reuse_timeout",
+    ("bootstrap_iters",): "--bootstrap_iters",
+}
+
+
+def field_path(loc: Sequence[Any]) -> tuple[str, ...]:
+    """A pydantic error location as a config field path (list indices and dict keys dropped)."""
+    path: list[str] = []
+    model: type[BaseModel] | None = EvaluationConfig
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            break
+        path.append(part)
+        annotation = model.model_fields[part].annotation
+        model = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
+    return tuple(path)
+
+
+def cli_flag(path: Sequence[str]) -> str:
+    """The ``rayeval run`` flag that sets the config field at ``path``."""
+    return RAYEVAL_FLAGS.get(tuple(path)) or f"--{path[0]}"
+
+
+def config_field_paths() -> list[tuple[str, ...]]:
+    """Every leaf field of :class:`EvaluationConfig`, nested groups expanded."""
+    paths: list[tuple[str, ...]] = []
+    for name, info in EvaluationConfig.model_fields.items():
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            paths += [(name, sub) for sub in annotation.model_fields]
+        else:
+            paths.append((name,))
+    return paths
+
+
+def field_info(path: Sequence[str]) -> Any:
+    """Pydantic's ``FieldInfo`` of the field at ``path`` (default, description, bounds)."""
+    model: type[BaseModel] = EvaluationConfig
+    for part in path[:-1]:
+        annotation = model.model_fields[part].annotation
+        assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        model = annotation
+    return model.model_fields[path[-1]]
+
+
+def describe_errors(exc: Any, name: Any) -> str:
+    """A pydantic ``ValidationError`` as one message, each field named by ``name(path)``."""
+    problems = []
+    for error in exc.errors():
+        path = field_path(error.get("loc", ()))
+        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        where = name(path) if path else "options"
+        if error.get("type") == "extra_forbidden":
+            problems.append(f"unknown option {'.'.join(map(str, error['loc']))!r}")
+        elif error.get("type", "").startswith(("greater", "less")):
+            problems.append(f"{where}: {message}, got {error.get('input')!r}")
+        else:
+            problems.append(f"{where}: {message}")
+    return "; ".join(dict.fromkeys(problems))

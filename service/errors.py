@@ -1,0 +1,24 @@
+"""The service's own errors: about evaluations as the job service keeps them.
+
+They derive from :class:`rayeval.actors.errors.RayEvalError`, the one base class of every rayeval
+error (so a caller catches them all at once, and ``rayeval.api.app`` maps each to its HTTP status),
+but they live here because only the service raises them: an unknown evaluation id, an evaluation
+in the wrong state for the request, a service not ready yet. Like every rayeval error, each is a
+plain exception with one string argument whose message names the fix.
+"""
+
+from __future__ import annotations
+
+from rayeval.actors.errors import RayEvalError
+
+
+class EvaluationNotFoundError(RayEvalError):
+    """No evaluation (or no output of it) exists under the given id or name."""
+
+
+class EvaluationStateError(RayEvalError):
+    """The evaluation's state forbids this (results before it finished, cancel after it ended)."""
+
+
+class ServiceNotReadyError(RayEvalError):
+    """A transient condition of the service (task index still building): retry shortly."""

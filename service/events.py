@@ -1,0 +1,303 @@
+"""Typed progress and events, from the engine to the runner, the store and the clients.
+
+One module that ``service.engine``, ``service.jobs`` and ``api`` all import, so that no layer spells
+another's keys. A figure's path, from a finished step to a client:
+
+======================  ===========================================================================
+engine -> runner        :class:`Progress` (one request type, after every finished step) and
+                        :class:`RequestWarning` (a task's requests that do not measure it)
+runner -> manager       :data:`RunnerEvent`: :class:`RunnerProgress`, :class:`RunnerWarning`,
+                        :class:`RunnerSucceeded` (with :class:`RunOutputs`), :class:`RunnerFailed`;
+                        numbered from 1, read with ``EvaluationRunner.events_since``
+manager -> store        :class:`EvaluationProgress`: per request type its latest
+                        :class:`PhaseReport` (a ``Progress`` and when the runner reported it)
+store -> clients (SSE)  :data:`StreamEvent`: :class:`StateEvent`, :class:`ProgressEvent` (a
+                        ``PhaseReport`` plus overall totals), :class:`WarningEvent`,
+                        :class:`TaskResultEvent`, :class:`ResultEvent`
+API answers             :class:`PhaseCounts`, what ``GET /evaluations/{id}`` shows of a request type
+======================  ===========================================================================
+
+``dump()`` gives each type's JSON, ``parse()`` reads it back. The JSON is what the service wrote
+before these types existed (the same keys), so stored rows and clients keep working. Types read
+from storage or from another process's answers ignore keys they do not know (a row written by
+another version); the types the engine and the runner build refuse them. The kinds of events and
+the evaluation states are :mod:`rayeval.service.states`' (a module of enums). No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from rayeval.service.states import EvaluationStatus, EventKind, RunnerEventKind
+
+
+class _Typed(BaseModel):
+    """Frozen, with its JSON form (``dump``) and back (``parse``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def dump(self) -> dict[str, Any]:
+        """The JSON-able form (what is stored and sent)."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> Self:
+        """Read the JSON-able form back.
+
+        Raises:
+            pydantic.ValidationError: ``data`` is not this type's form.
+        """
+        return cls.model_validate(data)
+
+
+class _Read(_Typed):
+    """A type read from storage or from another process: unknown keys are dropped."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# --------------------------------------------------------------------------- the engine's
+class ReplicaWork(_Typed):
+    """What one replica computed of a request type so far."""
+
+    requests: int
+    tokens: int = Field(description="Real (non-padding) tokens.")
+    busy_s: float = Field(description="Seconds its slowest rank spent computing.")
+
+
+class RankMemory(_Typed):
+    """One shard rank's memory after its last micro-batch."""
+
+    rss_mib: float = Field(description="Resident memory of the rank's process.")
+    device_mib: float = Field(description="Device (CUDA) memory held by its tensors.")
+
+
+class PhaseCounts(_Read):
+    """Progress of one request type (lm-eval runs them one after the other)."""
+
+    done: int
+    total: int
+    tokens_per_s: float
+    real_token_fraction: float = Field(description="Real tokens / padded tokens computed.")
+    seconds: float = Field(
+        0.0, description="Seconds this request type has run so far (rate: done / seconds)."
+    )
+    cached: int = Field(0, description="Requests answered from the response cache.")
+
+
+class Progress(PhaseCounts):
+    """Progress of one request type, reported by the engine after every finished step.
+
+    Beyond the counts: ``seconds`` of the request type so far (its rate and ETA are
+    ``done / seconds`` and ``(total - done) / rate``), requests it answered from the response
+    cache, per replica what it computed, per replica each shard rank's memory after its last
+    micro-batch, and the engine's start-up: the slowest rank's model load and the seconds from the
+    engine's start to its first batch.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    phase: str = Field(description="The request type (loglikelihood, generate_until, ...).")
+    replicas: dict[str, ReplicaWork] = Field(default_factory=dict)
+    rank_memory: dict[str, list[RankMemory]] = Field(
+        default_factory=dict, description="Per replica, its shard ranks in order."
+    )
+    load_s: float | None = None
+    startup_s: float | None = None
+
+
+class RequestWarning(_Typed):
+    """A task has loglikelihood requests whose tokens do not measure it
+    (:mod:`rayeval.service.engine.checks`): how many of each kind, and the first as an example."""
+
+    task: str
+    counts: dict[str, int]
+    example: dict[str, Any]
+
+
+# ------------------------------------------------------------------------ the runner's
+class ReplicaReuse(_Typed):
+    """Whether a run used ranks kept by an earlier one, and whether its own ranks are kept."""
+
+    reused: bool = False
+    kept: bool = False
+
+
+class RunOutputs(_Typed):
+    """What a successful run hands back: lm-eval's files verbatim, and rayeval's figures."""
+
+    results_json: str = Field(description="lm-eval's results file, verbatim.")
+    samples: dict[str, str] = Field(description="Per task, lm-eval's samples JSONL, verbatim.")
+    stats: dict[str, Any] = Field(description="The engine's figures per request type.")
+    replicas: ReplicaReuse = ReplicaReuse()
+
+
+class RunnerStatus(_Read):
+    """What a runner actor is doing (``EvaluationRunner.current``)."""
+
+    evaluation_id: str = Field(description="Its latest evaluation.")
+    owner: str = Field(description="The evaluation whose names its resources carry.")
+    running: bool
+    kept: bool = Field(description="Loaded ranks are held for the next evaluation.")
+
+
+class _RunnerEvent(_Typed):
+    seq: int = Field(description="Numbered from 1 per evaluation.")
+    time: float = Field(description="When the runner recorded it (seconds since the epoch).")
+
+
+class RunnerProgress(_RunnerEvent):
+    """A request type moved."""
+
+    type: Literal[RunnerEventKind.PROGRESS] = RunnerEventKind.PROGRESS
+    progress: Progress
+
+
+class RunnerWarning(_RunnerEvent):
+    """A task has requests that do not measure it."""
+
+    type: Literal[RunnerEventKind.WARNING] = RunnerEventKind.WARNING
+    warning: RequestWarning
+
+
+class RunnerSucceeded(_RunnerEvent):
+    """The run ended with results (the last event of a successful run)."""
+
+    type: Literal[RunnerEventKind.SUCCEEDED] = RunnerEventKind.SUCCEEDED
+    outputs: RunOutputs
+
+
+class RunnerFailed(_RunnerEvent):
+    """The run ended with an error (the last event of a failed run)."""
+
+    type: Literal[RunnerEventKind.FAILED] = RunnerEventKind.FAILED
+    error: str
+    kind: str = Field(description="The error's class name.")
+
+
+#: One event a runner keeps and ``events_since`` returns.
+RunnerEvent = Annotated[
+    RunnerProgress | RunnerWarning | RunnerSucceeded | RunnerFailed, Field(discriminator="type")
+]
+#: Reads and writes lists of runner events as JSON.
+RUNNER_EVENTS: TypeAdapter[list[RunnerEvent]] = TypeAdapter(list[RunnerEvent])
+
+
+# ------------------------------------------------------------------- the service's
+class PhaseReport(Progress):
+    """A request type's latest progress as stored: the engine's report and when it was made."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    updated_at: float = Field(
+        0.0, description="When the runner reported it (seconds since the epoch)."
+    )
+
+    @classmethod
+    def of(cls, progress: Progress, updated_at: float) -> PhaseReport:
+        """``progress`` as reported at ``updated_at``."""
+        return cls(**dict(progress), updated_at=updated_at)
+
+
+class EvaluationProgress(_Read):
+    """An evaluation's stored progress: per request type, its latest report."""
+
+    phases: dict[str, PhaseReport] = Field(default_factory=dict)
+
+    @property
+    def done(self) -> int:
+        """Requests done over every request type seen so far."""
+        return sum(p.done for p in self.phases.values())
+
+    @property
+    def total(self) -> int:
+        """Requests known over every request type seen so far."""
+        return sum(p.total for p in self.phases.values())
+
+    def latest(self) -> PhaseReport | None:
+        """The most recent report (None before the first batch)."""
+        return max(self.phases.values(), key=lambda p: p.updated_at, default=None)
+
+    def all_answered(self) -> bool:
+        """Every request of every request type seen so far is answered."""
+        return all(p.done >= p.total for p in self.phases.values())
+
+    def with_reports(self, reports: Mapping[str, PhaseReport]) -> EvaluationProgress:
+        """This progress with ``reports`` (request type -> report) replacing their phases."""
+        return EvaluationProgress(phases={**self.phases, **reports})
+
+
+class _StreamEvent(_Read):
+    KIND: ClassVar[EventKind]
+
+    def stored(self) -> tuple[EventKind, dict[str, Any]]:
+        """The event as the store keeps it: its kind and its JSON."""
+        return self.KIND, self.dump()
+
+
+class StateEvent(_StreamEvent):
+    """A state change, with the error on failure."""
+
+    KIND: ClassVar[EventKind] = EventKind.STATE
+    status: EvaluationStatus
+    error: str | None = None
+
+
+class ProgressEvent(PhaseReport, _StreamEvent):
+    """One request type moved; the overall totals are over every request type seen so far."""
+
+    KIND: ClassVar[EventKind] = EventKind.PROGRESS
+    overall_done: int
+    overall_total: int
+
+    @classmethod
+    def of_phase(cls, report: PhaseReport, progress: EvaluationProgress) -> ProgressEvent:
+        """The event of ``report``, with totals over ``progress`` (which includes it)."""
+        return cls(**dict(report), overall_done=progress.done, overall_total=progress.total)
+
+
+class WarningEvent(RequestWarning, _StreamEvent):
+    """A task has loglikelihood requests whose tokens do not measure it."""
+
+    KIND: ClassVar[EventKind] = EventKind.WARNING
+    model_config = ConfigDict(extra="ignore")
+
+    @classmethod
+    def of_warning(cls, warning: RequestWarning) -> WarningEvent:
+        """The stream's event for the engine's warning."""
+        return cls(**dict(warning))
+
+
+class TaskResultEvent(_StreamEvent):
+    """One task's (or group's) metrics, when the evaluation ends."""
+
+    KIND: ClassVar[EventKind] = EventKind.TASK_RESULT
+    task: str
+    metrics: dict[str, Any]
+
+
+class ResultEvent(_StreamEvent):
+    """lm-eval's results JSON; stored empty (the results are kept once, in their own table) and
+    filled in by the API when it sends the event."""
+
+    KIND: ClassVar[EventKind] = EventKind.RESULT
+
+
+#: One event of an evaluation's stream.
+StreamEvent = StateEvent | ProgressEvent | WarningEvent | TaskResultEvent | ResultEvent
+_STREAM_EVENTS: dict[EventKind, type[StreamEvent]] = {
+    kind.KIND: kind
+    for kind in (StateEvent, ProgressEvent, WarningEvent, TaskResultEvent, ResultEvent)
+}
+
+
+def stream_event(kind: EventKind, data: Mapping[str, Any]) -> StreamEvent:
+    """A stored event's payload as its type.
+
+    Raises:
+        pydantic.ValidationError: ``data`` is not the form of a ``kind`` event.
+    """
+    return _STREAM_EVENTS[kind].parse(data)

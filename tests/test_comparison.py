@@ -1,0 +1,166 @@
+"""Paired comparison statistics (service/comparison.py) against a direct computation."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from rayeval.service.comparison import (
+    EvaluationSamples,
+    IncomparableError,
+    compare,
+)
+
+pytestmark = pytest.mark.unit
+
+DOCS = 300
+
+
+def _evaluation(label: str, acc: list[float], loglik: list[float], **overrides: Any) -> Any:
+    """A hand-made evaluation: a 0/1 task and a perplexity task over the same documents."""
+    n_shot = overrides.pop("n_shot", 0)
+    samples = {
+        "t_acc": [
+            {"doc_id": i, "filter": "none", "doc_hash": f"d{i}", "metrics": ["acc"], "acc": v}
+            for i, v in enumerate(acc)
+        ],
+        "t_ppl": [
+            {
+                "doc_id": i,
+                "filter": "none",
+                "doc_hash": f"p{i}",
+                "metrics": ["perplexity"],
+                "perplexity": v,
+            }
+            for i, v in enumerate(loglik)
+        ],
+    }
+    results = {
+        "results": {
+            "t_acc": {
+                "acc,none": float(np.mean(acc)),
+                "acc_stderr,none": float(np.std(acc, ddof=1) / math.sqrt(len(acc))),
+            },
+            "t_ppl": {
+                "perplexity,none": math.exp(-np.mean(loglik)),
+                "perplexity_stderr,none": 0.05,
+            },
+        },
+        "configs": {
+            "t_acc": {"metric_list": [{"metric": "acc", "aggregation": "mean"}]},
+            "t_ppl": {"metric_list": [{"metric": "perplexity", "aggregation": "perplexity"}]},
+        },
+        "n-shot": {"t_acc": n_shot, "t_ppl": n_shot},
+        "higher_is_better": {"t_acc": {"acc": True}, "t_ppl": {"perplexity": False}},
+        "config": {"fewshot_seed": 1234},
+    }
+    for key, value in overrides.items():
+        results[key] = value
+    return EvaluationSamples(label, results, samples)
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Any, Any, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    acc_a = (rng.random(DOCS) < 0.6).astype(float)
+    acc_b = acc_a.copy()
+    acc_b[rng.choice(np.flatnonzero(acc_a == 0), 30, replace=False)] = 1.0  # B fixes 30...
+    acc_b[rng.choice(np.flatnonzero(acc_a == 1), 5, replace=False)] = 0.0  # ...and breaks 5
+    ll_a = -rng.gamma(2.0, 1.0, DOCS)
+    ll_b = ll_a + rng.normal(0.05, 0.1, DOCS)  # correlated with A: the same documents
+    a = _evaluation("A", list(acc_a), list(ll_a))
+    b = _evaluation("B", list(acc_b), list(ll_b))
+    return a, b, acc_a, acc_b, ll_a, ll_b
+
+
+def test_accuracy_difference_interval_and_mcnemar(pair: Any) -> None:
+    a, b, acc_a, acc_b, _, _ = pair
+    result = compare(a, b, iterations=4000, seed=7)
+    (acc,) = [m for m in result.metrics if m.metric == "acc"]
+    assert acc.a == pytest.approx(acc_a.mean()) and acc.b == pytest.approx(acc_b.mean())
+    assert acc.difference == pytest.approx(acc_b.mean() - acc_a.mean())
+    better = [i for i in range(DOCS) if acc_b[i] > acc_a[i]]
+    worse = [i for i in range(DOCS) if acc_b[i] < acc_a[i]]
+    assert acc.better == better and acc.worse == worse
+    # McNemar's exact test is a binomial test of the flips.
+    direct = scipy.stats.binomtest(min(len(better), len(worse)), len(better) + len(worse), 0.5)
+    assert acc.test == "mcnemar" and acc.p_value == pytest.approx(direct.pvalue)
+    assert acc.significant
+    # The paired percentile interval: the same resamples computed directly...
+    rng = np.random.default_rng([7, zlib.crc32(b"t_acc/acc/none")])
+    picks = rng.integers(0, DOCS, size=(4000, DOCS))
+    diffs = acc_b[picks].mean(axis=1) - acc_a[picks].mean(axis=1)
+    assert acc.paired_interval == (np.percentile(diffs, 2.5), np.percentile(diffs, 97.5))
+    # ...and close to scipy's own paired bootstrap.
+    scipy_ci = scipy.stats.bootstrap(
+        (acc_a, acc_b),
+        lambda x, y: np.mean(y) - np.mean(x),
+        paired=True,
+        vectorized=False,
+        n_resamples=4000,
+        method="percentile",
+        random_state=1,
+    ).confidence_interval
+    assert acc.paired_interval[0] == pytest.approx(scipy_ci.low, abs=0.01)
+    assert acc.paired_interval[1] == pytest.approx(scipy_ci.high, abs=0.01)
+    # Unpaired, from each file's stderr: wider, since it ignores that the documents are shared.
+    assert acc.unpaired_interval is not None
+    unpaired_width = acc.unpaired_interval[1] - acc.unpaired_interval[0]
+    assert unpaired_width > 2 * (acc.paired_interval[1] - acc.paired_interval[0])
+
+
+def test_perplexity_uses_lm_eval_aggregation_and_a_bootstrap_p_value(pair: Any) -> None:
+    a, b, _, _, ll_a, ll_b = pair
+    result = compare(a, b, iterations=2000, seed=7)
+    (ppl,) = [m for m in result.metrics if m.metric == "perplexity"]
+    assert ppl.a == pytest.approx(math.exp(-ll_a.mean()))
+    assert ppl.b == pytest.approx(math.exp(-ll_b.mean()))
+    rng = np.random.default_rng([7, zlib.crc32(b"t_ppl/perplexity/none")])
+    picks = rng.integers(0, DOCS, size=(2000, DOCS))
+    diffs = np.exp(-ll_b[picks].mean(axis=1)) - np.exp(-ll_a[picks].mean(axis=1))
+    assert ppl.test == "paired bootstrap"
+    assert ppl.p_value == pytest.approx(min(1.0, 2 * min(np.mean(diffs <= 0), np.mean(diffs >= 0))))
+    assert ppl.paired_interval[0] == pytest.approx(np.percentile(diffs, 2.5))
+    assert ppl.higher_is_better is False
+    assert ppl.unpaired_interval == pytest.approx(
+        (ppl.difference - 1.959963984540054 * 0.05 * math.sqrt(2),
+         ppl.difference + 1.959963984540054 * 0.05 * math.sqrt(2))
+    )  # fmt: skip
+
+
+def test_the_same_seed_gives_the_same_answer_and_identical_runs_no_difference(pair: Any) -> None:
+    a, b, *_ = pair
+    assert (
+        compare(a, b, iterations=500, seed=3).to_json()
+        == compare(a, b, iterations=500, seed=3).to_json()
+    )
+    same = compare(a, a, iterations=500)
+    for metric in same.metrics:
+        assert metric.difference == 0 and metric.p_value == 1.0 and not metric.significant
+        assert metric.paired_interval == (0.0, 0.0) and not metric.better and not metric.worse
+
+
+def test_refuses_to_pair_other_documents_or_few_shot_settings(pair: Any) -> None:
+    a, _, acc_a, acc_b, ll_a, ll_b = pair
+    with pytest.raises(IncomparableError, match="A ran 0-shot, B 5-shot"):
+        compare(a, _evaluation("B", list(acc_b), list(ll_b), n_shot=5))
+    fewer = _evaluation("B", list(acc_b[:-1]), list(ll_b))
+    with pytest.raises(IncomparableError, match=r"task t_acc: the evaluations scored other doc"):
+        compare(a, fewer)
+    changed = _evaluation("B", list(acc_b), list(ll_b))
+    changed.samples["t_acc"][3]["doc_hash"] = "another document"
+    with pytest.raises(IncomparableError, match="document 3 is not the same document"):
+        compare(a, changed)
+    other_seed = _evaluation("B", list(acc_b), list(ll_b), n_shot=0)
+    a_shots = _evaluation("A", list(acc_a), list(ll_a), n_shot=2)
+    b_shots = _evaluation("B", list(acc_b), list(ll_b), n_shot=2, config={"fewshot_seed": 9})
+    with pytest.raises(IncomparableError, match="seed 1234 in A and 9 in B"):
+        compare(a_shots, b_shots)
+    del other_seed.samples["t_acc"], other_seed.samples["t_ppl"]
+    with pytest.raises(IncomparableError, match="no common task"):
+        compare(a, other_seed)
