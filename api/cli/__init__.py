@@ -7,6 +7,8 @@
 - ``rayeval serve`` (:mod:`.serve`) runs the REST service (see ``rayeval.api.app``).
 - ``rayeval submit`` takes ``run``'s flags and sends the evaluation to a server instead, and
   ``rayeval status/results/cancel`` follow it there, with progress bars (:mod:`.remote`).
+- ``rayeval run --checkpoints`` (a sweep over training checkpoints), ``rayeval watch DIR`` (each
+  new checkpoint of a training run) and ``rayeval results OUT`` of a sweep (:mod:`.sweep`).
 
 Nothing heavy is imported until a command runs.
 """
@@ -19,12 +21,13 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``rayeval`` parser: ``run``, ``serve``, ``submit``, ``status``, ``results``, ``cancel``.
+    """The ``rayeval`` parser: ``run``, ``watch``, ``serve``, ``submit``, ``status``, ``results``,
+    ``cancel``.
 
     Returns:
         The parser; ``args.command`` names the command given.
     """
-    from rayeval.api.cli import remote, run, serve
+    from rayeval.api.cli import remote, run, serve, sweep
 
     parser = argparse.ArgumentParser(
         prog="rayeval",
@@ -32,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run.add_parser(subparsers)
+    sweep.add_watch_parser(subparsers)
     serve.add_parser(subparsers)
     remote.add_parsers(subparsers)
     return parser
@@ -50,10 +54,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from rayeval.api.cli import remote, run, serve
+    from rayeval.api.cli import remote, run, serve, sweep
 
     if args.command == "run":
         return run.command(args)
+    if args.command == "watch":
+        return sweep.watch_command(args)
+    if args.command == "results" and (status := sweep.results_command(args)) is not None:
+        return status
     if args.command == "serve":
         return serve.command(args)
     if args.command in remote.COMMANDS:

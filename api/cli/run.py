@@ -3,6 +3,7 @@
 The parser is lm-eval's own ``run`` parser plus rayeval's flags
 (:mod:`rayeval.api.cli.evaluation_flags`) and ``--address``. It is also the entrypoint for
 ``ray job submit``: inside a Ray job, ``RAY_ADDRESS`` is set and the job's cluster is used.
+With ``--checkpoints`` it evaluates a list of training checkpoints (:mod:`rayeval.api.cli.sweep`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from typing import Any
 
 from rayeval.api.cli.evaluation_flags import GROUP_TITLE, add_config_flags, config_from_args
+from rayeval.api.cli.sweep import add_checkpoints_flag, run_sweep_command
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,6 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "[--num_replicas R] [--shard_size G] [lm-eval options]"
     )
     add_config_flags(run.add_argument_group(GROUP_TITLE))
+    add_checkpoints_flag(run)
     run.add_argument(
         "--address",
         default=None,
@@ -39,7 +42,8 @@ def command(args: argparse.Namespace) -> int:
         args: ``rayeval run``'s parsed command line.
 
     Returns:
-        The exit status: 0, or 2 for input that cannot run (the message names the flag).
+        The exit status: 0, or 2 for input that cannot run (the message names the flag); with
+        ``--checkpoints``, the sweep's (:func:`rayeval.api.cli.sweep.run_sweep_command`).
     """
     import os
 
@@ -47,9 +51,12 @@ def command(args: argparse.Namespace) -> int:
     # lm-eval's bootstrap would fork a pool from this Ray driver's threads; single-process gives
     # the same numbers (see service.jobs.manager).
     os.environ.setdefault("DISABLE_MULTIPROC", "1")
+    if args.checkpoints:
+        return run_sweep_command(args)
     from rayeval.actors.errors import RayEvalError
     from rayeval.service.engine.runner import run_evaluation
 
+    args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "checkpoints"})
     try:
         config, host = config_from_args(args)
         output = run_evaluation(config, host)
