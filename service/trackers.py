@@ -132,17 +132,21 @@ class Trackers:
 
 # ------------------------------------------------------------------------- what is recorded
 def run_name(config: EvaluationConfig) -> str:
-    """The run's name: the evaluation's choice, else the model's last path part (a sweep's
-    checkpoints are named by their directories)."""
+    """The run's name: the evaluation's choice, else the last path part of its checkpoint (a
+    sweep's checkpoints are named by their directories) or of its model."""
     if config.tracking is not None and config.tracking.run_name:
         return config.tracking.run_name
-    return Path(config.pretrained.rstrip("/")).name or config.pretrained
+    source = str(config.model_args.get("checkpoint") or config.pretrained)
+    return Path(source.rstrip("/")).name or source
 
 
 def run_tags(config: EvaluationConfig, trackers: Trackers) -> dict[str, str]:
-    """The evaluation's own tags, then rayeval's (which win): its id, its URL, the model."""
+    """The evaluation's own tags, then rayeval's (which win): the model, the checkpoint, the
+    evaluation's id and URL."""
     tags = dict(config.tracking.tags) if config.tracking is not None else {}
     tags["rayeval.model"] = config.pretrained
+    if config.model_args.get("checkpoint"):
+        tags["rayeval.checkpoint"] = str(config.model_args["checkpoint"])
     if trackers.evaluation_id is not None:
         tags["rayeval.evaluation_id"] = trackers.evaluation_id
     if trackers.evaluation_url is not None:

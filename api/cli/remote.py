@@ -42,7 +42,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     results = subparsers.add_parser(
         "results", help="print a finished evaluation's results, or write lm-eval's files"
     )
-    results.add_argument("id", help="the evaluation id")
+    results.add_argument(
+        "id", help="the evaluation id, or a sweep's --output_path (or its sweep.json)"
+    )
     results.add_argument(
         "--output_path",
         default=None,

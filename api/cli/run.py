@@ -3,6 +3,9 @@
 The parser is lm-eval's own ``run`` parser plus rayeval's flags
 (:mod:`rayeval.api.cli.evaluation_flags`) and ``--address``. It is also the entrypoint for
 ``ray job submit``: inside a Ray job, ``RAY_ADDRESS`` is set and the job's cluster is used.
+With ``--checkpoints`` it evaluates a list of training checkpoints (:mod:`rayeval.api.cli.sweep`).
+The console shows rayeval's own lines and the results; the rest goes to a log file
+(:mod:`rayeval.api.cli.console`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import sys
 from typing import Any, TextIO
 
 from rayeval.api.cli.evaluation_flags import GROUP_TITLE, add_config_flags, config_from_args
+from rayeval.api.cli.sweep import add_checkpoints_flag, run_sweep_command
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "[--num_replicas R] [--shard_size G] [lm-eval options]"
     )
     add_config_flags(run.add_argument_group(GROUP_TITLE))
+    add_checkpoints_flag(run)
     run.add_argument(
         "--address",
         default=None,
@@ -57,7 +62,8 @@ def command(args: argparse.Namespace) -> int:
         args: ``rayeval run``'s parsed command line.
 
     Returns:
-        The exit status: 0, or 2 for input that cannot run (the message names the flag).
+        The exit status: 0, or 2 for input that cannot run (the message names the flag); with
+        ``--checkpoints``, the sweep's (:func:`rayeval.api.cli.sweep.run_sweep_command`).
     """
     import os
 
@@ -69,18 +75,31 @@ def command(args: argparse.Namespace) -> int:
     os.environ.setdefault("DISABLE_MULTIPROC", "1")
     # --write_out prints prompts through lm-eval's log: whoever asks for it reads everything.
     with console("run", verbose=args.verbose or bool(getattr(args, "write_out", False))) as shown:
-        return _run(args, shown)
+        return _in_console(args, shown)
+
+
+def _in_console(args: argparse.Namespace, shown: Any) -> int:
+    """The evaluation or the sweep; an embedded Ray it started is shut down before the console
+    is given back (its workers' last lines still reach the log)."""
+    import ray
+
+    had_ray = ray.is_initialized()
+    try:
+        if args.checkpoints:
+            return run_sweep_command(args, shown.out, shown.err)
+        return _run(
+            argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "checkpoints"}), shown
+        )
+    finally:
+        if not had_ray and ray.is_initialized():
+            ray.shutdown()
 
 
 def _run(args: argparse.Namespace, shown: Any) -> int:
-    """The evaluation, its results on ``shown.out``; an embedded Ray it started is shut down
-    before the console is given back (its workers' last lines still reach the log)."""
-    import ray
-
+    """The evaluation, its results on ``shown.out``."""
     from rayeval.actors.errors import ConfigError, RayEvalError
     from rayeval.service.engine.runner import run_evaluation
 
-    had_ray = ray.is_initialized()
     try:
         config, host = config_from_args(args)
         if config.tracking is not None and host.trackers.mlflow_tracking_uri is None:
@@ -102,9 +121,6 @@ def _run(args: argparse.Namespace, shown: Any) -> int:
     except (RayEvalError, ValueError, TypeError, FileNotFoundError) as exc:
         print(f"rayeval run: error: {exc}", file=shown.err)
         return 2
-    finally:
-        if not had_ray and ray.is_initialized():
-            ray.shutdown()
     return 0
 
 

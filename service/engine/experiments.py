@@ -53,11 +53,6 @@ class ExperimentLog:
         self._on_warning = on_warning
         self._wandb = self._start_wandb(cfg)
 
-    @property
-    def mlflow(self) -> bool:
-        """Whether an MLflow run is to be recorded."""
-        return self._config.tracking is not None and bool(self._host.trackers.mlflow_tracking_uri)
-
     def _start_wandb(self, cfg: Any) -> Any:
         """lm-eval's ``WandbLogger`` (None: no W&B, or it could not start: a warning)."""
         if cfg.trackio_args:
@@ -134,24 +129,50 @@ class ExperimentLog:
         samples: Mapping[str, Any] | None,
         files: list[Path],
     ) -> None:
-        """The evaluation as one MLflow run, with lm-eval's files (``files``; when it wrote none,
-        the results and samples are written to a temporary directory for the run)."""
-        if not self.mlflow:
-            return
-        with tempfile.TemporaryDirectory(prefix="rayeval-mlflow-") as scratch:
-            if not files:
-                files = _write_files(Path(scratch), results, samples)
-            try:
-                url = log_to_mlflow(self._config, self._host.trackers, results, files)
-            except TrackerError as exc:
-                self._warn("mlflow", str(exc))
-            else:
-                logger.info("recorded in MLflow: %s", url)
+        """The evaluation as one MLflow run (:func:`record_mlflow`)."""
+        record_mlflow(self._config, self._host, results, samples, files, self._on_warning)
 
     def _warn(self, tracker: str, message: str) -> None:
-        logger.warning("%s: %s", tracker, message)
-        if self._on_warning is not None:
-            self._on_warning(TrackerWarning(tracker=tracker, message=message).dump())
+        _warn(tracker, message, self._on_warning)
+
+
+def record_mlflow(
+    config: EvaluationConfig,
+    host: HostOptions,
+    results: Mapping[str, Any],
+    samples: Mapping[str, Any] | None,
+    files: list[Path],
+    on_warning: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """A finished evaluation as one MLflow run, if it asked to be tracked and the host has an
+    MLflow server; a failure is a warning.
+
+    Args:
+        config: The evaluation (for a checkpoint of a sweep: with its ``checkpoint`` model arg).
+        host: Where it ran (``host.trackers``).
+        results: lm-eval's results.
+        samples: lm-eval's samples (None: not logged).
+        files: lm-eval's files as written; when it wrote none, the results and samples are
+            written to a temporary directory for the run.
+        on_warning: Called with the warning's JSON form when MLflow did not record it.
+    """
+    if config.tracking is None or not host.trackers.mlflow_tracking_uri:
+        return
+    with tempfile.TemporaryDirectory(prefix="rayeval-mlflow-") as scratch:
+        if not files:
+            files = _write_files(Path(scratch), results, samples)
+        try:
+            url = log_to_mlflow(config, host.trackers, results, files)
+        except TrackerError as exc:
+            _warn("mlflow", str(exc), on_warning)
+        else:
+            logger.info("recorded in MLflow: %s", url)
+
+
+def _warn(tracker: str, message: str, on_warning: Callable[[dict[str, Any]], None] | None) -> None:
+    logger.warning("%s: %s", tracker, message)
+    if on_warning is not None:
+        on_warning(TrackerWarning(tracker=tracker, message=message).dump())
 
 
 def written_files(tracker: Any, results: Mapping[str, Any]) -> list[Path]:

@@ -123,14 +123,7 @@ def _evaluate(
     on_warning: Callable[[dict[str, Any]], None] | None,
     replicas: KeptReplicas | None,
 ) -> EvaluationOutput | None:
-    from lm_eval import simple_evaluate
-    from lm_eval.loggers import EvaluationTracker
-
-    if target is not None:
-        cfg.hf_hub_log_args["output_path"] = target.local_path
-    if os.environ.get("HF_TOKEN"):
-        cfg.hf_hub_log_args["token"] = os.environ["HF_TOKEN"]
-    tracker = EvaluationTracker(**cfg.hf_hub_log_args)
+    tracker = make_tracker(cfg, target.local_path if target is not None else None)
     # The trackers, set up before the run as `lm_eval run` does (wandb.init happens here).
     experiments = ExperimentLog(config, host, cfg, on_warning)
     # lm-eval may have changed model args (--trust_remote_code): the engine uses its copy.
@@ -144,20 +137,59 @@ def _evaluate(
             replicas=replicas,
         ) as lm,
     ):
-        results = simple_evaluate(
-            model=lm,
-            evaluation_tracker=tracker,
-            **_simple_evaluate_kwargs(config, cfg, task_manager),
-        )
-        stats = {phase: phase_stats.report() for phase, phase_stats in lm.stats.items()}
-        request_warnings = lm.request_report.as_dict()
-        try:
-            ranks = lm.rank_sites()
-        except RayEvalError as exc:  # the results are complete: say so, do not drop them
-            logger.warning("could not ask the ranks where they ran: %s", exc)
-            ranks = []
-    if results is None:
+        output = evaluate_on(lm, config, cfg, task_manager, tracker)
+    if output is None:
         experiments.record_wandb(None, None)
+        return None
+    experiments.record_wandb(output.results, output.samples)
+    save(tracker, output.results, output.samples)
+    files = written_files(tracker, output.results)
+    experiments.record_mlflow(output.results, output.samples, files)
+    if target is not None:
+        target.publish()
+    return output
+
+
+def make_tracker(cfg: EvaluatorConfig, output_path: str | None) -> Any:
+    """lm-eval's ``EvaluationTracker`` as ``lm_eval run`` makes it, writing under
+    ``output_path`` (a local path; None: where ``--hf_hub_log_args`` says, else nowhere)."""
+    from lm_eval.loggers import EvaluationTracker
+
+    if output_path is not None:
+        cfg.hf_hub_log_args["output_path"] = output_path
+    if os.environ.get("HF_TOKEN"):
+        cfg.hf_hub_log_args["token"] = os.environ["HF_TOKEN"]
+    return EvaluationTracker(**cfg.hf_hub_log_args)
+
+
+def evaluate_on(
+    lm: RayEvalLM,
+    config: EvaluationConfig,
+    cfg: EvaluatorConfig,
+    task_manager: Any,
+    tracker: Any,
+) -> EvaluationOutput | None:
+    """lm-eval's ``simple_evaluate`` on a running engine (whatever weights its ranks hold), with
+    the results recorded as lm-eval's HF backend records them; nothing is written yet.
+
+    Returns:
+        The results, or None where lm-eval returns None.
+    """
+    from lm_eval import simple_evaluate
+
+    results = simple_evaluate(
+        model=lm,
+        evaluation_tracker=tracker,
+        **_simple_evaluate_kwargs(config, cfg, task_manager),
+    )
+    stats = {phase: phase_stats.report() for phase, phase_stats in lm.stats.items()}
+    request_warnings = lm.request_report.as_dict()
+    try:
+        ranks = lm.rank_sites()
+    except RayEvalError as exc:  # the results are complete: say so, do not drop them
+        logger.warning("could not ask the ranks where they ran: %s", exc)
+        ranks = []
+    if results is None:
         return None
     if request_warnings:
         results["request_warnings"] = request_warnings
@@ -165,16 +197,11 @@ def _evaluate(
     results["config"]["model"] = cfg.model
     tracker.general_config_tracker.model_source = cfg.model
     samples = results.pop("samples", None) if cfg.log_samples else None
-    experiments.record_wandb(results, samples)
-    _save(tracker, results, samples)
-    experiments.record_mlflow(results, samples, written_files(tracker, results))
-    if target is not None:
-        target.publish()
     return EvaluationOutput(results=results, samples=samples, stats=stats, ranks=ranks)
 
 
 def _simple_evaluate_kwargs(
-    config: EvaluationConfig, cfg: EvaluatorConfig, task_manager: TaskManager
+    config: EvaluationConfig, cfg: EvaluatorConfig, task_manager: Any
 ) -> dict[str, Any]:
     """lm-eval's ``simple_evaluate`` arguments for this evaluation, as ``lm_eval run`` passes
     them (the model and the tracker aside)."""
@@ -212,9 +239,10 @@ def _simple_evaluate_kwargs(
     }
 
 
-def _save(tracker: Any, results: dict[str, Any], samples: dict[str, Any] | None) -> None:
-    """As `lm_eval run`: the tracker writes where its output_path says (--output_path, or
-    --hf_hub_log_args output_path=...; nothing without one) and pushes to the hub if asked."""
+def save(tracker: Any, results: dict[str, Any], samples: dict[str, Any] | None) -> None:
+    """lm-eval's files of one evaluation, as `lm_eval run` writes them: the tracker writes where
+    its output_path says (--output_path, or --hf_hub_log_args output_path=...; nothing without
+    one) and pushes to the hub if asked."""
     tracker.save_results_aggregated(results=results, samples=samples)
     if samples is not None:
         for task_name in results["configs"]:
