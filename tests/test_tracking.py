@@ -180,6 +180,42 @@ def test_rayeval_run_with_mlflow_down_warns_and_succeeds(
     assert time.monotonic() - started < 240  # bounded retries: not minutes of backoff
 
 
+@pytest.mark.e2e
+def test_a_sweep_records_one_mlflow_run_per_checkpoint(
+    mlflow_server: MlflowServer, demo: Any, ray_session: None, tmp_path: Path
+) -> None:
+    """Two checkpoints of the demo model's architecture (HF files): the trained model, and one
+    trained for 60 steps instead of 300."""
+    import shutil
+
+    from rayeval.service.demo import build_tiny_model
+
+    late = Path(shutil.copytree(demo.model_dir, tmp_path / "ckpts" / "step-300"))
+    early = build_tiny_model(tmp_path / "ckpts" / "step-60", train_steps=60)
+    status, printed, said = run_cli(
+        demo, tmp_path / "out",
+        "--checkpoints", f"{early},{late}",
+        "--mlflow_tracking_uri", mlflow_server.uri, "--tracking", "experiment=sweep-test",
+    )  # fmt: skip
+    assert status == 0, said
+    assert "step-60: succeeded" in printed and "step-300: succeeded" in printed
+    client = mlflow_server.client()
+    experiment = client.get_experiment_by_name("sweep-test")
+    runs = {run.info.run_name: run for run in client.search_runs([experiment.experiment_id])}
+    assert set(runs) == {"step-60", "step-300"}
+    for label, checkpoint in (("step-60", early), ("step-300", late)):
+        run = runs[label]
+        assert run.data.tags["rayeval.checkpoint"] == str(checkpoint)
+        assert run.data.params["model_args.checkpoint"] == str(checkpoint)
+        (results_file,) = (tmp_path / "out" / label).glob("*/results_*.json")
+        results = json.loads(results_file.read_text())
+        assert run.data.metrics["demo_mc/acc"] == pytest.approx(
+            results["results"]["demo_mc"]["acc,none"]
+        )
+        names = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert results_file.name in names and len(names) == 1 + len(TASKS)
+
+
 # ------------------------------------------------------------------------------ the service
 @pytest.fixture(scope="module")
 def wandb_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
