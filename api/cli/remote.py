@@ -209,7 +209,8 @@ def watch(client: RayEvalClient, evaluation_id: str, stream: Any = None) -> dict
         where = evaluation["status"]
         if evaluation.get("queue_position"):
             where += f" (queue #{evaluation['queue_position']})"
-        status_bar.set_description_str(f"{evaluation_id}: {where}")
+        if status_bar.desc != f"{evaluation_id}: {where}":  # a redraw only when it changed
+            status_bar.set_description_str(f"{evaluation_id}: {where}")
         for phase, p in _phases(evaluation).items():
             bar = bars.get(phase)
             if bar is None:
