@@ -3,7 +3,8 @@
 They derive from :class:`rayeval.actors.errors.RayEvalError`, the one base class of every rayeval
 error (so a caller catches them all at once, and ``rayeval.api.app`` maps each to its HTTP status),
 but they live here because only the service raises them: an unknown evaluation id, an evaluation
-in the wrong state for the request, a service not ready yet. Like every rayeval error, each is a
+in the wrong state for the request, a service not ready yet, a role that forbids the request, an
+unknown or taken user name. Like every rayeval error, each is a
 plain exception with one string argument whose message names the fix.
 """
 
@@ -22,3 +23,15 @@ class EvaluationStateError(RayEvalError):
 
 class ServiceNotReadyError(RayEvalError):
     """A transient condition of the service (task index still building): retry shortly."""
+
+
+class PermissionDeniedError(RayEvalError):
+    """The caller's role forbids this (a viewer submitting, a member reading the audit trail)."""
+
+
+class UserNotFoundError(RayEvalError):
+    """No user (or no live key of theirs) exists under the given name or id."""
+
+
+class UserConflictError(RayEvalError):
+    """A user of that name exists already."""
