@@ -17,6 +17,14 @@ class EvaluationNotFoundError(RayEvalError):
     """No evaluation (or no output of it) exists under the given id or name."""
 
 
+def unknown_evaluation(evaluation_id: str) -> EvaluationNotFoundError:
+    """The error of an id no evaluation has, or one the caller may not see: the same answer
+    for both, so that a request cannot learn which evaluations exist."""
+    return EvaluationNotFoundError(
+        f"no evaluation with id {evaluation_id!r}: list them with GET /evaluations"
+    )
+
+
 class EvaluationStateError(RayEvalError):
     """The evaluation's state forbids this (results before it finished, cancel after it ended)."""
 

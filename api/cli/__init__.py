@@ -6,7 +6,9 @@
   ``ray job submit``.
 - ``rayeval serve`` (:mod:`.serve`) runs the REST service (see ``rayeval.api.app``).
 - ``rayeval submit`` takes ``run``'s flags and sends the evaluation to a server instead, and
-  ``rayeval status/results/cancel`` follow it there, with progress bars (:mod:`.remote`).
+  ``rayeval status/results/cancel`` follow it there, with progress bars; ``rayeval audit``
+  reads the server's audit trail (:mod:`.remote`).
+- ``rayeval users`` manages users and API keys on the server's database (:mod:`.users`).
 
 Nothing heavy is imported until a command runs.
 """
@@ -24,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser; ``args.command`` names the command given.
     """
-    from rayeval.api.cli import remote, run, serve
+    from rayeval.api.cli import remote, run, serve, users
 
     parser = argparse.ArgumentParser(
         prog="rayeval",
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parser(subparsers)
     serve.add_parser(subparsers)
     remote.add_parsers(subparsers)
+    users.add_parser(subparsers)
     return parser
 
 
@@ -50,8 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from rayeval.api.cli import remote, run, serve
+    from rayeval.api.cli import remote, run, serve, users
 
+    if args.command == "users":
+        return users.main(args)
     if args.command == "run":
         return run.command(args)
     if args.command == "serve":

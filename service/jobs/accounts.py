@@ -25,7 +25,14 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from rayeval.actors.errors import ConfigError
-from rayeval.service.errors import UserConflictError, UserNotFoundError
+from rayeval.service.errors import (
+    PermissionDeniedError,
+    UserConflictError,
+    UserNotFoundError,
+    unknown_evaluation,
+)
+from rayeval.service.jobs.audit import Action, AuditTrail
+from rayeval.service.jobs.records import EvaluationRecord
 from rayeval.service.jobs.rows import BUILTIN_ADMIN, ApiKeyRow, UserRow
 
 #: scrypt's cost (n, r, p): 16 MiB and tens of milliseconds per check; the API keeps each key's
@@ -73,6 +80,30 @@ class Principal:
 
 #: Whoever acts on a server without keys, and the holder of the server's ``--api-token``.
 BUILTIN_PRINCIPAL = Principal(BUILTIN_ADMIN, Role.ADMIN)
+
+
+def check_access(
+    record: EvaluationRecord, caller: Principal, change: bool = False
+) -> EvaluationRecord:
+    """``record`` if ``caller`` may read it (and, with ``change``, cancel or retry it).
+
+    Raises:
+        EvaluationNotFoundError: the caller may not see it (the answer of an unknown id).
+        PermissionDeniedError: the caller sees it but reads only (a viewer).
+    """
+    if not caller.sees(record.owner):
+        raise unknown_evaluation(record.id)
+    if change and not caller.acts_on(record.owner):
+        raise PermissionDeniedError(read_only(caller))
+    return record
+
+
+def read_only(caller: Principal) -> str:
+    """The refusal of a change by ``caller``, who reads only."""
+    return (
+        f"{caller.name} is a {caller.role.value}: viewers read every evaluation and change "
+        "nothing; ask an admin for a member's key (`rayeval users add NAME --role member`)"
+    )
 
 
 @dataclass(frozen=True)
@@ -176,14 +207,23 @@ class Accounts:
 
     Args:
         sessions: Opens a session of the service's database (the store's).
+        audit: Where each change is recorded, with who made it (``actor``).
     """
 
-    def __init__(self, sessions: Callable[[], AbstractContextManager[Session]]) -> None:
+    def __init__(
+        self, sessions: Callable[[], AbstractContextManager[Session]], audit: AuditTrail
+    ) -> None:
         self._sessions = sessions
+        self._audit = audit
 
     # ------------------------------------------------------------------------ users
     def add_user(
-        self, name: str, role: str, weight: float = 1.0, max_ranks: int | None = None
+        self,
+        name: str,
+        role: str,
+        weight: float = 1.0,
+        max_ranks: int | None = None,
+        actor: str = BUILTIN_ADMIN,
     ) -> tuple[User, str]:
         """Store a new user and make their first key.
 
@@ -207,7 +247,10 @@ class Accounts:
             session.add(row)
             session.flush()  # the key's row refers to it
             key = _new_key(session, name)
-            return _user(row), key
+            user = _user(row)
+        detail = {"role": role, "weight": weight, "max_ranks": max_ranks, "key": _key_id(key)}
+        self._audit.record(actor, Action.USER_ADD, name, detail)
+        return user, key
 
     def update_user(
         self,
@@ -216,6 +259,7 @@ class Accounts:
         weight: float | None = None,
         max_ranks: int | None = None,
         clear_cap: bool = False,
+        actor: str = BUILTIN_ADMIN,
     ) -> User:
         """Change a user's role, weight or cap (``clear_cap``: no cap).
 
@@ -229,7 +273,10 @@ class Accounts:
             row.role = role or row.role
             row.weight = weight if weight is not None else row.weight
             row.max_ranks = None if clear_cap else (max_ranks or row.max_ranks)
-            return _user(row)
+            user = _user(row)
+        detail = {"role": user.role.value, "weight": user.weight, "max_ranks": user.max_ranks}
+        self._audit.record(actor, Action.USER_UPDATE, name, detail)
+        return user
 
     def users(self) -> list[User]:
         """Every user, by name."""
@@ -257,7 +304,7 @@ class Accounts:
             return bool(session.scalar(select(func.count()).select_from(UserRow)))
 
     # ------------------------------------------------------------------------- keys
-    def rotate(self, name: str) -> str:
+    def rotate(self, name: str, actor: str = BUILTIN_ADMIN) -> str:
         """Revoke every live key of the user and make a new one (shown once).
 
         Raises:
@@ -270,9 +317,11 @@ class Accounts:
                 .where(ApiKeyRow.user_name == name, ApiKeyRow.revoked_at.is_(None))
                 .values(revoked_at=_now())
             )
-            return _new_key(session, name)
+            key = _new_key(session, name)
+        self._audit.record(actor, Action.KEY_ROTATE, name, {"key": _key_id(key)})
+        return key
 
-    def revoke(self, name: str, key_id: str | None = None) -> list[str]:
+    def revoke(self, name: str, key_id: str | None = None, actor: str = BUILTIN_ADMIN) -> list[str]:
         """Revoke one key of the user (``key_id``) or all of them; the ids revoked.
 
         Raises:
@@ -292,7 +341,9 @@ class Accounts:
                 )
             for row in rows:
                 row.revoked_at = _now()
-            return [row.id for row in rows]
+            revoked = [row.id for row in rows]
+        self._audit.record(actor, Action.KEY_REVOKE, name, {"keys": revoked})
+        return revoked
 
     def keys(self, name: str | None = None) -> list[KeyInfo]:
         """Every key (of one user), newest first, revoked ones included."""
@@ -324,6 +375,10 @@ def _new_key(session: Session, name: str) -> str:
     key_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
     session.add(ApiKeyRow(id=key_id, user_name=name, hash=hash_secret(secret), created_at=_now()))
     return f"{KEY_PREFIX}_{key_id}_{secret}"
+
+
+def _key_id(key: str) -> str:
+    return (split_key(key) or ("", ""))[0]
 
 
 def _user_row(session: Session, name: str) -> UserRow:

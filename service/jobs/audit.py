@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from rayeval.service.config import EvaluationConfig
 from rayeval.service.jobs.rows import AuditRow
 
 
@@ -98,3 +99,13 @@ class AuditTrail:
                 AuditEntry(r.at, r.actor, Action(r.action), r.target, dict(r.detail)) for r in rows
             ]
             return entries, int(session.scalar(count) or 0)
+
+
+def submission(config: EvaluationConfig) -> dict[str, Any]:
+    """What the trail notes of a submission: the model, tasks, ranks and scheduling."""
+    return {
+        "model": config.pretrained,
+        "tasks": list(config.tasks),
+        "ranks": config.layout().world,
+        **config.scheduling.model_dump(),
+    }

@@ -27,7 +27,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session, sessionmaker
 
-from rayeval.service.errors import EvaluationNotFoundError
+from rayeval.service.errors import unknown_evaluation
 from rayeval.service.events import EvaluationProgress, PreemptedEvent, ResultEvent, StateEvent
 from rayeval.service.jobs import migrations
 from rayeval.service.jobs.accounts import Accounts
@@ -68,8 +68,8 @@ class EvaluationStore:
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._versions: dict[str, int] = {}
         self._listeners: list[Callable[[str], None]] = []
-        self.accounts = Accounts(self._sessions)
         self.audit = AuditTrail(self._sessions)
+        self.accounts = Accounts(self._sessions, self.audit)
 
     # -------------------------------------------------------------------- changes
     def version(self, evaluation_id: str) -> int:
@@ -248,9 +248,7 @@ class EvaluationStore:
         with self._sessions() as session:
             row = session.scalar(select(EvaluationRow).where(EvaluationRow.id == evaluation_id))
             if row is None:
-                raise EvaluationNotFoundError(
-                    f"no evaluation with id {evaluation_id!r}: list them with GET /evaluations"
-                )
+                raise unknown_evaluation(evaluation_id)
             return record_of(row)
 
     def page(

@@ -23,6 +23,8 @@ BASELINE = "0001"
 _HERE = Path(__file__).resolve().parent
 
 logger = logging.getLogger(__name__)
+# Alembic says at INFO what every process that opens the database does; only news is worth a line.
+logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def upgrade(engine: Engine) -> None:
