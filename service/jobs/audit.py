@@ -106,6 +106,6 @@ def submission(config: EvaluationConfig) -> dict[str, Any]:
     return {
         "model": config.pretrained,
         "tasks": list(config.tasks),
-        "ranks": config.layout().world,
+        "ranks": config.parallelism.num_replicas * config.parallelism.shard_size,
         **config.scheduling.model_dump(),
     }
