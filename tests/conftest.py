@@ -84,6 +84,8 @@ def postgres() -> Iterator[PostgresServer]:
         pytest.skip(
             "PostgreSQL is not installed (no pg_ctl): `make postgres` installs Debian's package"
         )
+    if os.geteuid() == 0 and not _has_user("postgres"):
+        pytest.skip("as root, PostgreSQL runs as the user 'postgres', which Debian's package makes")
     server = PostgresServer(binaries)
     server.start()
     yield server
@@ -98,3 +100,13 @@ def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         return f"sqlite:///{tmp_path_factory.mktemp('db') / 'rayeval.db'}"
     server: PostgresServer = request.getfixturevalue("postgres")
     return server.create_database()
+
+
+def _has_user(name: str) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True

@@ -239,7 +239,7 @@ def test_one_users_queue_does_not_hold_another_behind_it(
     for evaluation in (a1, a2, a3, b1):
         events = read_events(team.url, f"/evaluations/{evaluation['id']}/events", _auth())
         states = [e["data"]["status"] for e in events if e["event"] == "state"]
-        assert states == ["queued", "starting", "running", "succeeded"], "run exactly once"
+        assert states.count("starting") == 1 and states[-1] == "succeeded", "run exactly once"
 
 
 def _auth(token: str = ADMIN_TOKEN) -> dict[str, str]:
@@ -251,14 +251,16 @@ def _auth(token: str = ADMIN_TOKEN) -> dict[str, str]:
 def test_a_preemptible_evaluation_gives_way_and_loses_nothing(
     team: ServerThread, keys: dict[str, str], demo: Any
 ) -> None:
-    """A long preemptible 2-rank evaluation is stopped for an urgent 3-rank one, goes back to
+    """A slow preemptible 2-rank evaluation is stopped for an urgent 3-rank one, goes back to
     the queue, and when it runs again the response cache answers everything it had finished:
     every request computed once."""
     long_run = body(
         demo,
-        tasks=["demo_cloze", "demo_mc"],
+        tasks=["demo_gen_short", "demo_gen_long"],  # 20 + 15 documents
         limit=None,
-        num_fewshot=3,  # requests no other test computes
+        num_fewshot=1,
+        gen_kwargs={"until": ["<never>"], "max_gen_toks": 96},  # long answers: a slow run
+        continuous_batching=False,
         batch_size=1,
         log_samples=False,
         parallelism={"num_replicas": 2, "shard_size": 1},
@@ -267,20 +269,29 @@ def test_a_preemptible_evaluation_gives_way_and_loses_nothing(
     urgent = small(demo, parallelism={"num_replicas": 3}, scheduling={"priority": 10})
     with team.client(keys["alice"]) as alice, team.client(keys["bob"]) as bob:
         victim = submit_as(alice, long_run)
-        wait_until(alice, victim["id"], lambda e: e["progress"]["done"] >= 8 or finished(e), 240)
+        wait_until(alice, victim["id"], lambda e: e["progress"]["done"] >= 2 or finished(e), 240)
         head = submit_as(bob, urgent)
         assert wait_until(bob, head["id"], finished, 300)["status"] == "succeeded"
         final = wait_until(alice, victim["id"], finished, 600)
     assert final["status"] == "succeeded", final["error"]
     events = read_events(team.url, f"/evaluations/{victim['id']}/events", _auth())
     states = [e["data"]["status"] for e in events if e["event"] == "state"]
-    assert states == ["queued", "starting", "running", "queued", "starting", "running", "succeeded"]
+    summary = [(e["event"], e["data"].get("status") or e["data"].get("done")) for e in events]
+    assert states == [
+        "queued",
+        "starting",
+        "running",
+        "queued",
+        "starting",
+        "running",
+        "succeeded",
+    ], summary
     (preempted,) = [e["data"] for e in events if e["event"] == "preempted"]
-    assert preempted["by"] == head["id"] and preempted["done"] >= 8
+    assert preempted["by"] == head["id"] and 2 <= preempted["done"] < 35
     cached = sum(phase["cached"] for phase in final["stats"].values())
     computed = sum(phase["requests"] for phase in final["stats"].values())
     assert cached >= preempted["done"], (cached, preempted)
-    assert cached + computed == 40 + 40 * 4, "every request once: computed or from the cache"
+    assert cached + computed == 35, "every request once: computed or from the cache"
     after = events[[e["event"] for e in events].index("preempted") :]
     assert any(e["event"] == "progress" and e["data"]["cached"] > 0 for e in after)
     with team.client(ADMIN_TOKEN) as admin:

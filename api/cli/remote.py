@@ -108,8 +108,8 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token",
         default=None,
-        help="the server's API token (default: $RAYEVAL_API_TOKEN; prefer the variable: command "
-        "lines are visible to other users)",
+        help="your API key, or the server's API token (default: $RAYEVAL_API_TOKEN; prefer the "
+        "variable: command lines are visible to other users)",
     )
 
 
