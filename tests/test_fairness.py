@@ -16,7 +16,7 @@ import pytest
 from rayeval.service.events import EvaluationProgress
 from rayeval.service.jobs.accounts import Share
 from rayeval.service.jobs.admission import Kept, plan
-from rayeval.service.jobs.fairness import fair_order, held_ranks, over_cap
+from rayeval.service.jobs.fairness import fair_order, held_ranks, over_cap, room_made_first
 from rayeval.service.jobs.records import EvaluationRecord
 from rayeval.service.states import EvaluationStatus
 
@@ -222,6 +222,15 @@ def test_plan_preempts_only_after_kept_replicas(
     decided = plan(queued, {"CPU": float(free)}, pool, _key, running=active)
     started = [r.id for r, _ in decided.start]
     assert (started, [k.owner for k in decided.release], names(decided.preempt)) == expected
+
+
+def test_the_head_room_was_made_for_goes_first() -> None:
+    """The preempted evaluation, queued again and older, must not take back the room made for
+    the head it gave way to."""
+    victim, head = rec("v", "ann", 1, 2, 0, True), rec("h", "bob", 2, 3, 9)
+    decided = room_made_first(fair_order([victim, head], {}, {}), {"h"})
+    assert names(decided.order) == ["h", "v"]
+    assert names(room_made_first(fair_order([victim, head], {}, {}), set()).order) == ["v", "h"]
 
 
 def test_no_more_room_is_made_while_the_released_room_comes_back() -> None:

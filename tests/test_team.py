@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -220,22 +221,29 @@ def test_mistakes_are_caught_at_submission(
 def test_one_users_queue_does_not_hold_another_behind_it(
     team: ServerThread, keys: dict[str, str], demo: Any
 ) -> None:
-    """alice's two 2-rank evaluations fill the 4-CPU cluster and a third waits; bob's one,
-    submitted after it, starts before it (fair share), and each starts exactly once."""
+    """alice's 4-rank evaluation fills the 4-CPU cluster and her two 2-rank ones wait; bob's one,
+    submitted after them, starts beside her first one of them (each user in turn, oldest first
+    on a tie), her second waits for room; each starts exactly once."""
+    whole = small(demo, parallelism={"num_replicas": 4, "shard_size": 1}, log_samples=False)
     two = small(demo, parallelism={"num_replicas": 2, "shard_size": 1}, log_samples=False)
     with team.client(keys["alice"]) as alice, team.client(keys["bob"]) as bob:
-        a1, a2, a3 = (submit_as(alice, two) for _ in range(3))
+        a1 = submit_as(alice, whole)
+        a2, a3 = submit_as(alice, two), submit_as(alice, two)
         b1 = submit_as(bob, two)
-        queued = wait_until(
-            bob, b1["id"], lambda e: e["queue_position"] == 1 or e["status"] != "queued", 30
+        # While alice holds the whole cluster, bob's one is next; once she holds nothing, it is
+        # a tie and her older one goes first, bob's beside it.
+        waiting = wait_until(
+            bob, b1["id"], lambda e: e["queue_position"] == 1 or e["status"] != "queued", 60
         )
-        if queued["status"] == "queued":
-            behind = alice.get(f"/evaluations/{a3['id']}").json()["queue_position"]
-            assert behind is None or behind > 1, "bob's one comes before alice's third"
+        if waiting["status"] == "queued":
+            assert alice.get(f"/evaluations/{a3['id']}").json()["queue_position"] == 3
         ends = {e["id"]: wait_until(alice, e["id"], finished) for e in (a1, a2, a3)}
         ends[b1["id"]] = wait_until(bob, b1["id"], finished)
     assert all(e["status"] == "succeeded" for e in ends.values()), ends
-    assert ends[b1["id"]]["started_at"] < ends[a3["id"]]["started_at"]
+    start = {i: datetime.fromisoformat(e["started_at"]) for i, e in ends.items()}
+    end = {i: datetime.fromisoformat(e["finished_at"]) for i, e in ends.items()}
+    assert start[b1["id"]] < start[a3["id"]], "bob's one before alice's third"
+    assert start[a3["id"]] >= min(end[a2["id"]], end[b1["id"]]), "alice's third waited for room"
     for evaluation in (a1, a2, a3, b1):
         events = read_events(team.url, f"/evaluations/{evaluation['id']}/events", _auth())
         states = [e["data"]["status"] for e in events if e["event"] == "state"]
@@ -263,13 +271,15 @@ def test_a_preemptible_evaluation_gives_way_and_loses_nothing(
         continuous_batching=False,
         batch_size=1,
         log_samples=False,
-        parallelism={"num_replicas": 2, "shard_size": 1},
+        # FSDP over two ranks decodes several times slower than one rank: time to preempt it
+        # mid-run, whatever the lag of its progress reports.
+        parallelism={"num_replicas": 1, "shard_size": 2, "shard_strategy": "fsdp"},
         scheduling={"preemptible": True},
     )
     urgent = small(demo, parallelism={"num_replicas": 3}, scheduling={"priority": 10})
     with team.client(keys["alice"]) as alice, team.client(keys["bob"]) as bob:
         victim = submit_as(alice, long_run)
-        wait_until(alice, victim["id"], lambda e: e["progress"]["done"] >= 2 or finished(e), 240)
+        wait_until(alice, victim["id"], lambda e: e["progress"]["done"] >= 1 or finished(e), 240)
         head = submit_as(bob, urgent)
         assert wait_until(bob, head["id"], finished, 300)["status"] == "succeeded"
         final = wait_until(alice, victim["id"], finished, 600)
@@ -287,7 +297,7 @@ def test_a_preemptible_evaluation_gives_way_and_loses_nothing(
         "succeeded",
     ], summary
     (preempted,) = [e["data"] for e in events if e["event"] == "preempted"]
-    assert preempted["by"] == head["id"] and 2 <= preempted["done"] < 35
+    assert preempted["by"] == head["id"] and 1 <= preempted["done"] < 35, preempted
     cached = sum(phase["cached"] for phase in final["stats"].values())
     computed = sum(phase["requests"] for phase in final["stats"].values())
     assert cached >= preempted["done"], (cached, preempted)

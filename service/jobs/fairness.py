@@ -18,7 +18,7 @@ ones). No Ray and no torch here.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rayeval.service.jobs.accounts import Share
@@ -81,6 +81,14 @@ def fair_order(
         if not queues[owner]:
             del queues[owner]
     return decided
+
+
+def room_made_first(decided: FairOrder, reserved: Collection[str]) -> FairOrder:
+    """The order with the evaluations that running ones were preempted for first: the room was
+    made for them, and the preempted ones, queued again, must not take it back."""
+    first = [r for r in decided.order if r.id in reserved]
+    rest = [r for r in decided.order if r.id not in reserved]
+    return FairOrder([*first, *rest], decided.capped)
 
 
 def held_ranks(active: Iterable[EvaluationRecord]) -> dict[str, int]:

@@ -161,7 +161,10 @@ def make_engine(url: str) -> Engine:
         if parsed.drivername in ("postgresql", "postgres"):
             parsed = parsed.set(drivername="postgresql+psycopg")
         connect_args = {"connect_timeout": 10} if parsed.drivername.startswith("postgres") else {}
-        return create_engine(parsed, pool_pre_ping=True, connect_args=connect_args)
+        # The API's request threads, the manager and the view renderer share the pool.
+        return create_engine(
+            parsed, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args=connect_args
+        )
     # The API's request threads and the manager thread share the file: allow cross-thread use,
     # wait for a writer instead of failing at once, and let readers proceed during writes (WAL).
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})

@@ -5,7 +5,8 @@ each user in turn by weight, priorities within a user's queue, caps), then admit
 (:func:`rayeval.service.jobs.admission.plan`): evaluations start on kept replicas of their model
 and layout or on new runners while the cluster has room; kept replicas the head of the queue needs
 are released, and only then running preemptible evaluations of lower priority are preempted for
-it (the manager releases them and puts them back in the queue). The order is kept for
+it (the manager releases them and puts them back in the queue); until it starts, that head goes
+first, so the preempted ones cannot take the room back. The order is kept for
 ``queue_position``. Used by the manager's polling thread. No torch here.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 from rayeval.service.config import EvaluationConfig
 from rayeval.service.engine.warm import replica_key
 from rayeval.service.jobs.admission import free_resources, plan
-from rayeval.service.jobs.fairness import fair_order, held_ranks
+from rayeval.service.jobs.fairness import fair_order, held_ranks, room_made_first
 from rayeval.service.jobs.kept import KeptRunners
 from rayeval.service.jobs.options import ManagerOptions
 from rayeval.service.jobs.ray_resources import brief
@@ -82,12 +83,13 @@ class Scheduler:
             self._positions = {}
             return
         active = self._store.active()
+        now = time.monotonic()
+        self._made_room = {i: t for i, t in self._made_room.items() if now - t < ROOM_GRACE_S}
         fair = fair_order(queued, held_ranks(active), self._store.accounts.shares())
+        fair = room_made_first(fair, self._made_room)
         self._positions = fair.positions
         kept = self._kept.entries()
         free = free_resources(active, self._followed.owners(), kept)
-        now = time.monotonic()
-        self._made_room = {i: t for i, t in self._made_room.items() if now - t < ROOM_GRACE_S}
         decided = plan(fair.order, free, kept, self._key_of, active, self._made_room)
         for freed in decided.release:
             logger.info(
