@@ -105,7 +105,11 @@ def _act(store: Any, args: argparse.Namespace) -> int:
     command = args.users_command
     if command == "add":
         user, key = accounts.add_user(
-            args.name, args.role, args.weight or 1.0, args.max_ranks, actor=actor
+            args.name,
+            args.role,
+            1.0 if args.weight is None else args.weight,
+            args.max_ranks,
+            actor=actor,
         )
         _print_key(user.name, key)
     elif command == "list":

@@ -272,7 +272,9 @@ class Accounts:
             row = _user_row(session, name)
             row.role = role or row.role
             row.weight = weight if weight is not None else row.weight
-            row.max_ranks = None if clear_cap else (max_ranks or row.max_ranks)
+            row.max_ranks = (
+                None if clear_cap else (row.max_ranks if max_ranks is None else max_ranks)
+            )
             user = _user(row)
         detail = {"role": user.role.value, "weight": user.weight, "max_ranks": user.max_ranks}
         self._audit.record(actor, Action.USER_UPDATE, name, detail)

@@ -21,7 +21,7 @@ from typing import Any
 from rayeval.service.config import EvaluationConfig
 from rayeval.service.engine.warm import replica_key
 from rayeval.service.jobs.admission import free_resources, plan
-from rayeval.service.jobs.fairness import fair_order, held_ranks, room_made_first
+from rayeval.service.jobs.fairness import FairOrder, fair_order, held_ranks, room_made_first
 from rayeval.service.jobs.kept import KeptRunners
 from rayeval.service.jobs.options import ManagerOptions
 from rayeval.service.jobs.ray_resources import brief
@@ -87,10 +87,12 @@ class Scheduler:
         self._made_room = {i: t for i, t in self._made_room.items() if now - t < ROOM_GRACE_S}
         fair = fair_order(queued, held_ranks(active), self._store.accounts.shares())
         fair = room_made_first(fair, self._made_room)
-        self._positions = fair.positions
         kept = self._kept.entries()
         free = free_resources(active, self._followed.owners(), kept)
         decided = plan(fair.order, free, kept, self._key_of, active, self._made_room)
+        starting = {record.id for record, _ in decided.start}
+        left = [record for record in fair.order if record.id not in starting]
+        self._positions = FairOrder(left, fair.capped).positions
         for freed in decided.release:
             logger.info(
                 "releasing the kept replicas of %s: a queued evaluation needs room", freed.owner
