@@ -35,6 +35,10 @@ class FSDP2:
         """None: FSDP shards any model."""
         return []
 
+    def __init__(self) -> None:
+        #: glibc, on sharded Linux ranks (prepare_process); None elsewhere.
+        self._libc: Any = None
+
     def prepare_process(self, shard_size: int) -> None:
         """Sharded replicas: glibc serves every allocation of 1 MiB or more with its own
         ``mmap``, so that freed all-gather buffers go back to the OS at once.
@@ -56,6 +60,7 @@ class FSDP2:
             return
         m_mmap_threshold = -3  # from glibc's malloc.h
         libc.mallopt(m_mmap_threshold, _MMAP_THRESHOLD_BYTES)
+        self._libc = libc
 
     def load(self, spec: ModelSpec, device: Any, shard_size: int) -> Any:
         """The model whole (G = 1), or this rank's shards of it over the replica's 1-D mesh.
@@ -82,7 +87,12 @@ class FSDP2:
         return "process group" if rank.shard_size > 1 else None
 
     def after_forward(self, model: Any) -> None:
-        """Every FSDP unit back to its shard, per-forward state cleared."""
+        """Every FSDP unit back to its shard, per-forward state cleared, and (sharded ranks)
+        the heap's free pages given back to the OS."""
+        from torch.distributed.fsdp import FSDPModule
+
         from rayeval.actors.fsdp_units import release_unsharded
 
         release_unsharded(model)
+        if isinstance(model, FSDPModule) and self._libc is not None:
+            self._libc.malloc_trim(0)

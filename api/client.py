@@ -124,6 +124,10 @@ class RayEvalClient:
     def me(self) -> dict[str, Any]:
         """Who the client's key is (``name``, ``role``)."""
         return self._json("GET", "/me")
+    def compare(self, a: str, b: str) -> dict[str, Any]:
+        """The paired comparison of two succeeded evaluations (``b - a``), as the server
+        computes it (``GET /compare``)."""
+        return self._json("GET", "/compare", params={"a": a, "b": b})
 
     def metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""

@@ -90,6 +90,8 @@ def run_layout(
             shard_strategy=args.shard_strategy,
             dtype="float32",
             batch_size="auto",
+            kv_cache_tokens=args.kv_cache_tokens,
+            continuous_batching=not args.static,
             name=name,
         ) as lm,
     ):
@@ -196,6 +198,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=8, help="documents per task (8)")
     parser.add_argument("--num_fewshot", type=int, default=2, help="few-shot examples (2)")
     parser.add_argument("--interval_ms", type=float, default=10.0, help="sampling interval (10)")
+    parser.add_argument(
+        "--kv_cache_tokens", type=int, default=None, help="rayeval's KV-cache budget (default)"
+    )
+    parser.add_argument(
+        "--static", action="store_true", help="generate in static batches (continuous off)"
+    )
     parser.add_argument("--num_cpus", type=int, default=4, help="logical CPUs of the local Ray")
     parser.add_argument(
         "--model_dir",

@@ -37,6 +37,7 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("bootstrap_iters",): "--bootstrap_iters",
     ("scheduling", "priority"): "--priority",
     ("scheduling", "preemptible"): "--preemptible",
+    ("tracking",): "--tracking",
 }
 
 

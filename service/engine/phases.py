@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from rayeval.service.console import progress_stream
 from rayeval.service.engine.dispatch import PieceDone, StepDone
 from rayeval.service.events import Progress, RankMemory, ReplicaWork
 
@@ -116,7 +117,11 @@ class PhaseTracker:
         self._started = time.monotonic()
         self._base_seconds = stats.seconds
         self._bar = tqdm(
-            total=self.total, desc=f"rayeval {phase}", disable=disable_tqdm, unit="req"
+            total=self.total,
+            desc=f"rayeval {phase}",
+            disable=disable_tqdm,
+            unit="req",
+            file=progress_stream(),
         )
 
     def step(self, step: StepDone) -> None:

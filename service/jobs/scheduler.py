@@ -136,6 +136,7 @@ class Scheduler:
                 self._include_paths,
                 self._options.response_cache,
                 self._kept.enabled,
+                self._options.trackers,
             )
         except Exception as exc:  # e.g. a bad runtime_env: the evaluation cannot start
             error = f"could not start the runner actor: {brief(exc)}"
