@@ -124,6 +124,7 @@ class RayEvalClient:
     def me(self) -> dict[str, Any]:
         """Who the client's key is (``name``, ``role``)."""
         return self._json("GET", "/me")
+
     def compare(self, a: str, b: str) -> dict[str, Any]:
         """The paired comparison of two succeeded evaluations (``b - a``), as the server
         computes it (``GET /compare``)."""

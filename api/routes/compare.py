@@ -92,8 +92,9 @@ def compare_evaluations(
     test for 0/1 metrics, a paired bootstrap otherwise), the unpaired interval beside it, and the
     documents that flipped each way (their samples: ``/evaluations/{id}/samples/{task}?doc_id=``).
 
-    404: an unknown id, or another user's evaluation for a member. 409: an evaluation that has not succeeded. 422: the two cannot be paired
-    (the reason is named), or one was run without ``log_samples``.
+    404: an unknown id, or another user's evaluation for a member. 409: an evaluation that has
+    not succeeded. 422: the two cannot be paired (the reason is named), or one was run without
+    ``log_samples``.
     """
     return compare(
         evaluation_samples(store, a, caller), evaluation_samples(store, b, caller)

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import inspect
 from sqlalchemy.engine import Connection, Engine
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 #: The revision that is the schema written before migrations existed.
 BASELINE = "0001"
@@ -61,7 +65,7 @@ def head() -> str:
     return head_revision
 
 
-def _config(connection: Connection | None) -> object:
+def _config(connection: Connection | None) -> Config:
     from alembic.config import Config
 
     config = Config()
