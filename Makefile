@@ -8,7 +8,7 @@ DEMO_OUT ?= .rayeval/demo-results
 PORT     ?= 8000
 SERVICE_DIR ?= .rayeval/service
 
-.PHONY: install browser run demo-cli test test-fast lint format bench clean
+.PHONY: install browser postgres run demo-cli test test-fast lint format bench clean
 
 install: $(STAMP)
 
@@ -45,8 +45,17 @@ browser:
 	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	    else echo "chromium is missing and this is not root: the browser test will be skipped"; fi; }
 
+# Debian's PostgreSQL for the tests that run the store and the service on a real server (they
+# start their own throw-away cluster: tests/postgres.py). Debian keeps pg_ctl under
+# /usr/lib/postgresql/<version>/bin, off PATH.
+postgres:
+	@command -v pg_ctl >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || { \
+	    if [ "$$(id -u)" = 0 ]; then \
+	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
+	    else echo "PostgreSQL is missing and this is not root: its tests will be skipped"; fi; }
+
 # Every tier (unit, service, e2e: see tests/conftest.py), then the 25 slowest tests.
-test: install browser
+test: install browser postgres
 	$(BIN)/python -m pytest -q -ra --durations=25
 
 # The unit tier only: no Ray cluster, no server, no model evaluation (under 2 minutes on 2 cores).

@@ -23,14 +23,18 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import SQLAlchemyError
 
 from rayeval.actors.errors import ConfigError, LayoutError, RayEvalError
+from rayeval.api.auth import Authenticator
 from rayeval.api.deps import Services
-from rayeval.api.routes import compare, dashboard, evaluations, health, insights, metrics
+from rayeval.api.routes import compare, dashboard, evaluations, health, insights, metrics, team
 from rayeval.api.settings import Settings
 from rayeval.api.views import EvaluationViews, EventFeed
 from rayeval.service.errors import (
     EvaluationNotFoundError,
     EvaluationStateError,
+    PermissionDeniedError,
     ServiceNotReadyError,
+    UserConflictError,
+    UserNotFoundError,
 )
 from rayeval.service.jobs.manager import EvaluationManager
 from rayeval.service.jobs.options import ManagerOptions
@@ -44,7 +48,10 @@ logger = logging.getLogger(__name__)
 #: HTTP status of each domain error (first match wins; subclasses before their bases).
 _STATUS_OF_ERROR: tuple[tuple[type[RayEvalError], int], ...] = (
     (EvaluationNotFoundError, 404),
+    (UserNotFoundError, 404),
+    (PermissionDeniedError, 403),
     (EvaluationStateError, 409),
+    (UserConflictError, 409),
     (ServiceNotReadyError, 503),
     (LayoutError, 422),
     (ConfigError, 422),
@@ -60,7 +67,7 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=_lifespan,
     )
     app.state.settings = settings
-    if settings.api_token is None:
+    if not settings.keys_required:
         app.add_middleware(TrustedHosts, allowed=settings.trusted_hosts)  # DNS rebinding
     app.include_router(health.router)
     app.include_router(evaluations.router)
@@ -68,6 +75,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(metrics.router)
     app.include_router(compare.router)
     app.include_router(dashboard.router)
+    app.include_router(team.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     app.add_exception_handler(RayEvalError, _domain_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
@@ -85,7 +93,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             summary=app.summary,
             routes=app.routes,
         )
-        if app.state.settings.api_token is None:
+        if not app.state.settings.keys_required:
             schema.get("components", {}).pop("securitySchemes", None)
             for path in schema.get("paths", {}).values():
                 for operation in path.values():
@@ -155,7 +163,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         ),
     )
     await asyncio.to_thread(manager.start)
-    views = EvaluationViews(store, evaluations.public_json(store), ttl_s=settings.poll_interval_s)
+    views = EvaluationViews(
+        store, evaluations.public_json(store, manager), ttl_s=settings.poll_interval_s
+    )
     app.state.services = Services(
         settings=settings,
         store=store,
@@ -163,6 +173,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         manager=manager,
         views=views,
         feed=EventFeed(store),
+        auth=Authenticator(settings, store.accounts),
     )
     logger.info("rayeval service ready (database %s)", store.url)
     try:

@@ -113,6 +113,18 @@ class RayEvalClient:
         """Progress points over time (``points``, ``last_seq``, ``complete``)."""
         return self._json("GET", f"/evaluations/{evaluation_id}/timeline", params={"after": after})
 
+    def audit(
+        self, actor: str | None = None, action: str | None = None, limit: int = 100
+    ) -> dict[str, Any]:
+        """The audit trail, newest first (``items``, ``total``); admins only."""
+        params: dict[str, Any] = {"limit": limit}
+        params.update({k: v for k, v in (("actor", actor), ("action", action)) if v})
+        return self._json("GET", "/audit", params=params)
+
+    def me(self) -> dict[str, Any]:
+        """Who the client's key is (``name``, ``role``)."""
+        return self._json("GET", "/me")
+
     def compare(self, a: str, b: str) -> dict[str, Any]:
         """The paired comparison of two succeeded evaluations (``b - a``), as the server
         computes it (``GET /compare``)."""

@@ -1,20 +1,23 @@
-"""Request dependencies: the service objects of the running app, and bearer-token auth.
+"""Request dependencies: the service objects of the running app, and who the caller is.
 
-Handlers declare what they need with the ``Annotated`` aliases below (``ManagerDep``, ...);
-``require_token`` guards every data endpoint when the server has an API token.
+Handlers declare what they need with the ``Annotated`` aliases below (``ManagerDep``,
+``CallerDep``, ...). ``CallerDep`` is the request's :class:`rayeval.service.jobs.accounts.Principal`
+(:mod:`rayeval.api.auth`); ``require_token`` guards a whole router (any authenticated caller),
+``AdminDep`` and ``ReaderDep`` (admins and viewers: who reads everything) a route.
 """
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from rayeval.api.auth import Authenticator, require_role
 from rayeval.api.settings import Settings
 from rayeval.api.views import EvaluationViews, EventFeed
+from rayeval.service.jobs.accounts import Principal, Role
 from rayeval.service.jobs.manager import EvaluationManager
 from rayeval.service.jobs.store import EvaluationStore
 from rayeval.service.jobs.tasks import TaskCatalog
@@ -30,6 +33,7 @@ class Services:
     manager: EvaluationManager
     views: EvaluationViews
     feed: EventFeed
+    auth: Authenticator
 
 
 def get_services(request: Request) -> Services:
@@ -71,26 +75,37 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[EvaluationStore, Depends(get_store)]
 ManagerDep = Annotated[EvaluationManager, Depends(get_manager)]
 
-_bearer = HTTPBearer(auto_error=False, description="The server's --api-token, when it has one.")
+_bearer = HTTPBearer(auto_error=False, description="A user's API key, or the server's --api-token.")
 
 
-def require_token(
-    settings: SettingsDep,
+def get_caller(
+    services: ServicesDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> None:
-    """Refuse the request unless it carries the server's bearer token (no-op without a token).
+) -> Principal:
+    """Who the request acts as (:class:`rayeval.api.auth.Authenticator`).
 
     Raises:
         HTTPException: 401 with ``WWW-Authenticate: Bearer``.
     """
-    if settings.api_token is None:
-        return
-    expected = settings.api_token.get_secret_value().encode()
-    given = credentials.credentials.encode() if credentials is not None else b""
-    if not secrets.compare_digest(given, expected):
-        raise HTTPException(
-            status_code=status.HTTP_401_UNAUTHORIZED,
-            detail="missing or wrong API token: send the header 'Authorization: Bearer <token>' "
-            "with the server's --api-token (RAYEVAL_API_TOKEN)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    return services.auth.principal(credentials.credentials if credentials is not None else None)
+
+
+CallerDep = Annotated[Principal, Depends(get_caller)]
+
+
+def require_token(caller: CallerDep) -> None:
+    """Refuse the request unless it carries a valid key or token (open servers: anyone)."""
+
+
+def get_admin(caller: CallerDep) -> Principal:
+    """The caller, an admin (403 otherwise)."""
+    return require_role(caller, Role.ADMIN)
+
+
+def get_reader(caller: CallerDep) -> Principal:
+    """The caller, an admin or a viewer: someone who reads every evaluation (403 otherwise)."""
+    return require_role(caller, Role.ADMIN, Role.VIEWER)
+
+
+AdminDep = Annotated[Principal, Depends(get_admin)]
+ReaderDep = Annotated[Principal, Depends(get_reader)]

@@ -68,8 +68,11 @@ class EvaluationPublic(BaseModel):
     """One evaluation: its state, progress, timestamps, error and request."""
 
     id: str
+    owner: str = Field(description="The user who submitted it.")
     status: EvaluationStatus
-    queue_position: int | None = Field(description="1: next to start; null unless queued.")
+    queue_position: int | None = Field(
+        description="1: next to start (fair share of the queue); null unless queued."
+    )
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -118,7 +121,8 @@ class ErrorBody(BaseModel):
 
 
 #: What every ``/evaluations`` route can answer besides success: a malformed request or foreign
-#: Host header (400), a bad token (401), an unknown id (404), a malformed body or query (422).
+#: Host header (400), a bad key (401), an unknown id or another member's (404), a malformed body
+#: or query (422).
 EVALUATION_ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody} for status in (400, 401, 404, 422)
 }

@@ -87,6 +87,12 @@ class Settings(BaseSettings):
         description="Bearer token every endpoint but /healthz requires (none: no authentication). "
         "Prefer the environment variable: command lines are visible to other users.",
     )
+    require_api_keys: bool = Field(
+        False,
+        description="Refuse every request without a user's API key or the --api-token, even "
+        "before any user exists (a team's server: add users with `rayeval users add`). Without "
+        "it, a server with no --api-token and no users answers everyone as its admin.",
+    )
     ray_address: str | None = Field(
         None, description="Existing Ray cluster; default: $RAY_ADDRESS, else an embedded Ray."
     )
@@ -169,13 +175,19 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _token_or_loopback(self) -> Settings:
-        if self.api_token is None and not is_loopback(self.host):
+        if not self.keys_required and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to listen on {self.host!r} without an API token: anyone who can reach "
-                "it could run evaluations on the cluster. Set --api-token (or RAYEVAL_API_TOKEN), "
-                "or listen on 127.0.0.1"
+                "it could run evaluations on the cluster. Set --api-token (or RAYEVAL_API_TOKEN) "
+                "or --require-api-keys (users' keys: `rayeval users add`), or listen on 127.0.0.1"
             )
         return self
+
+    @property
+    def keys_required(self) -> bool:
+        """Whether every request needs a key whatever the database holds (a token or
+        ``require_api_keys``); otherwise only once a user exists."""
+        return self.api_token is not None or self.require_api_keys
 
     @property
     def trusted_hosts(self) -> list[str]:

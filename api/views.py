@@ -27,9 +27,17 @@ from dataclasses import dataclass
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
 
 
+@dataclass(frozen=True)
+class Rendered:
+    """One evaluation's answer, and whose evaluation it is (to check before it is served)."""
+
+    answer: bytes
+    owner: str
+
+
 @dataclass
 class _View:
-    answer: bytes
+    rendered: Rendered
     expires: float  # monotonic; inf for a terminal evaluation
 
 
@@ -56,11 +64,11 @@ class EvaluationViews:
         self._capacity = capacity
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _View] = OrderedDict()
-        self._rendering: dict[str, Future[bytes]] = {}
+        self._rendering: dict[str, Future[Rendered]] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayeval-views")
         store.on_change(self._changed)
 
-    def cached(self, evaluation_id: str) -> bytes | None:
+    def cached(self, evaluation_id: str) -> Rendered | None:
         """The kept answer if the store has not written the evaluation since, else None.
 
         An answer older than ``ttl_s`` is still returned, and a fresh one is rendered behind it.
@@ -72,9 +80,9 @@ class EvaluationViews:
             self._entries.move_to_end(evaluation_id)
             if view.expires < time.monotonic():
                 self._render_locked(evaluation_id)
-            return view.answer
+            return view.rendered
 
-    def render(self, evaluation_id: str) -> Future[bytes]:
+    def render(self, evaluation_id: str) -> Future[Rendered]:
         """The answer as of now: the render in progress since the last write, or a new one.
 
         The future raises :class:`rayeval.service.errors.EvaluationNotFoundError` for an
@@ -87,18 +95,18 @@ class EvaluationViews:
         """Stop the render thread (pending renders are dropped)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _render_locked(self, evaluation_id: str) -> Future[bytes]:
+    def _render_locked(self, evaluation_id: str) -> Future[Rendered]:
         future = self._rendering.get(evaluation_id)
         if future is None:
             future = self._executor.submit(self._render, evaluation_id)
             self._rendering[evaluation_id] = future
         return future
 
-    def _render(self, evaluation_id: str) -> bytes:
+    def _render(self, evaluation_id: str) -> Rendered:
         version = self._store.version(evaluation_id)
         try:
             record = self._store.get(evaluation_id)
-            answer = self._build(record)
+            answer = Rendered(self._build(record), record.owner)
         finally:
             with self._lock:
                 if self._rendering.get(evaluation_id) is not None and (

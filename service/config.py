@@ -17,14 +17,22 @@ tables and host-only options are :mod:`rayeval.service.lm_eval_options`'. No tor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy, Timeouts
 from rayeval.actors.sharding import ShardStrategy
+from rayeval.service.config_groups import Frozen as _Frozen
+from rayeval.service.config_groups import Scheduling, TimeoutSettings
 from rayeval.service.lm_eval_options import (
     HF_MODEL_NAMES,
     HOST_ONLY_OPTIONS,
@@ -63,10 +71,6 @@ _Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 _DocIndex = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 class Parallelism(_Frozen):
     """The layout: R data-parallel replicas x G ranks per replica (one GPU or CPU slot each)."""
 
@@ -103,51 +107,6 @@ class Parallelism(_Frozen):
         "(as many nodes as possible: with G > 1 a replica's ranks on different nodes, slower; "
         "to rehearse or test a replica that spans nodes).",
     )
-
-
-class TimeoutSettings(_Frozen):
-    """Every wait of the run, in seconds.
-
-    The first four are the rank side's (:class:`rayeval.actors.layout.Timeouts`, with its
-    defaults); ``control_s`` and ``reuse_s`` bound the service's calls to what an earlier
-    evaluation kept loaded (warm replicas).
-    """
-
-    placement_s: float = Field(
-        default=Timeouts.placement_s,
-        gt=0,
-        description="Seconds to wait for the cluster to provide the layout's resources.",
-    )
-    load_s: float = Field(
-        default=Timeouts.load_s, gt=0, description="Seconds for every rank to load the model."
-    )
-    step_s: float = Field(
-        default=Timeouts.step_s,
-        gt=0,
-        description="Seconds one batch may take on one replica before the run fails.",
-    )
-    collective_s: float = Field(
-        default=Timeouts.collective_s,
-        gt=0,
-        description="Seconds one collective may take inside a replica.",
-    )
-    control_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="Seconds a control call to a runner kept loaded by an earlier evaluation may "
-        "take (handing it this evaluation; the runner waits up to a third of it for its previous "
-        "run to end) before a new runner is started instead.",
-    )
-    reuse_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="Seconds the ranks kept loaded by an earlier evaluation have to begin this one "
-        "(re-seeded) before new ranks are started instead.",
-    )
-
-    def for_ranks(self) -> Timeouts:
-        """The rank side's value object: the waits of the ranks, with the same values."""
-        return Timeouts(**self.model_dump(include=_RANK_TIMEOUTS))
 
 
 class EngineConfig(_Frozen):
@@ -206,6 +165,7 @@ class EngineConfig(_Frozen):
     )
     parallelism: Parallelism = Parallelism()
     timeouts: TimeoutSettings = TimeoutSettings()
+    scheduling: Scheduling = Scheduling()
 
     @classmethod
     def from_kwargs(cls, pretrained: str, **options: Any) -> EngineConfig:
@@ -301,9 +261,11 @@ class EngineConfig(_Frozen):
         return asdict(value) if isinstance(value, Timeouts) else value
 
 
-_GROUPS: dict[str, type[BaseModel]] = {"parallelism": Parallelism, "timeouts": TimeoutSettings}
-#: The fields of :class:`TimeoutSettings` that are the rank side's :class:`Timeouts`.
-_RANK_TIMEOUTS = {f.name for f in fields(Timeouts)}
+_GROUPS: dict[str, type[BaseModel]] = {
+    "parallelism": Parallelism,
+    "timeouts": TimeoutSettings,
+    "scheduling": Scheduling,
+}
 
 
 class EvaluationConfig(EngineConfig):
@@ -343,7 +305,7 @@ class EvaluationConfig(EngineConfig):
         default=DEFAULT_BOOTSTRAP_ITERS,
         ge=0,
         le=10_000_000,
-        description="Bootstrap iterations for metric stderrs (0 skips them).",
+        description="Bootstrap iterations for metric stderrs (0 skips them; 1 gives none).",
     )
     metadata: dict[str, Any] = Field(default_factory=dict)
     tracking: Tracking | None = Field(default=None, description=TRACKING_HELP)
@@ -372,6 +334,17 @@ class EvaluationConfig(EngineConfig):
     @classmethod
     def _parse_gen_kwargs(cls, value: Any) -> Any:
         return parse_args_string(value)
+
+    @field_validator("bootstrap_iters")
+    @classmethod
+    def _stderr_needs_two(cls, value: int) -> int:
+        if value == 1:
+            # lm-eval's sample standard deviation divides by iterations - 1.
+            raise ValueError(
+                "1 iteration cannot give a standard error (lm-eval divides by iterations - 1): "
+                "use 0 to skip stderrs, or 2 or more (lm-eval's default is 100000)"
+            )
+        return value
 
     @field_validator("tasks", mode="before")
     @classmethod

@@ -318,13 +318,36 @@ class ResultEvent(_StreamEvent):
     KIND: ClassVar[EventKind] = EventKind.RESULT
 
 
+class PreemptedEvent(_StreamEvent):
+    """The evaluation was stopped to make room for a more urgent one and is queued again; when
+    it runs again the response cache answers what it had finished (its progress events count
+    them as ``cached``)."""
+
+    KIND: ClassVar[EventKind] = EventKind.PREEMPTED
+    by: str = Field(description="The evaluation it made room for.")
+    done: int = Field(description="Requests it had answered when it was stopped.")
+
+
 #: One event of an evaluation's stream.
 StreamEvent = (
-    StateEvent | ProgressEvent | WarningEvent | TrackerWarningEvent | TaskResultEvent | ResultEvent
+    StateEvent
+    | ProgressEvent
+    | WarningEvent
+    | TrackerWarningEvent
+    | TaskResultEvent
+    | ResultEvent
+    | PreemptedEvent
 )
 _STREAM_EVENTS: dict[EventKind, type[StreamEvent]] = {
     kind.KIND: kind
-    for kind in (StateEvent, ProgressEvent, WarningEvent, TaskResultEvent, ResultEvent)
+    for kind in (
+        StateEvent,
+        ProgressEvent,
+        WarningEvent,
+        TaskResultEvent,
+        ResultEvent,
+        PreemptedEvent,
+    )
 }
 
 

@@ -94,7 +94,15 @@ HOST_ONLY_OPTIONS = {
     "collective_timeout": 'put it under "timeouts": {"collective_s": ...}',
     "control_timeout": 'put it under "timeouts": {"control_s": ...}',
     "reuse_timeout": 'put it under "timeouts": {"reuse_s": ...}',
+    "priority": 'put it under "scheduling": {"priority": N}',
+    "preemptible": 'put it under "scheduling": {"preemptible": true}',
 }
+
+#: What the dtype model args accept: lm-eval's ``auto`` and the torch floating dtypes a model
+#: loads in (lm-eval reads any other string with ``getattr(torch, ...)`` and fails at load).
+MODEL_DTYPES = frozenset({"auto", "float32", "float", "float16", "half", "bfloat16", "float64"})
+#: The dtype model args and whether null means "unset" for them (lm-eval's own defaults).
+DTYPE_MODEL_ARGS = {"dtype": False, "softmax_dtype": True, "mixed_precision_dtype": True}
 
 
 #: Fields of lm-eval's ``EvaluatorConfig`` that :class:`HostOptions` carries, not the config.
@@ -154,12 +162,30 @@ def checked_model_args(value: dict[str, Any]) -> dict[str, Any]:
     if not value.get("pretrained") or not isinstance(value["pretrained"], str):
         raise ValueError('needs pretrained: e.g. {"pretrained": "org/model-name"}')
     value = {**value, **strict_booleans(value)}
-    problems = [f"{key}: {why}" for key, why in UNSUPPORTED_MODEL_ARGS.items() if value.get(key)]
+    unsupported = [f"{key}: {why}" for key, why in UNSUPPORTED_MODEL_ARGS.items() if value.get(key)]
     if value.get("backend", "default") not in ("default", "causal"):
-        problems.append("backend: only causal (decoder-only) models are supported")
+        unsupported.append("backend: only causal (decoder-only) models are supported")
+    problems = ["unsupported — " + "; ".join(unsupported)] if unsupported else []
+    problems += dtype_problems(value)
     if problems:
-        raise ValueError("unsupported — " + "; ".join(problems))
+        raise ValueError("; ".join(problems))
     return value
+
+
+def dtype_problems(model_args: Mapping[str, Any]) -> list[str]:
+    """The dtype model args that name no dtype a model loads in, each with the accepted names."""
+    problems = []
+    for key, may_be_null in DTYPE_MODEL_ARGS.items():
+        if key not in model_args or (model_args[key] is None and may_be_null):
+            continue
+        given = model_args[key]
+        if not isinstance(given, str) or given not in MODEL_DTYPES:
+            problems.append(
+                f"model_args.{key}: {given!r} is not a dtype: use one of "
+                f"{', '.join(sorted(MODEL_DTYPES))}"
+                + ("" if key == "dtype" else f", or leave {key} out")
+            )
+    return problems
 
 
 def parsed_batch_size(value: int | str) -> int | str:

@@ -48,11 +48,12 @@ class EvaluationStatus(StrEnum):
 
 _S = EvaluationStatus
 #: The allowed moves. A queued evaluation never fails (it is refused at submission instead) and
-#: never succeeds without having started; a terminal state has no way out.
+#: never succeeds without having started; a terminal state has no way out. A starting or running
+#: evaluation goes back to the queue only when it is preempted (``EvaluationStore.requeue``).
 TRANSITIONS: dict[EvaluationStatus, frozenset[EvaluationStatus]] = {
     _S.QUEUED: frozenset({_S.STARTING, _S.CANCELLED}),
-    _S.STARTING: frozenset({_S.RUNNING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
-    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
+    _S.STARTING: frozenset({_S.RUNNING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED, _S.QUEUED}),
+    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.CANCELLED, _S.QUEUED}),
     _S.SUCCEEDED: frozenset(),
     _S.FAILED: frozenset(),
     _S.CANCELLED: frozenset(),
@@ -68,6 +69,7 @@ class EventKind(StrEnum):
     WARNING = "warning"  # a task's requests do not measure it (engine.checks); a tracker failed
     TASK_RESULT = "task_result"  # one task's (or group's) metrics, when the evaluation ends
     RESULT = "result"  # lm-eval's results JSON (read from the stored results, kept once)
+    PREEMPTED = "preempted"  # stopped for a more urgent evaluation; back in the queue
 
 
 class RunnerEventKind(StrEnum):

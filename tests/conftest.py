@@ -30,6 +30,7 @@ from collections.abc import Iterator
 import pytest
 
 from rayeval.service.demo import DemoAssets, ensure_demo_assets
+from tests.postgres import PostgresServer, find_binaries
 
 RAY_CPUS = 4
 TIERS = ("unit", "service", "e2e")
@@ -73,3 +74,39 @@ def task_manager(demo: DemoAssets):
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_defaults=False, include_path=str(demo.tasks_dir))
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One real PostgreSQL server for the session (``make test`` installs Debian's package)."""
+    binaries = find_binaries()
+    if binaries is None:
+        pytest.skip(
+            "PostgreSQL is not installed (no pg_ctl): `make postgres` installs Debian's package"
+        )
+    if os.geteuid() == 0 and not _has_user("postgres"):
+        pytest.skip("as root, PostgreSQL runs as the user 'postgres', which Debian's package makes")
+    server = PostgresServer(binaries)
+    server.start()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture
+def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An empty database of the backend named by the test's parameter (``tests.postgres``'s
+    ``DATABASES``): a SQLite file, or a new database on the session's PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path_factory.mktemp('db') / 'rayeval.db'}"
+    server: PostgresServer = request.getfixturevalue("postgres")
+    return server.create_database()
+
+
+def _has_user(name: str) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True

@@ -93,6 +93,10 @@ def _routes_transformers(rank: int, world: int, store: str, name: str) -> None:
     assert [t.item() for t in gathered] == [0.0, 1.0]
     dist.barrier()
     dist.destroy_process_group()
+    # The device mesh leaves a C++ thread that the interpreter's exit sometimes destroys while
+    # joinable ("terminate called without an active exception", SIGABRT, about one run in 30):
+    # everything this case checks has passed, so the process ends without that teardown.
+    os._exit(0)
 
 
 def _peer_exits(rank: int, world: int, store: str, name: str) -> None:

@@ -6,7 +6,9 @@
   ``ray job submit``.
 - ``rayeval serve`` (:mod:`.serve`) runs the REST service (see ``rayeval.api.app``).
 - ``rayeval submit`` takes ``run``'s flags and sends the evaluation to a server instead, and
-  ``rayeval status/results/cancel`` follow it there, with progress bars (:mod:`.remote`).
+  ``rayeval status/results/cancel`` follow it there, with progress bars; ``rayeval audit``
+  reads the server's audit trail (:mod:`.remote`).
+- ``rayeval users`` manages users and API keys on the server's database (:mod:`.users`).
 - ``rayeval run --checkpoints`` (a sweep over training checkpoints), ``rayeval watch DIR`` (each
   new checkpoint of a training run) and ``rayeval results OUT`` of a sweep (:mod:`.sweep`).
 - ``rayeval compare A B`` (:mod:`.compare`): a paired comparison of two evaluations' result
@@ -31,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser; ``args.command`` names the command given.
     """
-    from rayeval.api.cli import compare, remote, run, serve, sweep
+    from rayeval.api.cli import compare, remote, run, serve, sweep, users
 
     parser = argparse.ArgumentParser(
         prog="rayeval",
@@ -43,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(subparsers)
     remote.add_parsers(subparsers)
     compare.add_parser(subparsers)
+    users.add_parser(subparsers)
     return parser
 
 
@@ -56,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status.
     """
     args = build_parser().parse_args(argv)
-    from rayeval.api.cli import compare, remote, run, serve, sweep
+    from rayeval.api.cli import compare, remote, run, serve, sweep, users
     from rayeval.api.cli.console import basic_logging
 
     if args.command == "run":  # these two set up their console themselves
@@ -64,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return serve.command(args)
     basic_logging()
+    if args.command == "users":
+        return users.main(args)
     if args.command == "watch":
         return sweep.watch_command(args)
     if args.command == "results" and (status := sweep.results_command(args)) is not None:

@@ -26,7 +26,7 @@ from rayeval.service.events import PhaseCounts
 #: A request type's bar: the server's rates (tqdm's own would time this client's polls).
 _BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} req [{elapsed}{postfix}]"
 #: The commands this module runs.
-COMMANDS = ("submit", "status", "results", "cancel")
+COMMANDS = ("submit", "status", "results", "cancel", "audit")
 _REMOTE_FLAGS = ("url", "token", "wait")
 
 
@@ -55,6 +55,11 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     cancel = subparsers.add_parser("cancel", help="cancel an evaluation on a server")
     cancel.add_argument("id", help="the evaluation id")
     add_server_flags(cancel)
+    audit = subparsers.add_parser("audit", help="a server's audit trail, newest first (admins)")
+    audit.add_argument("--actor", default=None, help="only this user's actions")
+    audit.add_argument("--action", default=None, help="only this action (submit, cancel, ...)")
+    audit.add_argument("--limit", type=int, default=50, help="most entries (default 50)")
+    add_server_flags(audit)
 
 
 class _Renamed:
@@ -108,8 +113,8 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token",
         default=None,
-        help="the server's API token (default: $RAYEVAL_API_TOKEN; prefer the variable: command "
-        "lines are visible to other users)",
+        help="your API key, or the server's API token (default: $RAYEVAL_API_TOKEN; prefer the "
+        "variable: command lines are visible to other users)",
     )
 
 
@@ -124,6 +129,8 @@ def main(args: argparse.Namespace) -> int:
                 return _status(client, args)
             if args.command == "results":
                 return _results(client, args.id, args.output_path, args.json)
+            if args.command == "audit":
+                return _audit(client, args)
             print(_line(client.cancel(args.id)))
             return 0
     except (RayEvalError, ValueError, TypeError) as exc:
@@ -189,6 +196,17 @@ def _status(client: RayEvalClient, args: argparse.Namespace) -> int:
     for phase, p in _phases(evaluation).items():
         print(f"  {phase}: {p.done}/{p.total} requests, {p.tokens_per_s:,.0f} tokens/s")
     return 0 if evaluation["status"] != "failed" else 1
+
+
+def _audit(client: RayEvalClient, args: argparse.Namespace) -> int:
+    page = client.audit(actor=args.actor, action=args.action, limit=args.limit)
+    for entry in page["items"]:
+        detail = json.dumps(entry["detail"], sort_keys=True) if entry["detail"] else ""
+        print(
+            f"{entry['at']}  {entry['actor']:<16} {entry['action']:<12} {entry['target']}  {detail}"
+        )
+    print(f"({len(page['items'])} of {page['total']})")
+    return 0
 
 
 def watch(client: RayEvalClient, evaluation_id: str, stream: Any = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import argparse
 import enum
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +35,17 @@ _SCALARS: dict[Any, Callable[[str], Any]] = {
 }
 
 
-def add_settings_flags(parser: argparse._ActionsContainer, settings: type[BaseModel]) -> None:
+def add_settings_flags(
+    parser: argparse._ActionsContainer,
+    settings: type[BaseModel],
+    only: Collection[str] | None = None,
+) -> None:
     """Add one flag per field of ``settings`` to ``parser`` (``dest``: the field's name).
 
     Args:
         parser: ``rayeval serve``'s parser (or an argument group of it).
         settings: The settings class (:class:`rayeval.api.settings.Settings`).
+        only: These fields only (``rayeval users``: where the database is); None: all.
 
     Raises:
         TypeError: naming a field whose type has no flag form (give it one of the types
@@ -48,6 +53,8 @@ def add_settings_flags(parser: argparse._ActionsContainer, settings: type[BaseMo
     """
     prefix = str(settings.model_config.get("env_prefix", ""))
     for name, field in settings.model_fields.items():
+        if only is not None and name not in only:
+            continue
         parser.add_argument(
             flag_of(name, field),
             dest=name,

@@ -15,10 +15,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
-from rayeval.api.deps import StoreDep, require_token
+from rayeval.api.deps import CallerDep, StoreDep, require_token
 from rayeval.api.schemas import EVALUATION_ERRORS, ErrorBody
 from rayeval.service.comparison import EvaluationSamples, IncomparableError, compare
 from rayeval.service.errors import EvaluationStateError
+from rayeval.service.jobs.accounts import Principal, check_access
 from rayeval.service.jobs.store import EvaluationStore
 from rayeval.service.result_files import parse_samples
 from rayeval.service.states import EvaluationStatus
@@ -83,6 +84,7 @@ class ComparisonPublic(BaseModel):
 @router.get("/compare", response_model=ComparisonPublic, summary="Paired comparison of two")
 def compare_evaluations(
     store: StoreDep,
+    caller: CallerDep,
     a: Annotated[str, Query(max_length=200, description="The first evaluation's id.")],
     b: Annotated[str, Query(max_length=200, description="The second; differences are b - a.")],
 ) -> dict[str, Any]:
@@ -90,21 +92,26 @@ def compare_evaluations(
     test for 0/1 metrics, a paired bootstrap otherwise), the unpaired interval beside it, and the
     documents that flipped each way (their samples: ``/evaluations/{id}/samples/{task}?doc_id=``).
 
-    404: an unknown id. 409: an evaluation that has not succeeded. 422: the two cannot be paired
-    (the reason is named), or one was run without ``log_samples``.
+    404: an unknown id, or another user's evaluation for a member. 409: an evaluation that has
+    not succeeded. 422: the two cannot be paired (the reason is named), or one was run without
+    ``log_samples``.
     """
-    return compare(evaluation_samples(store, a), evaluation_samples(store, b)).to_json()
+    return compare(
+        evaluation_samples(store, a, caller), evaluation_samples(store, b, caller)
+    ).to_json()
 
 
-def evaluation_samples(store: EvaluationStore, evaluation_id: str) -> EvaluationSamples:
+def evaluation_samples(
+    store: EvaluationStore, evaluation_id: str, caller: Principal
+) -> EvaluationSamples:
     """A succeeded evaluation's results and samples, as a comparison reads them.
 
     Raises:
-        EvaluationNotFoundError: unknown id.
+        EvaluationNotFoundError: unknown id, or one ``caller`` may not see.
         EvaluationStateError: the evaluation has not succeeded.
         IncomparableError: it has no samples (submitted without ``log_samples``).
     """
-    record = store.get(evaluation_id)
+    record = check_access(store.get(evaluation_id), caller)
     stored = store.results_json(evaluation_id)
     if record.status is not EvaluationStatus.SUCCEEDED or stored is None:
         raise EvaluationStateError(

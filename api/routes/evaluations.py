@@ -1,6 +1,9 @@
 """``/evaluations``: submit, list, inspect, stream, fetch results and samples, cancel.
 
-Handlers are thin: they call the manager or the store and shape the answer. They raise domain
+Handlers are thin: they call the manager or the store and shape the answer. Each acts for the
+caller (``CallerDep``): a member lists and reads only their own evaluations, and another user's
+answers 404 as an unknown id would; viewers read everything; only admins and owners cancel or
+retry. They raise domain
 errors (``RayEvalError`` subclasses), which ``rayeval.api.app`` turns into HTTP statuses; only
 HTTP-only problems (a malformed Last-Event-ID header) are raised as ``HTTPException`` here.
 """
@@ -17,7 +20,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
-from rayeval.api.deps import FeedDep, ManagerDep, SettingsDep, StoreDep, ViewsDep, require_token
+from rayeval.api.deps import (
+    CallerDep,
+    FeedDep,
+    ManagerDep,
+    SettingsDep,
+    StoreDep,
+    ViewsDep,
+    require_token,
+)
 from rayeval.api.schemas import (
     EVALUATION_ERRORS,
     ErrorBody,
@@ -30,8 +41,14 @@ from rayeval.api.schemas import (
 )
 from rayeval.api.views import EventFeed
 from rayeval.service.config import EvaluationConfig
-from rayeval.service.errors import EvaluationNotFoundError, EvaluationStateError
+from rayeval.service.errors import (
+    EvaluationNotFoundError,
+    EvaluationStateError,
+    unknown_evaluation,
+)
 from rayeval.service.events import StateEvent
+from rayeval.service.jobs.accounts import check_access
+from rayeval.service.jobs.manager import EvaluationManager
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
 from rayeval.service.states import EvaluationStatus, EventKind
 
@@ -41,7 +58,7 @@ router = APIRouter(
     dependencies=[Depends(require_token)],
     responses=EVALUATION_ERRORS,
 )
-_ERRORS: dict[int | str, dict[str, Any]] = {409: {"model": ErrorBody}}
+_ERRORS: dict[int | str, dict[str, Any]] = {403: {"model": ErrorBody}, 409: {"model": ErrorBody}}
 #: Longest an event stream goes without reading the database (writes by another process).
 _RECHECK_S = 5.0
 #: Largest event number or offset a request may name (SQLite integers stop at 2**63 - 1).
@@ -56,21 +73,29 @@ MAX_SEQ = 2**53
     summary="Submit an evaluation",
 )
 def create_evaluation(
-    body: EvaluationCreate, manager: ManagerDep, store: StoreDep, response: Response
+    body: EvaluationCreate,
+    manager: ManagerDep,
+    store: StoreDep,
+    response: Response,
+    caller: CallerDep,
 ) -> EvaluationPublic:
-    """Validate and queue an evaluation; it starts when the cluster has room (FIFO).
+    """Validate and queue an evaluation as the caller's; it starts when the cluster has room
+    (each user's queue served in turn, by priority within it).
 
-    422: unknown tasks, missing model path, bad options, or a layout larger than the cluster.
-    503: lm-eval's task index is still being built (retry shortly).
+    403: the caller is a viewer. 422: unknown tasks, missing model path, bad options, a layout
+    larger than the cluster or than the caller's cap. 503: lm-eval's task index is still being
+    built (retry shortly).
     """
-    record = manager.submit(body)
+    record = manager.submit(body, caller)
     response.headers["Location"] = _url(record.id)
-    return _public(record, store)
+    return _public(record, store, manager)
 
 
 @router.get("", response_model=EvaluationList, summary="List evaluations, newest first")
 def list_evaluations(
     store: StoreDep,
+    manager: ManagerDep,
+    caller: CallerDep,
     status_: Annotated[
         list[EvaluationStatus] | None,
         Query(alias="status", description="Only these states (repeat for several)."),
@@ -78,27 +103,35 @@ def list_evaluations(
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     offset: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
 ) -> EvaluationList:
-    """A page of evaluations, newest first, optionally only those in the given states."""
-    records, total = store.page(statuses=status_, limit=limit, offset=offset)
+    """A page of evaluations the caller sees (a member: their own), newest first, optionally
+    only those in the given states."""
+    owner = None if caller.sees_everything else caller.name
+    records, total = store.page(statuses=status_, limit=limit, offset=offset, owner=owner)
     samples = store.sample_tasks([r.id for r in records])
-    items = [_public(r, store, sample_tasks=samples[r.id], with_stats=False) for r in records]
+    items = [
+        _public(r, store, manager, sample_tasks=samples[r.id], with_stats=False) for r in records
+    ]
     return EvaluationList(items=items, total=total, limit=limit, offset=offset)
 
 
 @router.get("/{evaluation_id}", response_model=EvaluationPublic, summary="One evaluation")
-async def get_evaluation(evaluation_id: str, views: ViewsDep) -> Response:
+async def get_evaluation(evaluation_id: str, views: ViewsDep, caller: CallerDep) -> Response:
     """State, progress per request type, throughput, timestamps and error of an evaluation."""
-    answer = views.cached(evaluation_id)
-    if answer is None:
-        answer = await asyncio.wrap_future(views.render(evaluation_id))
-    return Response(content=answer, media_type="application/json")
+    rendered = views.cached(evaluation_id)
+    if rendered is None:
+        rendered = await asyncio.wrap_future(views.render(evaluation_id))
+    if not caller.sees(rendered.owner):
+        raise unknown_evaluation(evaluation_id)
+    return Response(content=rendered.answer, media_type="application/json")
 
 
-def public_json(store: EvaluationStore) -> Callable[[EvaluationRecord], bytes]:
+def public_json(
+    store: EvaluationStore, manager: EvaluationManager
+) -> Callable[[EvaluationRecord], bytes]:
     """How :class:`rayeval.api.views.EvaluationViews` renders ``GET /evaluations/{id}``."""
 
     def build(record: EvaluationRecord) -> bytes:
-        return _public(record, store).model_dump_json(by_alias=True).encode()
+        return _public(record, store, manager).model_dump_json(by_alias=True).encode()
 
     return build
 
@@ -111,12 +144,12 @@ def public_json(store: EvaluationStore) -> Callable[[EvaluationRecord], bytes]:
     },
     summary="lm-eval's results JSON",
 )
-def get_results(evaluation_id: str, store: StoreDep) -> Response:
+def get_results(evaluation_id: str, store: StoreDep, caller: CallerDep) -> Response:
     """The results file exactly as lm-eval writes it (``results_<timestamp>.json``).
 
     409 while the evaluation has not succeeded.
     """
-    record = store.get(evaluation_id)
+    record = check_access(store.get(evaluation_id), caller)
     stored = store.results_json(evaluation_id)
     if stored is None:
         raise EvaluationStateError(_no_results(record))
@@ -135,6 +168,7 @@ def get_samples(
     evaluation_id: str,
     task: str,
     store: StoreDep,
+    caller: CallerDep,
     doc_id: Annotated[
         int | None,
         Query(ge=0, le=MAX_SEQ, description="Only this document's lines (one per filter)."),
@@ -146,7 +180,7 @@ def get_samples(
     409 while the evaluation has not succeeded; 404 for a task without samples, or a document
     the task does not have.
     """
-    record = store.get(evaluation_id)
+    record = check_access(store.get(evaluation_id), caller)
     if record.status is not EvaluationStatus.SUCCEEDED:
         raise EvaluationStateError(_no_results(record))
     jsonl = store.samples_jsonl(evaluation_id, task)
@@ -190,6 +224,7 @@ async def stream_events(
     store: StoreDep,
     feed: FeedDep,
     settings: SettingsDep,
+    caller: CallerDep,
     last_event_id: Annotated[
         str | None,
         Header(description="Resume after this event id (browsers send it when reconnecting)."),
@@ -210,7 +245,8 @@ async def stream_events(
     The stream ends after the terminal ``state`` event. Each event's id is its number.
     """
     seq = _resume_point(last_event_id, after)
-    await asyncio.to_thread(store.get, evaluation_id)  # 404 before the stream starts
+    record = await asyncio.to_thread(store.get, evaluation_id)  # 404 before the stream starts
+    check_access(record, caller)
     return StreamingResponse(
         _sse(
             store,
@@ -235,16 +271,16 @@ async def stream_events(
     summary="Retry a failed or cancelled evaluation",
 )
 def retry_evaluation(
-    evaluation_id: str, manager: ManagerDep, store: StoreDep, response: Response
+    evaluation_id: str, manager: ManagerDep, store: StoreDep, response: Response, caller: CallerDep
 ) -> EvaluationPublic:
     """Queue the evaluation's request again, as a new evaluation (its id is in ``Location``).
 
     Answers the failed run already computed come from the server's response cache: only the
     rest is computed. 409 unless the evaluation failed or was cancelled.
     """
-    record = manager.retry(evaluation_id)
+    record = manager.retry(evaluation_id, caller)
     response.headers["Location"] = _url(record.id)
-    return _public(record, store)
+    return _public(record, store, manager)
 
 
 @router.delete(
@@ -253,12 +289,14 @@ def retry_evaluation(
     responses=_ERRORS,
     summary="Cancel an evaluation",
 )
-def cancel_evaluation(evaluation_id: str, manager: ManagerDep, store: StoreDep) -> EvaluationPublic:
+def cancel_evaluation(
+    evaluation_id: str, manager: ManagerDep, store: StoreDep, caller: CallerDep
+) -> EvaluationPublic:
     """Stop the evaluation and release its actors and placement group; returns it, cancelled.
 
     409 if it already ended.
     """
-    return _public(manager.cancel(evaluation_id), store)
+    return _public(manager.cancel(evaluation_id, caller), store, manager)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -279,6 +317,7 @@ def _no_results(record: EvaluationRecord) -> str:
 def _public(
     record: EvaluationRecord,
     store: EvaluationStore,
+    manager: EvaluationManager,
     sample_tasks: list[str] | None = None,
     with_stats: bool = True,
 ) -> EvaluationPublic:
@@ -290,8 +329,9 @@ def _public(
     base = _url(record.id)
     return EvaluationPublic(
         id=record.id,
+        owner=record.owner,
         status=record.status,
-        queue_position=store.queue_position(record),
+        queue_position=manager.queue_position(record),
         created_at=record.created_at,
         started_at=record.started_at,
         finished_at=record.finished_at,

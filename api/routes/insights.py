@@ -12,9 +12,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
-from rayeval.api.deps import StoreDep, require_token
+from rayeval.api.deps import CallerDep, StoreDep, require_token
 from rayeval.api.schemas import EVALUATION_ERRORS
 from rayeval.service.events import ProgressEvent
+from rayeval.service.jobs.accounts import check_access
 from rayeval.service.states import EventKind
 
 router = APIRouter(
@@ -58,10 +59,11 @@ class Timeline(BaseModel):
 def get_timeline(
     evaluation_id: str,
     store: StoreDep,
+    caller: CallerDep,
     after: Annotated[int, Query(ge=0, le=MAX_SEQ, description="Only points after this event.")] = 0,
 ) -> Timeline:
     """Throughput and counts of each request type over time (404 for an unknown id)."""
-    store.get(evaluation_id)
+    check_access(store.get(evaluation_id), caller)
     points: list[TimelinePoint] = []
     seq = after
     while len(points) < MAX_POINTS:

@@ -34,7 +34,7 @@ async function api(path, options = {}) {
   const response = await fetch(path, Object.assign({}, options, { headers }));
   if (response.status === 401) {
     $("auth").hidden = false;
-    throw new Error("the API token is missing or wrong");
+    throw new Error("sign in: the API key is missing, wrong or revoked");
   }
   if (!response.ok) {
     let detail = response.statusText;
@@ -91,6 +91,7 @@ async function refreshList() {
     if (evaluation.id === state.selected) row.className = "selected";
     checkCell(row, evaluation);
     cell(row, evaluation.id, "mono");
+    cell(row, evaluation.owner, "owner");
     cell(row, evaluation.status, "badge " + evaluation.status);
     cell(row, modelName(evaluation.request));
     cell(row, evaluation.request.tasks.join(", "));
@@ -613,13 +614,27 @@ function poll(fn, everyMs, shouldRun) {
   tick();
 }
 
+// Who the key is: shown in the header, with a way to sign out (the key lives in this tab's
+// sessionStorage only, never in a URL).
+async function showWhoAmI() {
+  const me = await (await api("/me")).json();
+  $("whoami").textContent = "signed in as " + me.name + " (" + me.role + ")";
+  $("sign-out").hidden = !state.token;
+}
+
 $("auth").addEventListener("submit", (event) => {
   event.preventDefault();
   state.token = $("token").value.trim();
+  $("token").value = "";
   sessionStorage.setItem("rayeval-token", state.token);
   $("auth").hidden = true;
-  refreshList().catch((error) => say(error.message));
+  showWhoAmI().then(refreshList).catch((error) => say(error.message));
 });
+$("sign-out").addEventListener("click", () => {
+  sessionStorage.removeItem("rayeval-token");
+  window.location.reload();
+});
+showWhoAmI().catch((error) => say(error.message));
 $("cancel").addEventListener("click", cancelSelected);
 $("compare-button").addEventListener("click", () => {
   showComparison([...state.compare]).catch((error) => say(error.message));

@@ -1,19 +1,25 @@
-"""Admission: which queued evaluations may start now, in strict FIFO order.
+"""Admission: which queued evaluations may start now, in the order fair share offers them.
 
-The head of the queue starts when the cluster's free resources cover its layout, or at once on
-kept (warm) replicas loaded for the same model and layout; nobody overtakes it. Free means what
+The queue comes ordered by :func:`rayeval.service.jobs.fairness.fair_order` (each user in turn,
+priorities within a user's own queue). The head starts when the cluster's free resources cover
+its layout, or at once on kept (warm) replicas loaded for the same model and layout; nobody
+overtakes it. Free means what
 Ray reports available minus what evaluations already admitted will reserve but have not yet
 (their placement group is not created), bounded by the service's own books (cluster total minus
 everything admitted or kept), so one free slot is never handed to two evaluations even while
 Ray's view lags.
 Kept replicas hold their resources until the head of the queue needs them: then the least
-recently kept are released first. No torch here.
+recently kept are released first. Only when releasing every kept replica would not make room,
+running preemptible evaluations of lower priority than the head are preempted (lowest priority
+first, then the most recently started), as few as make room, and every kept replica is released
+with them: warm replicas always go before a running evaluation does. No torch here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 
 import ray
 
@@ -75,11 +81,14 @@ class Kept:
 
 @dataclass(frozen=True)
 class Admission:
-    """One round's decisions: evaluations to start (on kept replicas or new ones), and kept
-    replicas to release because the head of the queue needs their room."""
+    """One round's decisions: evaluations to start (on kept replicas or new ones), kept
+    replicas to release because the head of the queue needs their room, and running
+    evaluations to preempt for it (after the kept replicas are released)."""
 
     start: list[tuple[EvaluationRecord, Kept | None]]
     release: list[Kept]
+    preempt: list[EvaluationRecord] = field(default_factory=list)
+    head: EvaluationRecord | None = None
 
 
 def plan(
@@ -87,14 +96,20 @@ def plan(
     free: Mapping[str, float],
     kept: Sequence[Kept],
     key_of: Callable[[EvaluationRecord], str],
+    running: Sequence[EvaluationRecord] = (),
+    made_room_for: Collection[str] = (),
 ) -> Admission:
-    """Admit in FIFO order, using kept replicas where they match and their room where needed.
+    """Admit in the given order, using kept replicas where they match and their room (then
+    preemptible evaluations' room) where the head needs it.
 
     Args:
-        queued: Queued evaluations, oldest first.
+        queued: Queued evaluations in the order to offer them (fair share's).
         free: Free resources (:func:`free_resources`; kept replicas' are not in it).
         kept: Kept replicas, least recently kept first.
         key_of: An evaluation's replica key (:func:`rayeval.service.engine.warm.replica_key`).
+        running: Starting or running evaluations (the preemptible ones may give way).
+        made_room_for: Heads that room was made for in an earlier round (no more is made for
+            them while Ray catches up with what was released).
     """
     remaining = dict(free)
     pool = list(kept)
@@ -109,16 +124,54 @@ def plan(
             start.append((record, None))
             remaining = {k: v - record.resources.get(k, 0.0) for k, v in remaining.items()}
             continue
-        # The head does not fit: free kept replicas, oldest first, if that makes room. It starts
-        # in a later round, once Ray has released them.
-        release: list[Kept] = []
-        for candidate in pool:
-            if covers(remaining, record.resources):
-                break
-            release.append(candidate)
-            for key, amount in candidate.resources.items():
-                remaining[key] = remaining.get(key, 0.0) + amount
+        # The head does not fit: it starts in a later round, once Ray has released the room.
+        if record.id in made_room_for:
+            return Admission(start, [], head=record)
+        release, remaining = _release_kept(pool, remaining, record)
         if covers(remaining, record.resources):
-            return Admission(start, release)
-        return Admission(start, [])
+            return Admission(start, release, head=record)
+        victims = _victims(running, remaining, record)
+        if victims:
+            return Admission(start, pool, victims, head=record)
+        return Admission(start, [], head=record)
     return Admission(start, [])
+
+
+def _release_kept(
+    pool: Sequence[Kept], remaining: Mapping[str, float], head: EvaluationRecord
+) -> tuple[list[Kept], dict[str, float]]:
+    """Kept replicas to release for ``head``, oldest first, until it fits (or all of them)."""
+    room = dict(remaining)
+    release: list[Kept] = []
+    for candidate in pool:
+        if covers(room, head.resources):
+            break
+        release.append(candidate)
+        for key, amount in candidate.resources.items():
+            room[key] = room.get(key, 0.0) + amount
+    return release, room
+
+
+def _victims(
+    running: Sequence[EvaluationRecord], room: Mapping[str, float], head: EvaluationRecord
+) -> list[EvaluationRecord]:
+    """The fewest preemptible evaluations of lower priority than ``head`` whose room (with
+    ``room``, every kept replica's included) fits it: lowest priority first, then the most
+    recently started; none if even all of them would not do."""
+    priority = head.scheduling.priority
+    candidates = sorted(
+        (r for r in running if r.scheduling.preemptible and r.scheduling.priority < priority),
+        key=lambda r: (r.scheduling.priority, -(r.started_at or _EPOCH).timestamp()),
+    )
+    room = dict(room)
+    victims: list[EvaluationRecord] = []
+    for candidate in candidates:
+        if covers(room, head.resources):
+            break
+        victims.append(candidate)
+        for key, amount in candidate.resources.items():
+            room[key] = room.get(key, 0.0) + amount
+    return victims if covers(room, head.resources) else []
+
+
+_EPOCH = datetime.fromtimestamp(0).astimezone()

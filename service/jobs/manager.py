@@ -8,7 +8,13 @@ One :class:`EvaluationManager` per API process. Submissions are checked
    (at most one call per runner in flight, a round waits a fraction of a second for answers),
    stores progress, and on the runner's final event stores lm-eval's result and sample files —
    which that event carries — and the terminal state in one transaction;
-2. admits queued evaluations (:mod:`rayeval.service.jobs.admission`), on warm replicas where it can.
+2. admits queued evaluations (:mod:`rayeval.service.jobs.scheduler`: fair share of the queue,
+   warm replicas where it can, preemption of preemptible evaluations for a more urgent one).
+
+Every operation acts for a caller (:class:`rayeval.service.jobs.accounts.Principal`): members
+submit and act on their own evaluations, viewers only read, admins do everything; what a caller
+may not see answers as an unknown id. Submissions, cancels, retries and preemptions go to the
+audit trail.
 
 Around it: what the manager knows of each evaluation beyond the database is one object per
 evaluation (:mod:`rayeval.service.jobs.tracking`); when a followed evaluation fails is decided by
@@ -35,12 +41,26 @@ from typing import Any
 
 import ray
 
+from rayeval.actors.errors import ConfigError
 from rayeval.service.config import EvaluationConfig
 from rayeval.service.engine.cluster import pick_device
 from rayeval.service.engine.warm import replica_key
-from rayeval.service.errors import EvaluationNotFoundError, EvaluationStateError
-from rayeval.service.events import RunnerEvent, RunnerSucceeded, RunOutputs
-from rayeval.service.jobs.admission import Kept, free_resources, plan
+from rayeval.service.errors import (
+    EvaluationNotFoundError,
+    EvaluationStateError,
+    PermissionDeniedError,
+)
+from rayeval.service.events import PreemptedEvent, RunnerEvent, RunnerSucceeded, RunOutputs
+from rayeval.service.jobs.accounts import (
+    BUILTIN_PRINCIPAL,
+    Principal,
+    Share,
+    check_access,
+    read_only,
+)
+from rayeval.service.jobs.admission import Kept
+from rayeval.service.jobs.audit import Action, submission
+from rayeval.service.jobs.fairness import over_cap
 from rayeval.service.jobs.following import (
     RUNNER_GONE,
     RUNNER_GONE_AT_START,
@@ -54,7 +74,7 @@ from rayeval.service.jobs.kept import KeptRunners
 from rayeval.service.jobs.options import ManagerOptions
 from rayeval.service.jobs.ray_resources import Releaser, brief, find_runner
 from rayeval.service.jobs.recovery import plan_recovery, scan_runners
-from rayeval.service.jobs.runner_actor import launch_runner
+from rayeval.service.jobs.scheduler import Scheduler
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
 from rayeval.service.jobs.tasks import TaskCatalog
 from rayeval.service.jobs.tracking import FollowedEvaluations
@@ -89,6 +109,15 @@ class EvaluationManager:
         self._followed = FollowedEvaluations()
         self._releaser = Releaser(options.cancel_timeout_s)
         self._kept = KeptRunners(options.warm_replicas, self._releaser.later)
+        self._scheduler = Scheduler(
+            store,
+            self._followed,
+            self._kept,
+            options,
+            list(catalog.include_paths),
+            self._lock,
+            self._preempt,
+        )
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -115,14 +144,50 @@ class EvaluationManager:
         self._releaser.shutdown()
 
     # ------------------------------------------------------------------- operations
-    def submit(self, config: EvaluationConfig) -> EvaluationRecord:
-        """Check an evaluation against the server and the cluster, then queue it.
+    def submit(
+        self, config: EvaluationConfig, caller: Principal = BUILTIN_PRINCIPAL
+    ) -> EvaluationRecord:
+        """Check an evaluation against the server, the cluster and the caller's cap, then queue
+        it as the caller's.
 
         Raises:
-            ConfigError: bad model, tasks or options (every problem in one message).
+            PermissionDeniedError: the caller only reads (a viewer).
+            ConfigError: bad model, tasks or options (every problem in one message), or a
+                layout over the caller's cap of ranks.
             LayoutError: the layout can never fit the cluster (requested vs available).
             ServiceNotReadyError: the task index is not ready yet (retry shortly).
         """
+        if not caller.may_change:
+            raise PermissionDeniedError(read_only(caller))
+        record = self._queue(config, caller.name)
+        self._store.audit.record(caller.name, Action.SUBMIT, record.id, submission(config))
+        return record
+
+    def retry(self, evaluation_id: str, caller: Principal = BUILTIN_PRINCIPAL) -> EvaluationRecord:
+        """Queue a failed or cancelled evaluation again, as a new evaluation of the same owner
+        with its config.
+
+        With the server's response cache, the new run takes every answer the old one computed
+        from it and computes only the rest.
+
+        Raises:
+            EvaluationNotFoundError: unknown id, or one the caller may not see.
+            PermissionDeniedError: the caller only reads.
+            EvaluationStateError: the evaluation has not failed or been cancelled.
+        """
+        record = check_access(self._store.get(evaluation_id), caller, change=True)
+        if record.status not in (EvaluationStatus.FAILED, EvaluationStatus.CANCELLED):
+            raise EvaluationStateError(
+                f"evaluation {evaluation_id} is {record.status.value}: only a failed or "
+                "cancelled evaluation can be retried"
+            )
+        retried = self._queue(EvaluationConfig.from_json(record.config), record.owner)
+        self._store.audit.record(caller.name, Action.RETRY, retried.id, {"of": evaluation_id})
+        logger.info("evaluation %s retries %s", retried.id, evaluation_id)
+        return retried
+
+    def _queue(self, config: EvaluationConfig, owner: str) -> EvaluationRecord:
+        """Check and store an evaluation of ``owner``; admission is woken."""
         config = config.with_device(pick_device(config.device))
         check_submission(
             config,
@@ -133,46 +198,41 @@ class EvaluationManager:
             node_totals=[node["Resources"] for node in ray.nodes() if node["Alive"]],
         )
         layout = config.layout()
-        record = self._store.create(config.to_json(), layout.total_resources())
+        capped = over_cap(layout.world, owner, self._store.accounts.shares().get(owner, Share()))
+        if capped is not None:
+            raise ConfigError(capped)
+        record = self._store.create(config.to_json(), layout.total_resources(), owner)
         logger.info(
-            "queued evaluation %s (%s, tasks %s)", record.id, layout.describe(), config.tasks
+            "queued evaluation %s of %s (%s, tasks %s)",
+            record.id,
+            owner,
+            layout.describe(),
+            config.tasks,
         )
         self._wake.set()  # admit now, not at the next round
         return record
 
-    def retry(self, evaluation_id: str) -> EvaluationRecord:
-        """Queue a failed or cancelled evaluation again, as a new evaluation with its config.
+    def queue_position(self, record: EvaluationRecord) -> int | None:
+        """1 for the next evaluation fair share offers to admission; None unless queued."""
+        if record.status is not EvaluationStatus.QUEUED:
+            return None
+        return self._scheduler.position(record.id) or self._store.queue_position(record)
 
-        With the server's response cache, the new run takes every answer the old one computed
-        from it and computes only the rest.
-
-        Raises:
-            EvaluationNotFoundError: unknown id.
-            EvaluationStateError: the evaluation has not failed or been cancelled.
-        """
-        record = self._store.get(evaluation_id)
-        if record.status not in (EvaluationStatus.FAILED, EvaluationStatus.CANCELLED):
-            raise EvaluationStateError(
-                f"evaluation {evaluation_id} is {record.status.value}: only a failed or "
-                "cancelled evaluation can be retried"
-            )
-        retried = self.submit(EvaluationConfig.from_json(record.config))
-        logger.info("evaluation %s retries %s", retried.id, evaluation_id)
-        return retried
-
-    def cancel(self, evaluation_id: str) -> EvaluationRecord:
+    def cancel(self, evaluation_id: str, caller: Principal = BUILTIN_PRINCIPAL) -> EvaluationRecord:
         """Cancel an evaluation; return it once Ray has released it (bounded wait).
 
         Raises:
-            EvaluationNotFoundError: unknown id.
+            EvaluationNotFoundError: unknown id, or one the caller may not see.
+            PermissionDeniedError: the caller only reads.
             EvaluationStateError: the evaluation already ended.
         """
         with self._lock:
-            record = self._store.get(evaluation_id)
+            record = check_access(self._store.get(evaluation_id), caller, change=True)
             if record.status.is_terminal:
                 raise EvaluationStateError(
                     f"evaluation {evaluation_id} already {record.status.value}: nothing to cancel"
                 )
+            self._store.audit.record(caller.name, Action.CANCEL, evaluation_id)
             if record.status is EvaluationStatus.QUEUED:
                 self._store.transition(
                     evaluation_id, EvaluationStatus.CANCELLED, only_from=[EvaluationStatus.QUEUED]
@@ -181,10 +241,9 @@ class EvaluationManager:
                 return self._store.get(evaluation_id)
             self._followed[evaluation_id].cancelling = True
         try:
-            released = self._release(evaluation_id)
             note = (
                 None
-                if released
+                if self._release(evaluation_id)
                 else (
                     f"cancelled, but Ray had not released every actor within "
                     f"{self._options.cancel_timeout_s:g}s; check `ray list actors`"
@@ -197,6 +256,30 @@ class EvaluationManager:
                 self._followed.drop(evaluation_id)
         return self._store.get(evaluation_id)
 
+    def _preempt(self, victim: EvaluationRecord, head: EvaluationRecord) -> None:
+        """Release a running preemptible evaluation and queue it again, for ``head``."""
+        with self._lock:
+            followed = self._followed[victim.id]
+            if followed.cancelling:
+                return
+            followed.cancelling = True  # nothing else ends it meanwhile
+        try:
+            logger.info("preempting %s to make room for %s", victim.id, head.id)
+            if self._release(victim.id):
+                self._store.requeue(
+                    victim.id, PreemptedEvent(by=head.id, done=victim.progress.done)
+                )
+            else:
+                error = (
+                    f"preempted for {head.id}, but Ray had not released every actor within "
+                    f"{self._options.cancel_timeout_s:g}s; check `ray list actors` and retry it"
+                )
+                self._store.transition(victim.id, EvaluationStatus.FAILED, error=error)
+            self._store.audit.record("scheduler", Action.PREEMPT, victim.id, {"by": head.id})
+        finally:
+            with self._lock:
+                self._followed.drop(victim.id)
+
     # ----------------------------------------------------------------- background loop
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -207,7 +290,7 @@ class EvaluationManager:
             try:
                 self._follow_active()
                 self._forget_ended()
-                self._admit()
+                self._scheduler.admit()
             except Exception:  # one bad round must not stop the service
                 logger.exception("manager round failed; retrying")
 
@@ -216,68 +299,6 @@ class EvaluationManager:
         waiting = {record.id for record in (*self._store.active(), *self._store.queued())}
         with self._lock:  # a cancel marks its evaluation under the same lock
             self._followed.keep_only(waiting)
-
-    def _admit(self) -> None:
-        queued = self._store.queued()
-        if not queued:
-            return
-        kept = self._kept.entries()
-        free = free_resources(self._store.active(), self._followed.owners(), kept)
-        decided = plan(queued, free, kept, self._key_of)
-        for freed in decided.release:
-            logger.info(
-                "releasing the kept replicas of %s: a queued evaluation needs room", freed.owner
-            )
-            self._kept.release(freed.owner)
-        for record, entry in decided.start:
-            # Under the lock, so that a cancel sees either a queued evaluation or a runner handle.
-            with self._lock:
-                if not self._store.transition(record.id, EvaluationStatus.STARTING):
-                    continue
-                if entry is None or not self._start_on_kept(record, entry.owner):
-                    self._start_runner(record)
-
-    def _key_of(self, record: EvaluationRecord) -> str:
-        followed = self._followed[record.id]
-        if followed.key is None:
-            followed.key = replica_key(record.config)
-        return followed.key
-
-    def _start_on_kept(self, record: EvaluationRecord, owner: str) -> bool:
-        """Run ``record`` on the runner kept by ``owner``; False (and it is released) if not."""
-        timeout_s = EvaluationConfig.from_json(record.config).timeouts.control_s
-        handle = self._kept.hand_over(owner, record.id, record.config, timeout_s)
-        if handle is None:
-            return False
-        self._follow(record.id, handle, owner, heard=True)
-        logger.info("started evaluation %s on the replicas kept by %s", record.id, owner)
-        return True
-
-    def _start_runner(self, record: EvaluationRecord) -> None:
-        try:
-            handle = launch_runner(
-                record.id,
-                record.config,
-                self._options.namespace,
-                list(self._catalog.include_paths),
-                self._options.response_cache,
-                self._kept.enabled,
-                self._options.trackers,
-            )
-        except Exception as exc:  # e.g. a bad runtime_env: the evaluation cannot start
-            error = f"could not start the runner actor: {brief(exc)}"
-            self._store.transition(record.id, EvaluationStatus.FAILED, error=error)
-            return
-        self._follow(record.id, handle, record.id, heard=True)
-        logger.info("started evaluation %s", record.id)
-
-    def _follow(self, evaluation_id: str, handle: Any, owner: str, heard: bool) -> None:
-        """Follow the evaluation on the runner ``handle`` (carrying ``owner``'s names)."""
-        followed = self._followed[evaluation_id]
-        followed.runner = handle
-        followed.owner = owner if owner != evaluation_id else None
-        if heard:
-            followed.heard_at = time.monotonic()
 
     def _follow_active(self) -> None:
         """Ask every active runner for its new events; apply the answers that are back; fail
@@ -399,7 +420,7 @@ class EvaluationManager:
         by_name = functools.partial(find_runner, namespace=self._options.namespace)
         decided = plan_recovery(self._store.active(), found, by_name, self._ended)
         for evaluation_id, runner in decided.attach.items():
-            self._follow(evaluation_id, runner.handle, runner.owner, heard=False)
+            self._followed.follow(evaluation_id, runner.handle, runner.owner, heard=False)
             logger.info("re-attached evaluation %s to its runner actor", evaluation_id)
         for evaluation_id in decided.lost:
             self._fail(evaluation_id, RUNNER_GONE_AT_START)

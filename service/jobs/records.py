@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from rayeval.service.config import Parallelism, Scheduling
 from rayeval.service.events import EvaluationProgress, StreamEvent, stream_event
-from rayeval.service.jobs.rows import EvaluationRow
+from rayeval.service.jobs.rows import BUILTIN_ADMIN, EvaluationRow
 from rayeval.service.states import EvaluationStatus, EventKind
 
 
@@ -20,7 +21,8 @@ class EvaluationRecord:
     """One stored evaluation, detached from the database.
 
     ``config`` is ``EvaluationConfig.to_json()``; ``progress`` is per request type its latest
-    report; ``runner_cursor`` is the last runner event already turned into stored events.
+    report; ``runner_cursor`` is the last runner event already turned into stored events;
+    ``owner`` is the user who submitted it.
     """
 
     id: str
@@ -35,6 +37,20 @@ class EvaluationRecord:
     progress: EvaluationProgress
     last_event_seq: int
     runner_cursor: int
+    owner: str = BUILTIN_ADMIN
+
+    @property
+    def scheduling(self) -> Scheduling:
+        """Its priority and whether it may be preempted (rows from before: the defaults)."""
+        return Scheduling.model_validate(self.config.get("scheduling") or {})
+
+    @property
+    def ranks(self) -> int:
+        """Ranks its layout holds (R x G), what a user's cap counts."""
+        # Rows of rayeval 0.1 keep the layout's fields flat (EvaluationConfig.from_json too).
+        flat = {key: self.config[key] for key in Parallelism.model_fields if key in self.config}
+        parallelism = Parallelism.model_validate({**flat, **(self.config.get("parallelism") or {})})
+        return parallelism.num_replicas * parallelism.shard_size
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,7 @@ def record_of(row: EvaluationRow) -> EvaluationRecord:
     return EvaluationRecord(
         id=row.id,
         number=row.number,
+        owner=row.owner,
         status=EvaluationStatus(row.status),
         config=row.config,
         resources=row.resources,

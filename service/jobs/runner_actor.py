@@ -42,6 +42,7 @@ from rayeval.service.events import (
     RunOutputs,
     warning_of,
 )
+from rayeval.service.jobs.failures import explain
 from rayeval.service.jobs.ray_resources import group_name, runner_name
 from rayeval.service.trackers import Trackers
 
@@ -164,7 +165,7 @@ class EvaluationRunner:
         except Exception as exc:  # lm-eval raises plain exceptions for bad task/model setups
             logger.exception("evaluation %s failed", evaluation_id)
             kind = type(exc).__name__
-            self._emit(evaluation_id, RunnerFailed, error=f"{kind}: {exc}", kind=kind)
+            self._emit(evaluation_id, RunnerFailed, error=explain(exc), kind=kind)
         else:
             self._emit(evaluation_id, RunnerSucceeded, outputs=outputs)
         finally:

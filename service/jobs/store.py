@@ -8,8 +8,10 @@ evaluation first wins and the loser learns it from the return value, which is wh
 concurrent cancel and completion safe; the allowed moves are
 :data:`rayeval.service.states.TRANSITIONS`. lm-eval's results are stored once, in their own
 table: the ``result`` event on the stream holds no copy (the API fills it in from the results table
-when it sends it). Event numbers (``seq``) start at 1 and increase by one per evaluation. No torch
-here.
+when it sends it). Event numbers (``seq``) start at 1 and increase by one per evaluation. Users and
+keys (:attr:`EvaluationStore.accounts`) and the audit trail (:attr:`EvaluationStore.audit`) share
+the database. The schema is created and migrated by :mod:`rayeval.service.jobs.migrations`. No
+torch here.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from sqlalchemy import func, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session, sessionmaker
 
-from rayeval.service.errors import EvaluationNotFoundError
-from rayeval.service.events import EvaluationProgress, ResultEvent, StateEvent
+from rayeval.service.errors import unknown_evaluation
+from rayeval.service.events import EvaluationProgress, PreemptedEvent, ResultEvent, StateEvent
+from rayeval.service.jobs import migrations
+from rayeval.service.jobs.accounts import Accounts
+from rayeval.service.jobs.audit import AuditTrail
 from rayeval.service.jobs.records import (
     EvaluationRecord,
     EventRecord,
@@ -35,7 +40,7 @@ from rayeval.service.jobs.records import (
     stored_progress,
 )
 from rayeval.service.jobs.rows import (
-    Base,
+    BUILTIN_ADMIN,
     EvaluationRow,
     EventRow,
     ResultRow,
@@ -63,6 +68,8 @@ class EvaluationStore:
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._versions: dict[str, int] = {}
         self._listeners: list[Callable[[str], None]] = []
+        self.audit = AuditTrail(self._sessions)
+        self.accounts = Accounts(self._sessions, self.audit)
 
     # -------------------------------------------------------------------- changes
     def version(self, evaluation_id: str) -> int:
@@ -79,18 +86,21 @@ class EvaluationStore:
             listener(evaluation_id)
 
     def create_schema(self) -> None:
-        """Create missing tables (existing data is kept)."""
-        Base.metadata.create_all(self._engine)
+        """Create or migrate the schema to the newest revision (existing rows are kept)."""
+        migrations.upgrade(self._engine)
 
     def close(self) -> None:
         """Release the connection pool."""
         self._engine.dispose()
 
     # ------------------------------------------------------------------------ writes
-    def create(self, config: dict[str, Any], resources: dict[str, float]) -> EvaluationRecord:
-        """Store a new queued evaluation (and its first event) and return it."""
+    def create(
+        self, config: dict[str, Any], resources: dict[str, float], owner: str = BUILTIN_ADMIN
+    ) -> EvaluationRecord:
+        """Store a new queued evaluation of ``owner`` (and its first event) and return it."""
         row = EvaluationRow(
             id=uuid.uuid4().hex[:16],
+            owner=owner,
             status=EvaluationStatus.QUEUED.value,
             config=config,
             resources=resources,
@@ -135,6 +145,29 @@ class EvaluationStore:
             if not _update_if(session, evaluation_id, expect, **values):
                 return False
             _append_events(session, evaluation_id, [*events, StateEvent(status=to, error=error)])
+            return True
+
+    def requeue(self, evaluation_id: str, preempted: PreemptedEvent) -> bool:
+        """Put an active evaluation back in the queue (preempted): its runner cursor and progress
+        start over, its events go on.
+
+        Returns:
+            True if this call made the change; False if the evaluation was no longer active.
+        """
+        with self._transaction(evaluation_id) as session:
+            if not _update_if(
+                session,
+                evaluation_id,
+                EvaluationStatus.sources_of(EvaluationStatus.QUEUED),
+                status=EvaluationStatus.QUEUED.value,
+                started_at=None,
+                runner_cursor=0,
+                progress=EvaluationProgress().dump(),
+            ):
+                return False
+            _append_events(
+                session, evaluation_id, [preempted, StateEvent(status=EvaluationStatus.QUEUED)]
+            )
             return True
 
     def record_progress(
@@ -215,9 +248,7 @@ class EvaluationStore:
         with self._sessions() as session:
             row = session.scalar(select(EvaluationRow).where(EvaluationRow.id == evaluation_id))
             if row is None:
-                raise EvaluationNotFoundError(
-                    f"no evaluation with id {evaluation_id!r}: list them with GET /evaluations"
-                )
+                raise unknown_evaluation(evaluation_id)
             return record_of(row)
 
     def page(
@@ -226,10 +257,15 @@ class EvaluationStore:
         limit: int = 50,
         offset: int = 0,
         oldest_first: bool = False,
+        owner: str | None = None,
     ) -> tuple[list[EvaluationRecord], int]:
-        """A page of evaluations (newest first unless ``oldest_first``) and the total count."""
+        """A page of evaluations (newest first unless ``oldest_first``; only ``owner``'s if
+        given) and the total count."""
         query = select(EvaluationRow)
         count = select(func.count()).select_from(EvaluationRow)
+        if owner is not None:
+            query = query.where(EvaluationRow.owner == owner)
+            count = count.where(EvaluationRow.owner == owner)
         if statuses is not None:
             wanted = [s.value for s in statuses]
             query = query.where(EvaluationRow.status.in_(wanted))

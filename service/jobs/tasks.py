@@ -5,7 +5,8 @@ lm-eval's built-in index (~15k tasks) takes many seconds to scan, so it is built
 in a child process started in the background (the scan is pure Python and would otherwise hold the
 API's GIL), and never per request. A request whose tasks are all found under the include paths
 never waits for it. ``python -m service.jobs.tasks`` prints the built-in names as JSON (the child's
-job). No torch here.
+job). A glob pattern that matches a group or tag together with other names is refused: lm-eval
+would meet the group's tasks twice and stop at run time. No torch here.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class _BuiltinIndex:
         self._done = threading.Event()
         self._state = IndexState.NOT_STARTED
         self._names: frozenset[str] = frozenset()
+        self._collections: frozenset[str] = frozenset()
         self._error = ""
 
     @property
@@ -59,6 +61,13 @@ class _BuiltinIndex:
                 return
             self._state = IndexState.BUILDING
         threading.Thread(target=self._scan, name="rayeval-task-index", daemon=True).start()
+
+    def collections_if_ready(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The built-in names and which of them are groups or tags, if the scan is done (else
+        empty: never waits)."""
+        if self._state is not IndexState.READY:
+            return frozenset(), frozenset()
+        return self._names, self._collections
 
     def names(self, wait_s: float) -> frozenset[str]:
         """The built-in names, waiting at most ``wait_s`` for the scan.
@@ -89,7 +98,9 @@ class _BuiltinIndex:
                 timeout=BUILTIN_SCAN_TIMEOUT_S,
                 check=True,
             )
-            self._names = frozenset(json.loads(done.stdout))
+            scanned = json.loads(done.stdout)
+            self._names = frozenset(scanned["names"])
+            self._collections = frozenset(scanned["collections"])
             self._state = IndexState.READY
             logger.info(
                 "lm-eval task index ready: %d names in %.1fs",
@@ -118,7 +129,7 @@ class TaskCatalog:
 
     def __init__(self, include_paths: Sequence[str] = ()) -> None:
         self.include_paths = tuple(str(p) for p in include_paths)
-        self._local = _scan_include_paths(self.include_paths)
+        self._local, self._collections = _scan_include_paths(self.include_paths)
 
     @property
     def builtin_state(self) -> IndexState:
@@ -143,6 +154,7 @@ class TaskCatalog:
         """
         from lm_eval.utils import pattern_match
 
+        self._refuse_overlapping_patterns(names, field)
         missing = [n for n in names if not pattern_match([n], self._local)]
         if not missing:
             return
@@ -167,25 +179,48 @@ class TaskCatalog:
             "--include-path"
         )
 
+    def _refuse_overlapping_patterns(self, names: Sequence[str], field: str) -> None:
+        """Refuse a glob pattern that matches a group or tag together with other names: lm-eval
+        would meet the group's tasks twice and stop ("Duplicate task ...: found in both")."""
+        from lm_eval.utils import pattern_match
 
-def _scan_include_paths(include_paths: tuple[str, ...]) -> list[str]:
+        builtin, builtin_collections = _BUILTIN.collections_if_ready()
+        everything = sorted({*self._local, *builtin})
+        collections = self._collections | builtin_collections
+        for pattern in (n for n in names if any(c in n for c in "*?[")):
+            matched = pattern_match([pattern], everything)
+            overlapping = sorted(set(matched) & collections)
+            if overlapping and len(matched) > 1:
+                raise ConfigError(
+                    f"{field}: {pattern!r} matches the groups or tags {overlapping[:5]} together "
+                    f"with {len(matched) - len(overlapping)} other names, so lm-eval would meet "
+                    "a task both alone and in its group and stop ('Duplicate task'): name the "
+                    "groups, or the tasks, you want, or a narrower pattern"
+                )
+
+
+def _scan_include_paths(include_paths: tuple[str, ...]) -> tuple[list[str], frozenset[str]]:
+    """Every task, group and tag name under the include paths, and which are groups or tags."""
     if not include_paths:
-        return []
+        return [], frozenset()
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_defaults=False, include_path=list(include_paths))
-    return sorted(manager.all_tasks)
+    return sorted(manager.all_tasks), frozenset([*manager.all_groups, *manager.all_tags])
 
 
 def _print_builtin_names() -> None:
-    """Scan lm-eval's built-in index and print its names as a JSON list on stdout."""
+    """Scan lm-eval's built-in index and print its names (and which are groups or tags) as JSON
+    on stdout: ``{"names": [...], "collections": [...]}``."""
     logging.disable(logging.WARNING)  # lm-eval warns about every odd YAML
     out, sys.stdout = sys.stdout, sys.stderr  # whatever the scan prints must not corrupt the JSON
     from lm_eval.tasks import TaskManager
 
-    names = sorted(TaskManager().all_tasks)
+    manager = TaskManager()
+    names = sorted(manager.all_tasks)
+    collections = sorted({*manager.all_groups, *manager.all_tags})
     sys.stdout = out
-    json.dump(names, sys.stdout)
+    json.dump({"names": names, "collections": collections}, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ warm-keeping) and request threads (cancel). No Ray and no torch here.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +96,15 @@ class FollowedEvaluations:
     def owners(self) -> dict[str, str]:
         """Evaluations running on kept runners -> the evaluation whose names those carry."""
         return {f.evaluation_id: f.owner for f in self.all() if f.owner is not None}
+
+    def follow(self, evaluation_id: str, handle: Any, owner: str, heard: bool) -> None:
+        """Follow the evaluation on the runner ``handle``, which carries ``owner``'s names
+        (its own, or a kept runner's first evaluation's); ``heard``: it counts as heard now."""
+        followed = self[evaluation_id]
+        followed.runner = handle
+        followed.owner = owner if owner != evaluation_id else None
+        if heard:
+            followed.heard_at = time.monotonic()
 
     def drop(self, evaluation_id: str) -> None:
         """Forget the evaluation."""

@@ -14,7 +14,8 @@ only the server can judge, so that what is accepted with 202 can run:
   model's ``config.json`` (for ``tp``: heads that G divides), and a node that can hold a replica's
   G ranks where the strategy needs one. Whether transformers has a tensor-parallel plan for the
   architecture needs its config classes (and torch), so that last check is the engine's, before
-  any rank starts.
+  any rank starts;
+- ``apply_chat_template`` only for a local tokenizer that has a chat template.
 
 Every problem is collected into one message. No torch here.
 """
@@ -119,7 +120,7 @@ def check_submission(
     problems = policy_problems(config, policy) + task_problems(config)
     problems += tracking_problems(config, policy)
     if not problems:  # a model path is read only once the policy allows it (no file oracle)
-        problems += strategy_problems(config, node_totals)
+        problems += strategy_problems(config, node_totals) + chat_template_problems(config)
     try:
         config.evaluator_config(
             HostOptions(output_path="unused", include_paths=catalog.include_paths)
@@ -179,6 +180,36 @@ def strategy_problems(
             "or use --shard_strategy auto (FSDP across nodes)"
         )
     return problems
+
+
+#: Where a tokenizer keeps its chat template, besides ``tokenizer_config.json``'s key.
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+
+
+def chat_template_problems(config: EvaluationConfig) -> list[str]:
+    """``apply_chat_template`` for a local tokenizer without a chat template (a hub tokenizer is
+    not read here: lm-eval decides when it runs)."""
+    if not config.apply_chat_template:
+        return []
+    args = config.model_args
+    tokenizer = args.get("tokenizer")
+    source = Path(str(tokenizer if isinstance(tokenizer, str) else args["pretrained"])).expanduser()
+    if tokenizer is None:
+        source = source / str(args.get("subfolder") or "")
+    settings = source / "tokenizer_config.json"
+    if not settings.is_file():
+        return []
+    try:
+        has_template = bool(json.loads(settings.read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return []  # lm-eval reads it again and names the problem
+    if has_template or any((source / name).exists() for name in CHAT_TEMPLATE_FILES):
+        return []
+    return [
+        f"apply_chat_template: the tokenizer at {str(source)!r} has no chat template: leave "
+        "apply_chat_template false for a base model, or name a tokenizer that has one in "
+        "model_args.tokenizer"
+    ]
 
 
 def tracking_problems(config: EvaluationConfig, policy: ServerPolicy) -> list[str]:
