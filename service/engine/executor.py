@@ -106,26 +106,40 @@ class Executor:
         disable_tqdm: bool,
     ) -> list[tuple[float, bool]]:
         """(log-likelihood, is_greedy) of each (context, continuation) token pair, in order."""
-        keys = [score_key(context, continuation, max_length) for context, continuation in pairs]
-        cached, todo = self._cached(keys, phase)
+        cache = self._cache
+        keys: list[Any] = []
+        todo: Sequence[int] = range(len(pairs))
+        cached: dict[int, Any] = {}
+        if cache is not None:  # hashed at once: a million token-list keys would not fit
+            keys = [cache.digest(score_key(c, k, max_length)) for c, k in pairs]
+            cached, todo = self._cached(keys, phase)
         plan = plan_score(
-            [pairs[i] for i in todo], max_length, self._score_budget, self._share_prefixes
+            [pairs[i] for i in todo] if cached else pairs,
+            max_length,
+            self._score_budget,
+            self._share_prefixes,
         )
-        located = [
-            (keys[i], loc.micro_batch, (loc.row, loc.target))
-            for i, loc in zip(todo, plan.locations, strict=True)
-        ]
+        where = plan.where
+        store = None
+        if cache is not None:
+            store = cache.storer(
+                [
+                    (keys[i], micro_batch, (row, target))
+                    for i, (micro_batch, row, target) in zip(todo, where, strict=True)
+                ]
+            )
         results = self._run(
             plan.micro_batches,
             phase,
-            Counter(loc.micro_batch for loc in plan.locations),
+            Counter(micro_batch for micro_batch, _, _ in where),
             disable_tqdm,
-            on_result=self._cache.storer(located) if self._cache is not None else None,
+            on_result=store,
         )
-        answers = dict(cached) | {
-            i: results[loc.micro_batch][loc.row][loc.target]
-            for i, loc in zip(todo, plan.locations, strict=True)
-        }
+        scored = (results[micro_batch][row][target] for micro_batch, row, target in where)
+        if not cached:
+            return list(scored)
+        answers = dict(cached)
+        answers.update(zip(todo, scored, strict=True))
         return [answers[i] for i in range(len(pairs))]
 
     def generate(
@@ -136,7 +150,9 @@ class Executor:
     ) -> list[list[int]]:
         """The generated token ids of each request, in order (``names``: per request, how an
         error names it)."""
-        keys = [generate_key(request.context, request.settings()) for request in requests]
+        keys: list[Any] = [None] * len(requests)
+        if self._cache is not None:  # hashed at once, as scores' keys
+            keys = [self._cache.digest(generate_key(r.context, r.settings())) for r in requests]
         cached, todo = self._cached(keys, "generate_until")
         pending = [requests[i] for i in todo]
         pending_keys = [keys[i] for i in todo]
@@ -193,7 +209,7 @@ class Executor:
         start = self._start_up()
         seeds = request_seeds(requests, self._seed)
         plan = plan_generate_groups(requests, self._slot_budget(), seeds, names)
-        key_at = dict(zip(plan.locations, keys, strict=True))
+        key_at = dict(zip(plan.locations, keys, strict=True)) if self._cache is not None else {}
         cache = self._cache
 
         def store(piece: PieceDone) -> None:

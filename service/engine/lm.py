@@ -34,6 +34,7 @@ from rayeval.actors.profiles import ModelShape
 from rayeval.actors.sharding import ShardStrategy, model_obstacles, refusal
 from rayeval.service.config import DEFAULT_SEED, EngineConfig, HostOptions
 from rayeval.service.engine.checks import (
+    Origins,
     RequestReport,
     check_empty_context_pairs,
     inspect_requests,
@@ -43,6 +44,7 @@ from rayeval.service.engine.cluster import connect, pick_device
 from rayeval.service.engine.encoder import (
     build_encoder,
     decode_generation,
+    encode_pairs,
     generate_request,
     model_sha,
     model_spec,
@@ -74,6 +76,9 @@ class RayEvalLM(TemplateLM):
             requests whose tokens do not measure it (see :mod:`rayeval.service.engine.checks`).
         replicas: Loaded replicas to use if they match, and where to keep these ones after a
             successful evaluation (:mod:`rayeval.service.engine.warm`).
+        benchmark_rank_class: Benchmarks only, never set by the product: a class that replaces
+            every rank actor (``benchmarks/sim_rank.py``'s simulated rank, which loads no model;
+            see :meth:`rayeval.actors.group.WorkerGroup.create`).
         **options: :meth:`EngineConfig.from_kwargs`'s keywords: ``num_replicas``, ``shard_size``,
             ``cpus_per_rank``, ``batch_size``, ``max_batch_size``, ``max_batch_tokens``,
             ``device``, ``seed``, ``timeouts`` (or ``placement_s``, ``load_s``, ...), ``address``,
@@ -95,9 +100,11 @@ class RayEvalLM(TemplateLM):
         on_progress: Callable[[Progress], None] | None = None,
         on_warning: Callable[[dict[str, Any]], None] | None = None,
         replicas: KeptReplicas | None = None,
+        benchmark_rank_class: type | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
+        self._benchmark_rank_class = benchmark_rank_class
         check_private_apis()  # names a package version that moved, before anything starts
         self._created = time.monotonic()
         config, host = _engine_config(pretrained, config, host, options)
@@ -105,7 +112,8 @@ class RayEvalLM(TemplateLM):
         self.batch_sizes: dict[int, int] = {}
         self._timeouts = config.timeouts.for_ranks()
         self._on_warning = on_warning
-        self._origins: list[tuple[str, Any]] | None = None
+        self._origins: Origins | None = None
+        self._merged: list[bool] | None = None
         #: Degenerate loglikelihood requests seen so far, per task and kind (see engine.checks).
         self.request_report = RequestReport()
         self.pretrained = config.pretrained
@@ -271,13 +279,15 @@ class RayEvalLM(TemplateLM):
                 "enable_thinking=True is not compatible with loglikelihood tasks: "
                 "drop enable_thinking from model_args or run generative tasks only"
             )
-        origins = [(r.task_name, r.doc_id) for r in requests]
-        check_empty_context_pairs([r.args for r in requests], origins, self.tok_encode)
-        self._origins = origins
+        origins = Origins(requests)
+        pairs = [r.args for r in requests]
+        check_empty_context_pairs(pairs, origins, self.tok_encode)
+        encoded = encode_pairs(self._encoder, pairs)  # TemplateLM's tokenisation, in bulk
+        self._origins, self._merged = origins, encoded.merged
         try:
-            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+            return self._loglikelihood_tokens(encoded.requests(pairs), disable_tqdm=disable_tqdm)
         finally:
-            self._origins = None
+            self._origins = self._merged = None
 
     def _loglikelihood_tokens(
         self, requests: list[Any], disable_tqdm: bool = False, **kwargs: Any
@@ -288,26 +298,21 @@ class RayEvalLM(TemplateLM):
         order of the Instances given to :meth:`loglikelihood` (their origins name the task
         in reports and errors).
         """
+        ours = self._origins is not None and len(self._origins) == len(requests)
         inspection = inspect_requests(
             requests,
-            self._origins
-            if self._origins is not None and len(self._origins) == len(requests)
-            else None,
+            self._origins if ours else None,
             self.tok_encode,
             logits_cache=bool(self.config.model_args.get("logits_cache", True)),
+            merged=self._merged if ours else None,
         )
         for flagged in inspection.flagged:
             self.request_report.add(flagged)
         report_flagged(inspection.flagged, self._on_warning)
-        todo = [i for i in range(len(requests)) if i not in inspection.answers]
-        scored = self._executor.score(
-            [(requests[i][1], requests[i][2]) for i in todo],
-            self.max_length,
-            "loglikelihood",
-            disable_tqdm,
-        )
-        answers = dict(inspection.answers) | dict(zip(todo, scored, strict=True))
-        ordered = [answers[i] for i in range(len(requests))]
+        fixed = inspection.answers
+        pairs = [(requests[i][1], requests[i][2]) for i in range(len(requests)) if i not in fixed]
+        scored = iter(self._executor.score(pairs, self.max_length, "loglikelihood", disable_tqdm))
+        ordered = [fixed[i] if i in fixed else next(scored) for i in range(len(requests))]
         for (request_str, _, _), answer in zip(requests, ordered, strict=True):
             if request_str is not None:
                 self.cache_hook.add_partial("loglikelihood", request_str, answer)
@@ -375,6 +380,7 @@ class RayEvalLM(TemplateLM):
             strategy=parallelism.shard_strategy,
             obstacles=obstacles,
             shm_collectives=parallelism.shm_collectives,
+            benchmark_rank_class=self._benchmark_rank_class,
         )
         self._executor.attach(group, reused=kept is not None)
         return group

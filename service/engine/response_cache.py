@@ -79,6 +79,11 @@ def generate_key(context: Sequence[int], settings: Mapping[str, Any]) -> Any | N
     return ["generate", list(context), dict(settings)]
 
 
+class Digest(str):
+    """A request's key already hashed (:meth:`ResponseCache.digest`): 64 characters to hold
+    instead of the request's token lists, for a million requests."""
+
+
 class ResponseCache:
     """Answers of one model, keyed by request, in a SQLite file.
 
@@ -157,11 +162,18 @@ class ResponseCache:
 
         return store
 
+    def digest(self, request: Any) -> Digest | None:
+        """The key of ``request`` as this cache stores it (None stays None); every method
+        taking requests takes digests too."""
+        return None if request is None else Digest(self._key(request))
+
     def close(self) -> None:
         """Close the database (answers are committed as they are stored)."""
         self._db.close()
 
     def _key(self, request: Any) -> str:
+        if isinstance(request, Digest):
+            return request
         text = json.dumps([self._fingerprint, request], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
 
