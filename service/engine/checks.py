@@ -179,6 +179,37 @@ def inspect_requests(
     return Inspection(answers, flagged)
 
 
+@dataclass(frozen=True)
+class RequestChecks:
+    """:func:`inspect_requests` with an LM's settings, reporting what it flags.
+
+    Args:
+        encode: The tokenizer's ``tok_encode``.
+        logits_cache: lm-eval's ``logits_cache`` model arg.
+        report: Where flagged requests are counted.
+        on_warning: Called as :func:`report_flagged` says.
+    """
+
+    encode: Callable[..., list[int]]
+    logits_cache: bool
+    report: RequestReport
+    on_warning: Callable[[dict[str, Any]], None] | None
+
+    def __call__(
+        self,
+        requests: Sequence[tuple[tuple[str, str], Sequence[int], Sequence[int]]],
+        origins: Sequence[tuple[str, Any]] | None,
+        merged: Sequence[bool] | None,
+    ) -> Inspection:
+        inspection = inspect_requests(
+            requests, origins, self.encode, self.logits_cache, merged=merged
+        )
+        for flagged in inspection.flagged:
+            self.report.add(flagged)
+        report_flagged(inspection.flagged, self.on_warning)
+        return inspection
+
+
 def check_empty_context_pairs(
     requests: Sequence[tuple[str, str]],
     origins: Sequence[tuple[str, Any]] | None,

@@ -31,7 +31,12 @@ from rayeval.actors.batches import (
     ScoreMicroBatch,
     StepStats,
 )
-from rayeval.actors.errors import EvaluationTimeoutError, RayEvalError, WorkerLostError
+from rayeval.actors.errors import (
+    EvaluationTimeoutError,
+    RayEvalError,
+    ResultIntegrityError,
+    WorkerLostError,
+)
 from rayeval.actors.group import Replica, WorkerGroup, rank_failure
 
 logger = logging.getLogger(__name__)
@@ -119,6 +124,7 @@ class Dispatcher:
         micro_batches: All micro-batches of one request type (all score or all generate).
         step_timeout_s: Longest a replica may spend on one step.
         depth: Calls queued per replica (2: the next one is ready when the current one ends).
+        kind: The micro-batches' type, when none is given yet (they come with :meth:`add`).
     """
 
     def __init__(
@@ -127,12 +133,13 @@ class Dispatcher:
         micro_batches: Sequence[MicroBatch],
         step_timeout_s: float,
         depth: int = 2,
+        kind: type[MicroBatch] | None = None,
     ) -> None:
         self._micro_batches = list(micro_batches)
         self._timeout_s = step_timeout_s
         self._depth = depth
         self._width = width = group.micro_batches_per_step
-        first = micro_batches[0] if micro_batches else None
+        first = micro_batches[0] if micro_batches else (kind() if kind else None)
         self._streaming = isinstance(first, GenerateGroup)
         self._same_batch = any(r.same_batch for r in group.replicas)
         self._dummy: MicroBatch = GenerateMicroBatch()
@@ -168,6 +175,10 @@ class Dispatcher:
         self._results.extend([None] * len(micro_batches))
         self._filled.extend([False] * len(micro_batches))
         return first
+
+    def results(self, indices: Iterable[int]) -> list[Any]:
+        """The results of these micro-batches (None: not back yet)."""
+        return [self._results[i] for i in indices]
 
     def forget(self, indices: Iterable[int]) -> None:
         """Drop finished micro-batches and their results (read already): a long run's memory
@@ -404,3 +415,23 @@ def run_steps(
     if not micro_batches:
         return []
     return Dispatcher(group, micro_batches, step_timeout_s, depth).run(on_step, on_piece)
+
+
+def check_exactly_once(micro_batches: Sequence[MicroBatch], results: Sequence[Any]) -> None:
+    """Every micro-batch came back once, with one answer per row (per target for scores)."""
+    for index, (batch, result) in enumerate(zip(micro_batches, results, strict=True)):
+        if isinstance(batch, ScoreMicroBatch):
+            expected = [len(row.targets) for row in batch.rows]
+            got = [len(row) for row in result] if result is not None else None
+        elif isinstance(batch, GenerateGroup):
+            expected = [1] * len(batch.requests)
+            got = [1] * len(result) if result is not None else None
+        else:
+            assert isinstance(batch, GenerateMicroBatch)
+            expected = [1] * len(batch.contexts)
+            got = [1] * len(result) if result is not None else None
+        if got != expected:
+            raise ResultIntegrityError(
+                f"micro-batch {index} came back with {got} answers, expected {expected} "
+                "(a request id is missing or duplicated: please report this bug)"
+            )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,7 +125,7 @@ def generate_request(
         special = {"add_special_tokens": encoder.add_bos_token}
     ids = tokenizer(context, truncation=encoder.truncation, **special)["input_ids"]
     return GenerateRequest(
-        context=tuple(ids[-max_ctx_len:]),
+        context=_shared_ids(encoder)(ids[-max_ctx_len:]),
         max_gen_toks=max_gen_toks,
         until=tuple(until),
         max_length=kwargs.pop("max_length", None),
@@ -189,7 +190,7 @@ def encode_pairs(encoder: HFLM, requests: Sequence[tuple[str, str]]) -> EncodedP
     is encoded once (the choices of a question share it), strings are encoded in batches
     (:func:`tok_encode_many`), and the joint encodings are dropped once used.
     """
-    shared = _Interner(encoder)
+    shared = _shared_ids(encoder)
     pairs: list[Any] = [None] * len(requests)
     merged = [False] * len(requests)
     contexts: dict[str, tuple[int, ...]] = {}
@@ -230,7 +231,8 @@ def tok_encode_many(encoder: HFLM, strings: Sequence[str]) -> list[list[int]]:
     encoded: list[list[int]] = [[] for _ in strings]
     for prefixed, indices in by_rule.items():
         kwargs = {"add_special_tokens": False} if prefixed else plain
-        ids = tokenizer([strings[i] for i in indices], **kwargs)["input_ids"]
+        batch = [strings[i] for i in indices]
+        ids = tokenizer(batch, return_attention_mask=False, **kwargs)["input_ids"]
         for index, tokens in zip(indices, ids, strict=True):
             encoded[index] = tokens
     if encoded[0] != encoder.tok_encode(strings[0]):  # a tokenizer whose batch call differs
@@ -250,6 +252,14 @@ def _empty_context_pair(
     return shared(cont[:1]), shared(cont[1:])
 
 
+def _shared_ids(encoder: HFLM) -> _Interner:
+    """The encoder's :class:`_Interner` (made once per encoder)."""
+    interner = _INTERNERS.get(encoder)
+    if interner is None:
+        interner = _INTERNERS[encoder] = _Interner(encoder)
+    return interner
+
+
 class _Interner:
     """Token ids as tuples of shared int objects (a tokenizer returns a new int per id: 36 bytes
     a token instead of 8), and one tuple per distinct short sequence (a choice's letter)."""
@@ -267,3 +277,6 @@ class _Interner:
         if len(tokens) <= 4:
             return self._short.setdefault(tokens, tokens)
         return tokens
+
+
+_INTERNERS: weakref.WeakKeyDictionary[HFLM, _Interner] = weakref.WeakKeyDictionary()

@@ -21,6 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from lm_eval import utils as lm_utils
@@ -35,16 +36,14 @@ from rayeval.actors.sharding import ShardStrategy, model_obstacles, refusal
 from rayeval.service.config import DEFAULT_SEED, EngineConfig, HostOptions
 from rayeval.service.engine.checks import (
     Origins,
+    RequestChecks,
     RequestReport,
     check_empty_context_pairs,
-    inspect_requests,
-    report_flagged,
 )
 from rayeval.service.engine.cluster import connect, pick_device
 from rayeval.service.engine.encoder import (
     build_encoder,
     decode_generation,
-    encode_pairs,
     generate_request,
     model_sha,
     model_spec,
@@ -52,6 +51,7 @@ from rayeval.service.engine.encoder import (
 from rayeval.service.engine.executor import Executor
 from rayeval.service.engine.phases import PhaseStats
 from rayeval.service.engine.response_cache import open_cache
+from rayeval.service.engine.streamed import SCORE_PART, make_part, part_bounds
 from rayeval.service.engine.warm import KeptReplicas, replica_key
 from rayeval.service.events import Progress
 from rayeval.service.private_apis import check_private_apis
@@ -112,8 +112,6 @@ class RayEvalLM(TemplateLM):
         self.batch_sizes: dict[int, int] = {}
         self._timeouts = config.timeouts.for_ranks()
         self._on_warning = on_warning
-        self._origins: Origins | None = None
-        self._merged: list[bool] | None = None
         #: Degenerate loglikelihood requests seen so far, per task and kind (see engine.checks).
         self.request_report = RequestReport()
         self.pretrained = config.pretrained
@@ -282,41 +280,43 @@ class RayEvalLM(TemplateLM):
         origins = Origins(requests)
         pairs = [r.args for r in requests]
         check_empty_context_pairs(pairs, origins, self.tok_encode)
-        encoded = encode_pairs(self._encoder, pairs)  # TemplateLM's tokenisation, in bulk
-        self._origins, self._merged = origins, encoded.merged
-        try:
-            return self._loglikelihood_tokens(encoded.requests(pairs), disable_tqdm=disable_tqdm)
-        finally:
-            self._origins = self._merged = None
+        # TemplateLM's tokenisation, in bulk, and the checks (engine.streamed.make_part).
+        make = partial(make_part, self._encoder, pairs, origins, self._checks())
+        if len(pairs) > SCORE_PART:  # tokenised, checked and planned in parts
+            bounds = part_bounds([context for context, _ in pairs], SCORE_PART)
+            answers = self._executor.score_parts(
+                len(pairs), bounds, make, self.max_length, disable_tqdm
+            )
+            return self._hooked(pairs, answers)
+        part = make(0, len(pairs))
+        scored = iter(
+            self._executor.score(part.pairs, self.max_length, "loglikelihood", disable_tqdm)
+        )
+        fixed = part.fixed
+        return self._hooked(pairs, [fixed.get(i) or next(scored) for i in range(len(pairs))])
 
     def _loglikelihood_tokens(
         self, requests: list[Any], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
-        """Score tokenised pairs; answers lm-eval gives without a model call are given so too.
-
-        ``requests`` are lm-eval's ``((context, continuation), ctx_enc, cont_enc)`` in the
-        order of the Instances given to :meth:`loglikelihood` (their origins name the task
-        in reports and errors).
-        """
-        ours = self._origins is not None and len(self._origins) == len(requests)
-        inspection = inspect_requests(
-            requests,
-            self._origins if ours else None,
-            self.tok_encode,
-            logits_cache=bool(self.config.model_args.get("logits_cache", True)),
-            merged=self._merged if ours else None,
-        )
-        for flagged in inspection.flagged:
-            self.request_report.add(flagged)
-        report_flagged(inspection.flagged, self._on_warning)
-        fixed = inspection.answers
+        """Score lm-eval's tokenised requests, ``((context, continuation), ctx_enc,
+        cont_enc)``; answers lm-eval gives without a model call are given so too."""
+        fixed = self._checks()(requests, None, None).answers
         pairs = [(requests[i][1], requests[i][2]) for i in range(len(requests)) if i not in fixed]
         scored = iter(self._executor.score(pairs, self.max_length, "loglikelihood", disable_tqdm))
-        ordered = [fixed[i] if i in fixed else next(scored) for i in range(len(requests))]
-        for (request_str, _, _), answer in zip(requests, ordered, strict=True):
-            if request_str is not None:
-                self.cache_hook.add_partial("loglikelihood", request_str, answer)
-        return ordered
+        answers = [fixed.get(i) or next(scored) for i in range(len(requests))]
+        return self._hooked([request[0] for request in requests], answers)
+
+    def _checks(self) -> RequestChecks:
+        """How loglikelihood requests are checked, and where findings are reported."""
+        logits_cache = bool(self.config.model_args.get("logits_cache", True))
+        return RequestChecks(self.tok_encode, logits_cache, self.request_report, self._on_warning)
+
+    def _hooked(self, requests: list[Any], answers: list[Any]) -> list[Any]:
+        """lm-eval's cache hook given each (context, continuation) request's answer."""
+        for request, answer in zip(requests, answers, strict=True):
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, answer)
+        return answers
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         windows: list[tuple[list[int], list[int]]] = []

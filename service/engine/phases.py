@@ -95,6 +95,7 @@ class PhaseTracker:
         start: The engine's start-up figures.
         on_progress: Called with the request type's progress after every step.
         disable_tqdm: No progress bar.
+        expected: Requests of the run when its micro-batches come in parts (:meth:`expect`).
     """
 
     def __init__(
@@ -107,6 +108,7 @@ class PhaseTracker:
         start: StartUp,
         on_progress: Callable[[Progress], None] | None,
         disable_tqdm: bool,
+        expected: int | None = None,
     ) -> None:
         self._phase = phase
         self._stats = stats
@@ -114,7 +116,7 @@ class PhaseTracker:
         self._rank_memory = rank_memory
         self._start = start
         self._on_progress = on_progress
-        self.total = sum(requests_per_micro_batch.values())
+        self.total = sum(requests_per_micro_batch.values()) if expected is None else expected
         self.done = 0
         stats.requests += self.total
         for replica in replicas:
@@ -126,6 +128,14 @@ class PhaseTracker:
         self._bar = tqdm(
             total=self.total, desc=f"rayeval {phase}", disable=disable_tqdm, unit="req"
         )
+
+    def expect(self, requests_per_micro_batch: Counter[int], answered: int) -> None:
+        """Micro-batches of the next part of the run, and how many of the expected requests
+        were answered without computing (the run's total shrinks by them)."""
+        self._counts.update(requests_per_micro_batch)
+        self.total -= answered
+        self._stats.requests -= answered
+        self._bar.total = self.total
 
     def step(self, step: StepDone) -> None:
         """Add a finished step's figures and report progress."""

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sqlite3
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,9 @@ class ResponseCache:
             )
         self.hits = 0
         self.stored = 0
+        #: Parts of a large request type are looked up on a planning thread while the
+        #: driver's thread stores finished ones (engine.streamed).
+        self._lock = threading.Lock()
 
     def get_many(self, requests: Iterable[Any]) -> dict[int, Any]:
         """Cached answers: request position -> answer, for the requests found."""
@@ -113,10 +117,11 @@ class ResponseCache:
         for start in range(0, len(items), 500):  # SQLite bounds the number of parameters
             chunk = dict(items[start : start + 500])
             marks = ",".join("?" * len(chunk))
-            rows = self._db.execute(
-                f"SELECT key, answer FROM answers WHERE key IN ({marks})",
-                list(chunk),
-            )
+            with self._lock:
+                rows = self._db.execute(
+                    f"SELECT key, answer FROM answers WHERE key IN ({marks})",
+                    list(chunk),
+                ).fetchall()
             for key, answer in rows:
                 found[chunk[key]] = _from_json(json.loads(answer))
         self.hits += len(found)
@@ -131,7 +136,7 @@ class ResponseCache:
         ]
         if not rows:
             return
-        with self._db:
+        with self._lock, self._db:
             self._db.executemany("INSERT OR REPLACE INTO answers VALUES (?, ?)", rows)
         self.stored += len(rows)
 
