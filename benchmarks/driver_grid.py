@@ -80,6 +80,8 @@ def grid_point(lm: Any, pairs: list, replicas: int, step_ms: float, probe: Drive
         "dispatch_s": stats.seconds,
         "plan_s": first.wall - probe.start.wall,
         "cpu_per_micro_batch_ms": (last.cpu - first.cpu) / max(1.0, after_first) * 1e3,
+        # Of one core, while dispatching: what the driver needs at this rate of micro-batches.
+        "driver_cpu_share": (last.cpu - first.cpu) / max(1e-9, last.wall - first.wall),
         "ranks_cpu_per_micro_batch_ms": ranks / max(1, stats.micro_batches) * 1e3,
         "micro_batches_per_s": stats.micro_batches / max(1e-9, stats.seconds),
         "load_average": (load + os.getloadavg()[0]) / 2,
