@@ -6,6 +6,7 @@ STAMP  := $(VENV)/.rayeval-installed
 DEMO_DIR ?= .rayeval/demo
 DEMO_OUT ?= .rayeval/demo-results
 PORT     ?= 8000
+SERVICE_DIR ?= .rayeval/service
 
 .PHONY: install browser run demo-cli test test-fast lint format bench clean
 
@@ -21,10 +22,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The service on the embedded default (local Ray, SQLite under .rayeval/service, the bundled tiny
-# model), with a demo evaluation submitted once it is up. Ctrl-C stops it.
+# model), with a demo evaluation submitted once it is up and followed to its end. The console
+# shows the demo's lines; every log goes to .rayeval/logs (VERBOSE=1: on the console too).
+# Ctrl-C stops it.
 run: install
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/rayeval serve --demo --demo-dir $(DEMO_DIR) \
-	    --data-dir .rayeval/service --host 127.0.0.1 --port $(PORT)
+	    --data-dir $(SERVICE_DIR) --host 127.0.0.1 --port $(PORT) $(if $(VERBOSE),--verbose)
 
 # The same demo evaluation once, through the CLI, writing lm-eval's files under $(DEMO_OUT).
 demo-cli: install

@@ -30,6 +30,8 @@ class ModelSpec:
         softmax_dtype: dtype for the log-softmax, as lm-eval's ``softmax_dtype`` model arg.
         mixed_precision_dtype: autocast dtype, as lm-eval's ``mixed_precision_dtype`` model arg.
         extra_kwargs: Other ``from_pretrained`` keyword arguments (e.g. ``attn_implementation``).
+        checkpoint: A training checkpoint to take the weights from (a DCP directory, or
+            safetensors / ``.bin`` files); ``pretrained`` then gives the config and tokenizer.
     """
 
     pretrained: str
@@ -42,6 +44,7 @@ class ModelSpec:
     softmax_dtype: str | None = None
     mixed_precision_dtype: str | None = None
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str | None = None
 
 
 @dataclass(frozen=True)

@@ -3,17 +3,19 @@
 Every strategy's loader reads through here. A local directory or a hub snapshot holds
 safetensors (one file or several, through ``model.safetensors.index.json``) or ``.bin`` files
 (one or several, through ``pytorch_model.bin.index.json``); :func:`find_checkpoint` maps each
-tensor name to its file, and :class:`SliceReader` hands out dim-0 slices of a tensor without
-reading the rest: a safetensors slice is read from the file into a new tensor, a ``.bin`` slice is
-a view of the memory-mapped file. Legacy (pre-zip) ``.bin`` files cannot be memory-mapped
-(:class:`CannotStream`): the caller then loads the model whole.
+tensor name to its file, and :class:`SliceReader` hands out dim-0 slices (or any region) of a
+tensor without reading the rest: a safetensors slice is read from the file into a new tensor, a
+``.bin`` slice is a view of the memory-mapped file. Legacy (pre-zip) ``.bin`` files cannot be
+memory-mapped (:class:`CannotStream`): the caller then loads the model whole. Training
+checkpoints named by ``checkpoint=`` (DCP directories too) are read through
+:mod:`rayeval.actors.weights`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,33 @@ def load_plain(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
         raise ModelLoadError(f"cannot load {spec.pretrained!r}: {exc}") from exc
 
 
+def match_key(aliases: Sequence[str], names: Collection[str], prefix: str) -> str | None:
+    """The name among ``names`` of a parameter known by ``aliases`` (a tied weight has two),
+    with or without the model's ``base_model_prefix``; None if it has none."""
+    for name in aliases:
+        candidates = [name]
+        if prefix and name.startswith(prefix + "."):
+            candidates.append(name[len(prefix) + 1 :])
+        if prefix:
+            candidates.append(f"{prefix}.{name}")
+        for candidate in candidates:
+            if candidate in names:
+                return candidate
+    return None
+
+
+def load_generation_config(model: Any, spec: ModelSpec) -> None:
+    """Give a model built from its config the generation config ``from_pretrained`` would read
+    beside it (``generation_config.json``), where there is one."""
+    try:
+        config = transformers.GenerationConfig.from_pretrained(
+            spec.pretrained, revision=spec.revision or "main", subfolder=spec.subfolder
+        )
+    except OSError:  # none saved: the one derived from the model config stays
+        return
+    model.generation_config = config  # type: ignore[assignment]
+
+
 class CannotStream(Exception):
     """The checkpoint cannot be read slice by slice (a legacy, non-zip ``.bin`` file)."""
 
@@ -97,17 +126,7 @@ class Checkpoint:
 
     def key_for(self, aliases: list[str], model: nn.Module) -> str | None:
         """The checkpoint's name for a parameter known by ``aliases``, or None if it has none."""
-        prefix = getattr(model, "base_model_prefix", "")
-        for name in aliases:
-            candidates = [name]
-            if prefix and name.startswith(prefix + "."):
-                candidates.append(name[len(prefix) + 1 :])
-            if prefix:
-                candidates.append(f"{prefix}.{name}")
-            for candidate in candidates:
-                if candidate in self.files:
-                    return candidate
-        return None
+        return match_key(aliases, self.files, getattr(model, "base_model_prefix", ""))
 
     @contextlib.contextmanager
     def reader(self) -> Iterator[SliceReader]:
@@ -129,18 +148,38 @@ class SliceReader:
 
     def rows(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Rows ``start:stop`` of tensor ``key`` (all of a 0-d tensor when both are None)."""
-        path = self._checkpoint.files[key]
+        path = self._open_file(key)
         if self._checkpoint.safetensors:
-            if path not in self._open:
-                self._open[path] = self._stack.enter_context(
-                    safe_open(str(path), framework="pt", device="cpu")
-                )
             tensor_slice = self._open[path].get_slice(key)
             return tensor_slice[:] if start is None else tensor_slice[start:stop]
-        if path not in self._open:
-            self._open[path] = mmap_bin(path)
         tensor = self._open[path][key]
         return tensor if start is None else tensor[start:stop]  # a view of the mapped file
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The whole shape of tensor ``key``."""
+        path = self._open_file(key)
+        if self._checkpoint.safetensors:
+            return tuple(self._open[path].get_slice(key).get_shape())
+        return tuple(self._open[path][key].shape)
+
+    def region(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+        """The part of tensor ``key`` of ``sizes`` starting at ``offsets`` (any dimensions)."""
+        path = self._open_file(key)
+        index = tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))
+        if self._checkpoint.safetensors:
+            tensor_slice = self._open[path].get_slice(key)
+            return tensor_slice[index] if index else tensor_slice[:]
+        return self._open[path][key][index]
+
+    def _open_file(self, key: str) -> Path:
+        path = self._checkpoint.files[key]
+        if path not in self._open:
+            self._open[path] = (
+                self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                if self._checkpoint.safetensors
+                else mmap_bin(path)
+            )
+        return path
 
 
 def mmap_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -156,7 +195,15 @@ def find_checkpoint(spec: ModelSpec) -> Checkpoint | None:
     Raises:
         CannotStream: for a single ``.bin`` file in the legacy (pre-zip) format.
     """
-    root = _checkpoint_dir(spec)
+    return find_checkpoint_in(_checkpoint_dir(spec))
+
+
+def find_checkpoint_in(root: Path) -> Checkpoint | None:
+    """:func:`find_checkpoint` for the weight files of a local directory.
+
+    Raises:
+        CannotStream: for a single ``.bin`` file in the legacy (pre-zip) format.
+    """
     if (root / _SAFETENSORS_INDEX).is_file():
         return Checkpoint(_index_files(root, _SAFETENSORS_INDEX), safetensors=True)
     if (root / _SAFETENSORS_SINGLE).is_file():

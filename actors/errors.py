@@ -17,6 +17,10 @@ class ConfigError(RayEvalError):
     """Bad user input: unknown option, unsupported model argument, malformed value."""
 
 
+class CheckpointError(ConfigError):
+    """A training checkpoint cannot be used: incomplete, unreadable, or not of this model."""
+
+
 class LayoutError(RayEvalError):
     """The requested parallel layout is impossible (R or G < 1, or larger than the cluster)."""
 

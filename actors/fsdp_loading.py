@@ -6,7 +6,9 @@ reads only its own dim-0 slice of every tensor from the checkpoint
 (:mod:`rayeval.actors.checkpoints`). Peak host memory per rank is therefore about model/G plus one
 unit. Only checkpoints whose tensor names do not match the model, or legacy (pre-zip) ``.bin``
 files that cannot be memory-mapped, fall back to a full load on every rank followed by sharding,
-with a warning.
+with a warning. A training checkpoint named by ``checkpoint=`` (a DCP directory, or HF files)
+is read the same way, region by region (:mod:`rayeval.actors.weights`), into the model of
+``pretrained``'s config, at any G.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from rayeval.actors.checkpoints import (
     Checkpoint,
     find_checkpoint,
     load_config,
+    load_generation_config,
     load_plain,
     resolve_dtype,
 )
 from rayeval.actors.errors import ModelLoadError
 from rayeval.actors.fsdp_units import shard_model
+from rayeval.actors.weights import fill, open_source
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,8 @@ def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -
     """
     config = load_config(spec)
     dtype = resolve_dtype(spec.dtype, config)
+    if spec.checkpoint is not None:
+        return _load_checkpoint(spec, config, dtype, mesh, device)
     model = (
         load_plain(spec, dtype)
         if mesh is None
@@ -110,6 +116,33 @@ def _load_sharded(
         except CannotStream as exc:
             del model
             return _full_load_then_shard(spec, dtype, mesh, device, str(exc))
+    return model
+
+
+def _load_checkpoint(
+    spec: ModelSpec,
+    config: transformers.PretrainedConfig,
+    dtype: torch.dtype,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+) -> nn.Module:
+    """The model of ``spec.pretrained``'s config with the weights of ``spec.checkpoint`` (a DCP
+    directory or HF files), whole or sharded: each rank reads only the regions it holds."""
+    assert spec.checkpoint is not None
+    source = open_source(spec.checkpoint)
+    model = _meta_model(spec, config, dtype)
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    if mesh is not None:
+        shard_model(model, mesh)
+    model.to_empty(device=device)
+    if mesh is None:
+        model.tie_weights()  # type: ignore[operator]  # to_empty untied a tied weight
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+    fill(model, source, spec.pretrained)
+    load_generation_config(model, spec)
+    model.eval()
     return model
 
 

@@ -291,6 +291,24 @@ class WorkerGroup:
         for ref in ready:
             _get_or_raise(ref, RayEvalError, "starting an evaluation")
 
+    def load_checkpoint(self, checkpoint: str, timeout_s: float) -> list[dict[str, Any]]:
+        """Have every rank swap in the weights of ``checkpoint``, in place
+        (:meth:`rayeval.actors.worker.ShardWorker.load_checkpoint`); returns their reports.
+
+        Raises:
+            EvaluationTimeoutError: a rank did not finish within ``timeout_s``.
+            ModelLoadError: a rank could not read the checkpoint (the first failure's message).
+        """
+        self.wait_ready()
+        refs = [w.load_checkpoint.remote(checkpoint) for r in self.replicas for w in r.workers]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            raise EvaluationTimeoutError(
+                f"{len(pending)} of {len(refs)} ranks did not finish reading {checkpoint} within "
+                f"{timeout_s:g}s: raise the load timeout, or check the ranks' logs"
+            )
+        return [_get_or_raise(ref, ModelLoadError, f"reading {checkpoint}") for ref in refs]
+
     def input_token_counts(self, timeout_s: float) -> dict[str, int]:
         """Tokens the ranks' models were fed so far, summed over ranks
         (:meth:`rayeval.actors.worker.ShardWorker.input_token_counts`).

@@ -25,6 +25,10 @@ FORWARDED_ENV = (
 )
 
 
+#: Prefixes of the experiment trackers' variables a runner sees as the server does.
+TRACKER_ENV_PREFIXES = ("WANDB_", "MLFLOW_")
+
+
 def _forwarded() -> dict[str, str]:
     env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
     env["TOKENIZERS_PARALLELISM"] = "false"
@@ -49,9 +53,12 @@ def runner_environment() -> dict[str, str]:
 
     lm-eval's bootstrap forks a multiprocessing pool from the runner's thread; a forked child
     inherits Ray's signal handlers and can outlive ``terminate()``. Single-process
-    (``DISABLE_MULTIPROC``) gives the same numbers: the same seeded chunks, in order.
+    (``DISABLE_MULTIPROC``) gives the same numbers: the same seeded chunks, in order. The runner
+    records evaluations in the server's experiment trackers: their settings and credentials
+    (``WANDB_*``, ``MLFLOW_*``) are the server's.
     """
     env = _forwarded()
+    env.update({k: v for k, v in os.environ.items() if k.startswith(TRACKER_ENV_PREFIXES)})
     env["DISABLE_MULTIPROC"] = "1"
     return env
 

@@ -4,7 +4,9 @@ transformers applies the architecture's ``tp_plan`` (attention heads and MLP col
 the ranks, the head's output gathered) on the meta device, then reads every weight of the
 checkpoint as this rank's slice of it (``get_slice`` on safetensors): no rank ever holds the
 whole model. It runs on the replica's process group, which the rank has already joined (world =
-G), over a device mesh it builds on it; on CPU that is gloo.
+G), over a device mesh it builds on it; on CPU that is gloo. A training checkpoint named by
+``checkpoint=`` (DCP or HF files) is read slice by slice into the TP model built from
+``pretrained``'s config (:func:`_load_checkpoint`).
 
 The ranks of a replica then compute the same batch: every forward exchanges activations (an
 all-reduce after each attention and MLP block, an all-gather of the logits), never weights. On a
@@ -70,6 +72,8 @@ class TensorParallel:
             # transformers binds the rank to device LOCAL_RANK: this rank's own GPU.
             os.environ["LOCAL_RANK"] = str(device.index or 0)
         try:
+            if spec.checkpoint is not None:
+                return _load_checkpoint(spec, config, dtype, DistributedConfig(tp_size=shard_size))
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 spec.pretrained,
                 dtype=dtype,
@@ -113,3 +117,38 @@ class TensorParallel:
 
     def after_forward(self, model: Any) -> None:
         """Nothing to release: every rank keeps its slices."""
+
+
+def _load_checkpoint(spec: ModelSpec, config: Any, dtype: Any, distributed: Any) -> Any:
+    """The TP model of ``spec.pretrained``'s config, its slices read from ``spec.checkpoint``.
+
+    transformers builds the model and its TP plan with no weights to load (an empty state dict:
+    each rank initialises only its own slices, which are then overwritten); every rank then reads
+    exactly its DTensor slices of each tensor from the checkpoint (:mod:`rayeval.actors.weights`).
+    """
+    import torch
+    import transformers
+
+    from rayeval.actors.checkpoints import load_generation_config
+    from rayeval.actors.weights import fill, open_source
+
+    assert spec.checkpoint is not None
+    source = open_source(spec.checkpoint)
+    with torch.device("meta"):
+        model_class = type(
+            transformers.AutoModelForCausalLM.from_config(
+                config, trust_remote_code=spec.trust_remote_code
+            )
+        )
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # every weight "MISSING": it is read next
+    try:
+        model = model_class.from_pretrained(
+            None, config=config, state_dict={}, dtype=dtype, distributed_config=distributed
+        )
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    fill(model, source, spec.pretrained)
+    load_generation_config(model, spec)
+    model.eval()
+    return model

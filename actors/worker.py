@@ -176,6 +176,35 @@ class ShardWorker:
             timeout=timedelta(seconds=options.collective_timeout_s),
         )
 
+    def load_checkpoint(self, checkpoint: str) -> dict[str, Any]:
+        """Swap in the weights of another checkpoint of the same model, in place: this rank
+        reads only the regions it holds (:func:`rayeval.actors.weights.fill`).
+
+        Args:
+            checkpoint: A DCP directory or HF weight files, of the loaded model's architecture.
+
+        Returns:
+            ``seconds``, ``bytes`` written into this rank's parameters, ``peak_rss_mib``.
+
+        Raises:
+            ConfigError, ModelLoadError: the checkpoint is unusable or unreadable. The rank's
+                weights are then a mix of two checkpoints: the caller must not compute on it.
+        """
+        from dataclasses import replace
+
+        from rayeval.actors.weights import fill, open_source
+
+        assert self._rank is not None, "setup() loads the model first"
+        started = time.monotonic()
+        self._strategy.after_forward(self._rank.model)  # every FSDP unit in its shard
+        written = fill(self._rank.model, open_source(checkpoint), self._spec.pretrained)
+        self._spec = replace(self._spec, checkpoint=checkpoint)
+        return {
+            "seconds": time.monotonic() - started,
+            "bytes": written,
+            "peak_rss_mib": peak_rss_mib(),
+        }
+
     def shutdown(self) -> None:
         """Leave the process group and drop the model (the actor is killed afterwards)."""
         self._rank = self._scorer = None

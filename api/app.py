@@ -24,7 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from rayeval.actors.errors import ConfigError, LayoutError, RayEvalError
 from rayeval.api.deps import Services
-from rayeval.api.routes import dashboard, evaluations, health, insights, metrics
+from rayeval.api.routes import compare, dashboard, evaluations, health, insights, metrics
 from rayeval.api.settings import Settings
 from rayeval.api.views import EvaluationViews, EventFeed
 from rayeval.service.errors import (
@@ -66,6 +66,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(evaluations.router)
     app.include_router(insights.router)
     app.include_router(metrics.router)
+    app.include_router(compare.router)
     app.include_router(dashboard.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     app.add_exception_handler(RayEvalError, _domain_error)  # type: ignore[arg-type]
@@ -144,11 +145,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                 model_roots=tuple(settings.model_roots),
                 allow_hub_models=settings.allow_hub_models,
                 allow_remote_code=settings.allow_remote_code,
+                trackers=settings.trackers.names,
             ),
             response_cache=settings.response_cache_prefix,
             stall_timeout_s=settings.stall_timeout_s,
             warm_replicas=settings.warm_replicas,
             runner_scan_timeout_s=settings.runner_scan_timeout_s,
+            trackers=settings.trackers,
         ),
     )
     await asyncio.to_thread(manager.start)

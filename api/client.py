@@ -113,6 +113,11 @@ class RayEvalClient:
         """Progress points over time (``points``, ``last_seq``, ``complete``)."""
         return self._json("GET", f"/evaluations/{evaluation_id}/timeline", params={"after": after})
 
+    def compare(self, a: str, b: str) -> dict[str, Any]:
+        """The paired comparison of two succeeded evaluations (``b - a``), as the server
+        computes it (``GET /compare``)."""
+        return self._json("GET", "/compare", params={"a": a, "b": b})
+
     def metrics(self) -> str:
         """The Prometheus text of ``GET /metrics``."""
         return self._request("GET", "/metrics").text

@@ -10,11 +10,15 @@ server without an API token refuses to listen on anything but a loopback address
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
+import socket
 from pathlib import Path
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from rayeval.service.trackers import Trackers
 
 
 class Settings(BaseSettings):
@@ -115,6 +119,40 @@ class Settings(BaseSettings):
         "to say which evaluation they run (to re-attach them).",
     )
 
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking server that evaluations asking to be tracked are recorded in "
+        '("tracking" in the body): one run each, with its configuration, metrics, files and a '
+        "link back; the cluster's nodes must reach it. Credentials: MLFLOW_TRACKING_TOKEN (or "
+        "_USERNAME/_PASSWORD) in the server's environment",
+        json_schema_extra={"metavar": "URI"},
+    )
+    wandb_project: str | None = Field(
+        None,
+        description="W&B project that evaluations asking to be tracked are recorded in, through "
+        "lm-eval's W&B logger. Credentials: WANDB_API_KEY (or WANDB_MODE=offline) in the "
+        "server's environment",
+    )
+    public_url: str | None = Field(
+        None,
+        description="The address people reach this server at, for the links it hands out "
+        "(tracked runs link back to their evaluation); default http://HOST:PORT",
+        json_schema_extra={"metavar": "URL"},
+    )
+
+    @field_validator("mlflow_tracking_uri", "wandb_project")
+    @classmethod
+    def _tracker_installed(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if not value:
+            return None
+        package = "mlflow" if info.field_name == "mlflow_tracking_uri" else "wandb"
+        if importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"recording evaluations in {package} needs the {package} package: "
+                f"pip install 'rayeval[{package}]'"
+            )
+        return value
+
     @field_validator("api_token")
     @classmethod
     def _empty_token_is_none(cls, token: SecretStr | None) -> SecretStr | None:
@@ -156,6 +194,15 @@ class Settings(BaseSettings):
             if self.response_cache
             else None
         )
+
+    @property
+    def trackers(self) -> Trackers:
+        """The experiment trackers of the server, and the address its runs link back to."""
+        url = self.public_url
+        if url is None and self.port:
+            host = socket.gethostname() if self.host in ("0.0.0.0", "::") else self.host
+            url = f"http://{host}:{self.port}"
+        return Trackers(self.mlflow_tracking_uri, self.wandb_project, server_url=url)
 
     @property
     def effective_database_url(self) -> str:

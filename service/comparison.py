@@ -97,10 +97,11 @@ class Comparison:
     unpaired_tasks: dict[str, list[str]]
 
     def to_json(self) -> dict[str, Any]:
-        """Plain data: what ``GET /compare`` answers and ``rayeval compare --json`` prints."""
+        """Plain data: what ``GET /compare`` answers and ``rayeval compare --json`` prints.
+        JSON has no NaN or infinity: such a value (a perplexity that overflowed) is null."""
         rows = []
         for metric in self.metrics:
-            row = asdict(metric)
+            row = {key: _finite(value) for key, value in asdict(metric).items()}
             row["significant"] = metric.significant
             row["flipped"] = {"better": len(metric.better), "worse": len(metric.worse)}
             rows.append(row)
@@ -340,6 +341,15 @@ def _unpaired(
             return None
     half = Z_95 * math.sqrt(errors[0] ** 2 + errors[1] ** 2)
     return (difference - half, difference + half)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with non-finite floats (also inside tuples and lists) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, tuple | list):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _scalar(values: Sequence[Any]) -> bool:

@@ -11,8 +11,7 @@ trackers and caches — is not part of it: :class:`HostOptions` carries that, se
 the evaluation (the CLI's user, or the server operator), never by a REST client.
 
 Errors name the field in each door's words (:mod:`rayeval.service.config_fields`); lm-eval's
-model-arg tables and host-only options are :mod:`rayeval.service.lm_eval_options`'. No torch here:
-the API process imports this module.
+tables and host-only options are :mod:`rayeval.service.lm_eval_options`'. No torch here.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from rayeval.service.lm_eval_options import (
     parse_args_string,
     parsed_batch_size,
 )
+from rayeval.service.trackers import TRACKING_HELP, Trackers, Tracking
 
 #: lm-eval's default seeds for random, numpy, torch and few-shot sampling (its ``DEFAULT_SEED``).
 DEFAULT_SEED: tuple[int, int, int, int] = (0, 1234, 1234, 1234)
@@ -346,6 +346,7 @@ class EvaluationConfig(EngineConfig):
         description="Bootstrap iterations for metric stderrs (0 skips them).",
     )
     metadata: dict[str, Any] = Field(default_factory=dict)
+    tracking: Tracking | None = Field(default=None, description=TRACKING_HELP)
 
     # ------------------------------------------------------------------ validation
     @model_validator(mode="before")
@@ -395,8 +396,7 @@ class EvaluationConfig(EngineConfig):
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> EvaluationConfig:
-        """Rebuild a config from :meth:`to_json` output (or a row stored by rayeval 0.1's flat
-        layout fields, which are moved under ``parallelism``)."""
+        """Rebuild a config from :meth:`to_json` output (rayeval 0.1's flat layout fields too)."""
         values = dict(data)
         flat = {k: values.pop(k) for k in Parallelism.model_fields if k in values}
         if flat:
@@ -434,6 +434,7 @@ class HostOptions:
         address: Ray cluster address; None: ``RAY_ADDRESS`` or an embedded local Ray.
         name: Placement-group name / actor-name prefix (default: a random id).
         lm_eval: lm-eval's own host options (keys of :data:`LM_EVAL_HOST_FIELDS`), verbatim.
+        trackers: The experiment trackers evaluations that ask to be tracked are recorded in.
     """
 
     output_path: str | None = None
@@ -441,6 +442,7 @@ class HostOptions:
     address: str | None = None
     name: str | None = None
     lm_eval: Mapping[str, Any] = field(default_factory=dict)
+    trackers: Trackers = field(default_factory=Trackers)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.lm_eval) - LM_EVAL_HOST_FIELDS)

@@ -35,6 +35,7 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("timeouts", "control_s"): "--control_timeout",
     ("timeouts", "reuse_s"): "--reuse_timeout",
     ("bootstrap_iters",): "--bootstrap_iters",
+    ("tracking",): "--tracking",
 }
 
 

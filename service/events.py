@@ -4,8 +4,9 @@ One module that ``service.engine``, ``service.jobs`` and ``api`` all import, so 
 another's keys. A figure's path, from a finished step to a client:
 
 ======================  ===========================================================================
-engine -> runner        :class:`Progress` (one request type, after every finished step) and
-                        :class:`RequestWarning` (a task's requests that do not measure it)
+engine -> runner        :class:`Progress` (one request type, after every finished step),
+                        :class:`RequestWarning` (a task's requests that do not measure it) and
+                        :class:`TrackerWarning` (an experiment tracker did not record the run)
 runner -> manager       :data:`RunnerEvent`: :class:`RunnerProgress`, :class:`RunnerWarning`,
                         :class:`RunnerSucceeded` (with :class:`RunOutputs`), :class:`RunnerFailed`;
                         numbered from 1, read with ``EvaluationRunner.events_since``
@@ -13,7 +14,8 @@ manager -> store        :class:`EvaluationProgress`: per request type its latest
                         :class:`PhaseReport` (a ``Progress`` and when the runner reported it)
 store -> clients (SSE)  :data:`StreamEvent`: :class:`StateEvent`, :class:`ProgressEvent` (a
                         ``PhaseReport`` plus overall totals), :class:`WarningEvent`,
-                        :class:`TaskResultEvent`, :class:`ResultEvent`
+                        :class:`TrackerWarningEvent`, :class:`TaskResultEvent`,
+                        :class:`ResultEvent`
 API answers             :class:`PhaseCounts`, what ``GET /evaluations/{id}`` shows of a request type
 ======================  ===========================================================================
 
@@ -118,6 +120,22 @@ class RequestWarning(_Typed):
     example: dict[str, Any]
 
 
+class TrackerWarning(_Typed):
+    """An experiment tracker (MLflow, W&B) did not record the evaluation; its results stand."""
+
+    tracker: str = Field(description="mlflow or wandb.")
+    message: str = Field(description="What failed and what to check.")
+
+
+def warning_of(data: Mapping[str, Any]) -> RequestWarning | TrackerWarning:
+    """The engine's warning (its JSON form, as ``on_warning`` is called) as its type.
+
+    Raises:
+        pydantic.ValidationError: ``data`` is neither warning's form.
+    """
+    return TrackerWarning.parse(data) if "tracker" in data else RequestWarning.parse(data)
+
+
 # ------------------------------------------------------------------------ the runner's
 class ReplicaReuse(_Typed):
     """Whether a run used ranks kept by an earlier one, and whether its own ranks are kept."""
@@ -160,7 +178,7 @@ class RunnerWarning(_RunnerEvent):
     """A task has requests that do not measure it."""
 
     type: Literal[RunnerEventKind.WARNING] = RunnerEventKind.WARNING
-    warning: RequestWarning
+    warning: RequestWarning | TrackerWarning
 
 
 class RunnerSucceeded(_RunnerEvent):
@@ -271,6 +289,20 @@ class WarningEvent(RequestWarning, _StreamEvent):
         return cls(**dict(warning))
 
 
+class TrackerWarningEvent(TrackerWarning, _StreamEvent):
+    """An experiment tracker did not record the evaluation (a ``warning`` with ``tracker``)."""
+
+    KIND: ClassVar[EventKind] = EventKind.WARNING
+    model_config = ConfigDict(extra="ignore")
+
+
+def warning_event(warning: RequestWarning | TrackerWarning) -> WarningEvent | TrackerWarningEvent:
+    """The stream's event for a warning the runner reported."""
+    if isinstance(warning, TrackerWarning):
+        return TrackerWarningEvent(**dict(warning))
+    return WarningEvent.of_warning(warning)
+
+
 class TaskResultEvent(_StreamEvent):
     """One task's (or group's) metrics, when the evaluation ends."""
 
@@ -287,7 +319,9 @@ class ResultEvent(_StreamEvent):
 
 
 #: One event of an evaluation's stream.
-StreamEvent = StateEvent | ProgressEvent | WarningEvent | TaskResultEvent | ResultEvent
+StreamEvent = (
+    StateEvent | ProgressEvent | WarningEvent | TrackerWarningEvent | TaskResultEvent | ResultEvent
+)
 _STREAM_EVENTS: dict[EventKind, type[StreamEvent]] = {
     kind.KIND: kind
     for kind in (StateEvent, ProgressEvent, WarningEvent, TaskResultEvent, ResultEvent)
@@ -300,4 +334,6 @@ def stream_event(kind: EventKind, data: Mapping[str, Any]) -> StreamEvent:
     Raises:
         pydantic.ValidationError: ``data`` is not the form of a ``kind`` event.
     """
+    if kind is EventKind.WARNING and "tracker" in data:
+        return TrackerWarningEvent.parse(data)
     return _STREAM_EVENTS[kind].parse(data)

@@ -57,6 +57,14 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "keeps one more all-gathered unit alive per forward (more memory per rank)",
     ),
     PrivateApi(
+        "torch",
+        "torch.distributed.tensor",
+        "DTensor.__create_chunk_list__",
+        "2.13.0",
+        "actors/weights.py: where a rank's DTensor shard lies in a checkpoint tensor (DCP's own "
+        "description of it)",
+    ),
+    PrivateApi(
         "transformers",
         "transformers.modeling_utils",
         "PreTrainedModel._no_split_modules",

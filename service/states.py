@@ -65,7 +65,7 @@ class EventKind(StrEnum):
 
     STATE = "state"  # a state change, with the error on failure
     PROGRESS = "progress"  # one request type moved, plus overall totals
-    WARNING = "warning"  # a task has requests that do not measure it (engine.checks)
+    WARNING = "warning"  # a task's requests do not measure it (engine.checks); a tracker failed
     TASK_RESULT = "task_result"  # one task's (or group's) metrics, when the evaluation ends
     RESULT = "result"  # lm-eval's results JSON (read from the stored results, kept once)
 

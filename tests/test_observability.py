@@ -429,6 +429,10 @@ def _check_comparison(page: Any, results: dict[str, Any], a: str, b: str) -> Non
         samples = page.locator(f"#compare-table tr[data-task='{task}'] a.samples")
         assert samples.count() >= 2
     assert page.locator("#compare-table td.value.diff").count() > 0, "A and B differ"
+    # The paired comparison (tests/test_compare.py) refuses these two, saying why.
+    refusal = page.locator(f"#paired .paired[data-a='{a}'][data-b='{b}'] .paired-error")
+    refusal.wait_for(timeout=30_000)
+    assert "other documents" in (refusal.text_content() or "")  # A's 12 documents, B's 15
 
 
 def _coloured_pixels(page: Any, png: bytes) -> int:

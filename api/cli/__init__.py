@@ -7,6 +7,13 @@
 - ``rayeval serve`` (:mod:`.serve`) runs the REST service (see ``rayeval.api.app``).
 - ``rayeval submit`` takes ``run``'s flags and sends the evaluation to a server instead, and
   ``rayeval status/results/cancel`` follow it there, with progress bars (:mod:`.remote`).
+- ``rayeval run --checkpoints`` (a sweep over training checkpoints), ``rayeval watch DIR`` (each
+  new checkpoint of a training run) and ``rayeval results OUT`` of a sweep (:mod:`.sweep`).
+- ``rayeval compare A B`` (:mod:`.compare`): a paired comparison of two evaluations' result
+  directories, or of two evaluations on a server.
+
+``run`` and ``serve --demo`` keep the console for rayeval's own lines and send the rest to a log
+file (:mod:`.console`; ``--verbose`` shows everything).
 
 Nothing heavy is imported until a command runs.
 """
@@ -14,17 +21,17 @@ Nothing heavy is imported until a command runs.
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``rayeval`` parser: ``run``, ``serve``, ``submit``, ``status``, ``results``, ``cancel``.
+    """The ``rayeval`` parser: ``run``, ``watch``, ``serve``, ``submit``, ``status``, ``results``,
+    ``cancel``, ``compare``.
 
     Returns:
         The parser; ``args.command`` names the command given.
     """
-    from rayeval.api.cli import remote, run, serve
+    from rayeval.api.cli import compare, remote, run, serve, sweep
 
     parser = argparse.ArgumentParser(
         prog="rayeval",
@@ -32,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run.add_parser(subparsers)
+    sweep.add_watch_parser(subparsers)
     serve.add_parser(subparsers)
     remote.add_parsers(subparsers)
+    compare.add_parser(subparsers)
     return parser
 
 
@@ -47,15 +56,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status.
     """
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    from rayeval.api.cli import remote, run, serve
+    from rayeval.api.cli import compare, remote, run, serve, sweep
+    from rayeval.api.cli.console import basic_logging
 
-    if args.command == "run":
+    if args.command == "run":  # these two set up their console themselves
         return run.command(args)
     if args.command == "serve":
         return serve.command(args)
+    basic_logging()
+    if args.command == "watch":
+        return sweep.watch_command(args)
+    if args.command == "results" and (status := sweep.results_command(args)) is not None:
+        return status
+    if args.command == "compare":
+        return compare.command(args)
     if args.command in remote.COMMANDS:
         return remote.main(args)
     return 2

@@ -1,53 +1,56 @@
 """``rayeval serve --demo``'s submitter: once the server answers, one demo evaluation goes in.
 
-It talks to the server over HTTP like any client, from a daemon thread beside uvicorn, and says
-where to look (dashboard, ``curl`` lines) on stdout.
+It talks to the server over HTTP like any client (:class:`rayeval.api.client.RayEvalClient`), from a
+daemon thread beside uvicorn: it says where to look (dashboard, ``curl`` lines), follows the
+evaluation with one progress bar per request type, and says how it ended, with lm-eval's table.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
+#: The demo evaluation: the bundled tiny model on every demo task, on two replicas.
+DEMO_BODY: dict[str, Any] = {
+    "model": "hf",
+    "tasks": ["demo"],
+    "batch_size": "auto",
+    "log_samples": True,
+    "parallelism": {"num_replicas": 2, "shard_size": 1},
+}
 
-def submit_demo(settings: Any, model_dir: str, ready_timeout_s: float = 300.0) -> None:
-    """Once the server answers, submit the bundled demo evaluation and say where to look.
+
+def submit_demo(settings: Any, model_dir: str, shown: Any, ready_timeout_s: float = 300.0) -> None:
+    """Once the server answers, submit the bundled demo evaluation, say where to look, follow it
+    to its end and show its results.
 
     Args:
         settings: The server's ``Settings`` (where it listens, its API token).
         model_dir: The bundled tiny model's directory.
-        ready_timeout_s: How long to wait for ``/healthz`` before giving up (said on stderr).
+        shown: The command's console (:class:`rayeval.api.cli.console.Console`).
+        ready_timeout_s: How long to wait for ``/healthz`` before giving up (said on the console).
     """
-    import httpx
+    from rayeval.api.client import RayEvalClient, ServiceError
 
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     base = f"http://{host}:{settings.port}"
     token = settings.api_token.get_secret_value() if settings.api_token else None
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
     if not _wait_until_up(base, ready_timeout_s):
         print(
             f"rayeval serve --demo: the server did not answer at {base} within "
             f"{ready_timeout_s:g}s; the demo evaluation was not submitted",
-            file=sys.stderr,
+            file=shown.err,
+            flush=True,
         )
         return
-    body = {
-        "model": "hf",
-        "model_args": {"pretrained": model_dir, "dtype": "float32"},
-        "tasks": ["demo"],
-        "batch_size": "auto",
-        "log_samples": True,
-        "parallelism": {"num_replicas": 2, "shard_size": 1},
-    }
-    response = httpx.post(f"{base}/evaluations", json=body, headers=headers, timeout=120)
-    if response.status_code != 202:
-        print(
-            f"rayeval serve --demo: submitting failed ({response.status_code}): {response.text}",
-            file=sys.stderr,
-        )
-        return
-    _say_where_to_look(base, response.json()["id"], with_token=token is not None)
+    body = {**DEMO_BODY, "model_args": {"pretrained": model_dir, "dtype": "float32"}}
+    try:
+        with RayEvalClient(base, token=token) as client:
+            evaluation = client.submit(body)
+            _say_where_to_look(base, evaluation["id"], token is not None, shown.out)
+            _follow(client, evaluation["id"], shown)
+    except ServiceError as exc:
+        print(f"rayeval serve --demo: {exc}", file=shown.err, flush=True)
 
 
 def _wait_until_up(base: str, timeout_s: float) -> bool:
@@ -65,16 +68,43 @@ def _wait_until_up(base: str, timeout_s: float) -> bool:
     return False
 
 
-def _say_where_to_look(base: str, evaluation: str, with_token: bool) -> None:
+def _say_where_to_look(base: str, evaluation: str, with_token: bool, out: Any) -> None:
     auth = ' -H "Authorization: Bearer $RAYEVAL_API_TOKEN"' if with_token else ""
     print(
         f"\nrayeval demo: evaluation {evaluation} submitted (bundled tiny model, tasks: demo, "
         f"layout 2x1).\n"
-        f"  dashboard:   {base}/\n"
+        f"  dashboard:   {base}/#{evaluation}\n"
         f"  status:      curl{auth} {base}/evaluations/{evaluation}\n"
         f"  live events: curl -N{auth} {base}/evaluations/{evaluation}/events\n"
         f"  results:     curl{auth} {base}/evaluations/{evaluation}/results\n"
-        f"  API docs:    {base}/docs\n"
-        "Stop the server with Ctrl-C.\n",
+        f"  API docs:    {base}/docs\n",
+        file=out,
         flush=True,
     )
+
+
+def _follow(client: Any, evaluation_id: str, shown: Any) -> None:
+    """Progress bars until the evaluation ends; then how it ended and lm-eval's table."""
+    from lm_eval.utils import make_table
+
+    from rayeval.api.cli.remote import watch
+
+    started = time.monotonic()
+    final = watch(client, evaluation_id, shown.err)
+    took = time.monotonic() - started
+    out = shown.out
+    if final["status"] != "succeeded":
+        reason = f": {final['error']}" if final.get("error") else ""
+        print(f"rayeval demo: evaluation {evaluation_id} {final['status']}{reason}", file=out)
+    else:
+        results = client.results(evaluation_id)
+        print(f"rayeval demo: evaluation {evaluation_id} succeeded in {took:.0f} s", file=out)
+        print(make_table(results), file=out)
+        if "groups" in results:
+            print(make_table(results, "groups"), file=out)
+        print(
+            f"Submit more with `rayeval submit --url {client.url} ...`; compare two with "
+            f"`rayeval compare ID_A ID_B --url {client.url}` or the dashboard.",
+            file=out,
+        )
+    print("Stop the server with Ctrl-C.", file=out, flush=True)

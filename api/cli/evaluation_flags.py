@@ -15,6 +15,8 @@ from typing import Any
 
 #: Title of the argument group that holds rayeval's own flags in ``run`` and ``submit``.
 GROUP_TITLE = "rayeval layout, batching and timeouts"
+#: ``rayeval run``'s flags of the host and the console, not of the evaluation.
+HOST_FLAGS = frozenset({"address", "mlflow_tracking_uri", "verbose"})
 
 
 def add_config_flags(group: argparse._ArgumentGroup) -> None:
@@ -39,6 +41,8 @@ def add_config_flags(group: argparse._ArgumentGroup) -> None:
             default = default.value
         elif isinstance(default, bool):
             kind = parse_bool
+        elif _takes_object(info.annotation):
+            kind = parse_key_values
         else:
             kind = float if path[0] == "timeouts" else int
         group.add_argument(
@@ -59,6 +63,8 @@ def _metavar(kind: Callable[[str], Any], choices: list[str] | None) -> str:
         return "{" + ",".join(choices) + "}"
     if kind is parse_bool:
         return "BOOL"
+    if kind is parse_key_values:
+        return "K=V,..."
     return "S" if kind is float else "N"
 
 
@@ -74,6 +80,36 @@ def parse_bool(text: str) -> bool:
     if value in ("false", "0", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def parse_key_values(text: str) -> dict[str, Any]:
+    """An object flag's value, as lm-eval reads ``--model_args``: ``key=value,key2=value2``.
+
+    Raises:
+        argparse.ArgumentTypeError: text that is not such pairs (argparse names the flag).
+    """
+    from rayeval.service.lm_eval_options import parse_args_string
+
+    try:
+        parsed: dict[str, Any] = parse_args_string(text) if text.strip() else {}
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return parsed
+
+
+def _takes_object(annotation: Any) -> bool:
+    """Whether a field's type is an object (a model, ``X | None`` of one, or a dict)."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    options = typing.get_args(annotation) if union else ()
+    return any(
+        option is dict or (isinstance(option, type) and issubclass(option, BaseModel))
+        for option in (*options, annotation)
+    )
 
 
 def dest(path: Sequence[str]) -> str:
@@ -105,9 +141,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     from rayeval.service.config import EvaluationConfig, HostOptions
     from rayeval.service.config_fields import RAYEVAL_FLAGS, cli_flag, describe_errors
     from rayeval.service.lm_eval_options import LM_EVAL_HOST_FIELDS
+    from rayeval.service.trackers import Trackers
 
     ours = {path: getattr(args, dest(path)) for path in RAYEVAL_FLAGS}
-    rayeval_only = {dest(path) for path in RAYEVAL_FLAGS} | {"address"}
+    rayeval_only = {dest(path) for path in RAYEVAL_FLAGS} | HOST_FLAGS
     cfg, metadata = _lm_eval_config({k: v for k, v in vars(args).items() if k not in rayeval_only})
     data: dict[str, Any] = {
         name: getattr(cfg, name)
@@ -120,6 +157,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         for part in path[:-1]:
             target = target.setdefault(part, {})
         target[path[-1]] = value
+    mlflow_uri = getattr(args, "mlflow_tracking_uri", None)
+    if mlflow_uri and data["tracking"] is None:  # naming a tracker here asks to be recorded in it
+        data["tracking"] = {}
     try:
         config = EvaluationConfig.model_validate(data)
     except ValidationError as exc:
@@ -129,6 +169,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         include_paths=tuple(_as_list(cfg.include_path)),
         address=args.address,
         lm_eval={name: getattr(cfg, name) for name in LM_EVAL_HOST_FIELDS},
+        trackers=Trackers(mlflow_tracking_uri=mlflow_uri),
     )
     return config, host
 

@@ -23,6 +23,8 @@ from rayeval.api.cli.evaluation_flags import GROUP_TITLE, add_config_flags, conf
 from rayeval.api.client import RayEvalClient, ServiceError
 from rayeval.service.events import PhaseCounts
 
+#: A request type's bar: the server's rates (tqdm's own would time this client's polls).
+_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} req [{elapsed}{postfix}]"
 #: The commands this module runs.
 COMMANDS = ("submit", "status", "results", "cancel")
 _REMOTE_FLAGS = ("url", "token", "wait")
@@ -36,21 +38,23 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     )
     status.add_argument("id", nargs="?", help="an evaluation id (none: list the newest)")
     status.add_argument("--watch", action="store_true", help="follow it until it ends")
-    _add_server_flags(status)
+    add_server_flags(status)
     results = subparsers.add_parser(
         "results", help="print a finished evaluation's results, or write lm-eval's files"
     )
-    results.add_argument("id", help="the evaluation id")
+    results.add_argument(
+        "id", help="the evaluation id, or a sweep's --output_path (or its sweep.json)"
+    )
     results.add_argument(
         "--output_path",
         default=None,
         help="write lm-eval's results file (and samples files) under this directory",
     )
     results.add_argument("--json", action="store_true", help="print the results JSON itself")
-    _add_server_flags(results)
+    add_server_flags(results)
     cancel = subparsers.add_parser("cancel", help="cancel an evaluation on a server")
     cancel.add_argument("id", help="the evaluation id")
-    _add_server_flags(cancel)
+    add_server_flags(cancel)
 
 
 class _Renamed:
@@ -88,13 +92,14 @@ def _add_submit_parser(subparsers: argparse._SubParsersAction) -> None:
     submit.prog = "rayeval submit"
     add_config_flags(submit.add_argument_group(GROUP_TITLE))
     remote = submit.add_argument_group("the server")
-    _add_server_flags(remote)  # type: ignore[arg-type]
+    add_server_flags(remote)  # type: ignore[arg-type]
     remote.add_argument(
         "--wait", action="store_true", help="follow the evaluation until it ends (progress bars)"
     )
 
 
-def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """``--url`` and ``--token``: the server a client command talks to."""
     parser.add_argument(
         "--url",
         default=os.environ.get("RAYEVAL_URL", "http://127.0.0.1:8000"),
@@ -167,7 +172,7 @@ def _submit(client: RayEvalClient, args: argparse.Namespace) -> int:
     print(f"submitted {evaluation['id']} ({client.url}/#{evaluation['id']})", flush=True)
     if not args.wait:
         return 0
-    final = _watch(client, evaluation["id"])
+    final = watch(client, evaluation["id"])
     if final["status"] != "succeeded":
         print(_line(final), file=sys.stderr)
         return 1
@@ -179,25 +184,33 @@ def _status(client: RayEvalClient, args: argparse.Namespace) -> int:
         for evaluation in client.list_evaluations(limit=20)["items"]:
             print(_line(evaluation))
         return 0
-    evaluation = _watch(client, args.id) if args.watch else client.get(args.id)
+    evaluation = watch(client, args.id) if args.watch else client.get(args.id)
     print(_line(evaluation))
     for phase, p in _phases(evaluation).items():
         print(f"  {phase}: {p.done}/{p.total} requests, {p.tokens_per_s:,.0f} tokens/s")
     return 0 if evaluation["status"] != "failed" else 1
 
 
-def _watch(client: RayEvalClient, evaluation_id: str) -> dict[str, Any]:
-    """Follow an evaluation with one progress bar per request type; return its final state."""
+def watch(client: RayEvalClient, evaluation_id: str, stream: Any = None) -> dict[str, Any]:
+    """Follow an evaluation with one progress bar per request type; return its final state.
+
+    Args:
+        client: The server's client.
+        evaluation_id: The evaluation.
+        stream: Where the bars go (default: standard error).
+    """
     from tqdm import tqdm
 
+    stream = stream or sys.stderr
     bars: dict[str, Any] = {}
-    status_bar = tqdm(total=0, bar_format="{desc}", position=0, file=sys.stderr)
+    status_bar = tqdm(total=0, bar_format="{desc}", position=0, file=stream)
 
     def update(evaluation: dict[str, Any]) -> None:
         where = evaluation["status"]
         if evaluation.get("queue_position"):
             where += f" (queue #{evaluation['queue_position']})"
-        status_bar.set_description_str(f"{evaluation_id}: {where}")
+        if status_bar.desc != f"{evaluation_id}: {where}":  # a redraw only when it changed
+            status_bar.set_description_str(f"{evaluation_id}: {where}")
         for phase, p in _phases(evaluation).items():
             bar = bars.get(phase)
             if bar is None:
@@ -206,11 +219,13 @@ def _watch(client: RayEvalClient, evaluation_id: str) -> dict[str, Any]:
                     desc=phase,
                     unit="req",
                     position=len(bars) + 1,
-                    file=sys.stderr,
+                    file=stream,
+                    bar_format=_BAR,
                 )
             bar.total = p.total
             bar.n = p.done
-            bar.set_postfix(tok_s=f"{p.tokens_per_s:,.0f}", refresh=False)
+            rate = p.done / p.seconds if p.seconds > 0 else 0.0
+            bar.set_postfix(req_s=f"{rate:,.1f}", tok_s=f"{p.tokens_per_s:,.0f}", refresh=False)
             bar.refresh()
 
     try:

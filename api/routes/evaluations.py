@@ -131,10 +131,20 @@ def get_results(evaluation_id: str, store: StoreDep) -> Response:
     },
     summary="One task's samples as JSONL",
 )
-def get_samples(evaluation_id: str, task: str, store: StoreDep) -> Response:
-    """The task's samples file exactly as lm-eval writes it with ``--log_samples``.
+def get_samples(
+    evaluation_id: str,
+    task: str,
+    store: StoreDep,
+    doc_id: Annotated[
+        int | None,
+        Query(ge=0, le=MAX_SEQ, description="Only this document's lines (one per filter)."),
+    ] = None,
+) -> Response:
+    """The task's samples file exactly as lm-eval writes it with ``--log_samples`` (with
+    ``doc_id``: only that document's lines, as they are in the file).
 
-    409 while the evaluation has not succeeded; 404 for a task without samples.
+    409 while the evaluation has not succeeded; 404 for a task without samples, or a document
+    the task does not have.
     """
     record = store.get(evaluation_id)
     if record.status is not EvaluationStatus.SUCCEEDED:
@@ -149,7 +159,24 @@ def get_samples(evaluation_id: str, task: str, store: StoreDep) -> Response:
         raise EvaluationNotFoundError(
             f"evaluation {evaluation_id} has no samples for {task!r}: {hint}"
         )
+    if doc_id is not None:
+        jsonl = _document_lines(jsonl, doc_id)
+        if not jsonl:
+            raise EvaluationNotFoundError(
+                f"evaluation {evaluation_id} has no document {doc_id} in {task!r}: the task's "
+                f"documents are listed at {_url(evaluation_id)}/samples/{task}"
+            )
     return Response(content=jsonl, media_type="application/x-ndjson")
+
+
+def _document_lines(jsonl: str, doc_id: int) -> str:
+    """The lines of a samples file that belong to document ``doc_id``."""
+    lines = [
+        line
+        for line in jsonl.splitlines()
+        if line.strip() and json.loads(line).get("doc_id") == doc_id
+    ]
+    return "".join(f"{line}\n" for line in lines)
 
 
 @router.get(
@@ -176,7 +203,8 @@ async def stream_events(
 
     Events: ``state`` (status changes, with the error on failure), ``progress`` (per request
     type, plus overall totals), ``warning`` (a task has loglikelihood requests whose tokens do
-    not measure it: ``{task, counts, example}``), ``task_result`` (one per task and group,
+    not measure it: ``{task, counts, example}``; or an experiment tracker did not record the
+    evaluation: ``{tracker, message}``), ``task_result`` (one per task and group,
     when the evaluation ends: lm-eval computes metrics for all tasks together), ``result``
     (lm-eval's results JSON).
     The stream ends after the terminal ``state`` event. Each event's id is its number.

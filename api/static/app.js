@@ -1,6 +1,6 @@
 // rayeval dashboard: lists evaluations, shows one's live progress (ETA per request type, a
 // throughput plot drawn as inline SVG) and final metrics, and compares finished evaluations side
-// by side, by polling the REST API. Plain JavaScript, no build step, nothing fetched from
+// by side and, pair by pair, document by document (GET /compare), by polling the REST API. Plain JavaScript, no build step, nothing fetched from
 // elsewhere. Data is only ever inserted as text.
 "use strict";
 
@@ -402,7 +402,160 @@ async function showComparison(ids) {
     if (differs) row.classList.add("differs");
   }
   $("compare").hidden = false;
+  $("sample-view").hidden = true;
+  await showPaired(evaluations.map(({ evaluation }) => evaluation));
   $("compare").scrollIntoView();
+}
+
+// ------------------------------------------------------------------ paired comparison
+// The first evaluation against each other one: per task and metric the difference (B − A), its
+// paired 95% interval and p-value, the unpaired interval beside it, and the documents that
+// flipped, each a link to its samples.
+async function showPaired(evaluations) {
+  const box = $("paired");
+  box.replaceChildren();
+  const [first, ...others] = evaluations;
+  for (const other of others) {
+    const block = document.createElement("div");
+    block.className = "paired";
+    block.dataset.a = first.id;
+    block.dataset.b = other.id;
+    const title = document.createElement("h3");
+    title.textContent = "Paired comparison: B − A, A = " + label(first) + ", B = " + label(other);
+    block.appendChild(title);
+    box.appendChild(block);
+    const url = "/compare?a=" + encodeURIComponent(first.id) + "&b=" + encodeURIComponent(other.id);
+    try {
+      pairedTable(block, await (await api(url)).json(), first, other);
+    } catch (error) {
+      const p = document.createElement("p");
+      p.className = "paired-error error";
+      p.textContent = "Not paired: " + error.message;
+      block.appendChild(p);
+    }
+  }
+}
+
+function label(evaluation) {
+  return evaluation.id.slice(0, 8) + " " + modelName(evaluation.request);
+}
+
+function pairedTable(block, comparison, a, b) {
+  const note = document.createElement("p");
+  note.className = "muted";
+  note.textContent = "95% intervals: paired = bootstrap over the same documents ("
+    + comparison.iterations.toLocaleString() + " resamples, seed " + comparison.seed
+    + "); unpaired = from each run's stderr. p: McNemar's exact test for 0/1 metrics, the paired"
+    + " bootstrap otherwise; * significant at 5%.";
+  block.appendChild(note);
+  const table = document.createElement("table");
+  table.className = "paired-table";
+  const head = table.createTHead().insertRow();
+  for (const title of ["task", "metric", "filter", "docs", "A", "B", "B − A",
+    "paired 95% interval", "p", "unpaired 95% interval", "moved (+ / −)"]) {
+    const th = document.createElement("th");
+    th.textContent = title;
+    head.appendChild(th);
+  }
+  const body = table.createTBody();
+  for (const m of comparison.metrics) {
+    const row = body.insertRow();
+    Object.assign(row.dataset, { task: m.task, metric: m.metric, filter: m.filter });
+    if (m.significant) row.classList.add("significant");
+    cell(row, m.task);
+    cell(row, m.metric);
+    cell(row, m.filter);
+    cell(row, m.documents, "num");
+    cell(row, fixed(m.a), "num");
+    cell(row, fixed(m.b), "num");
+    const difference = cell(row, signed(m.difference) + (m.significant ? " *" : ""), "num difference");
+    if (m.significant && m.higher_is_better !== null && m.difference !== null) {
+      difference.classList.add((m.difference > 0) === m.higher_is_better ? "improved" : "regressed");
+    }
+    cell(row, interval(m.paired_interval), "num paired");
+    const p = cell(row, pValue(m.p_value), "num p");
+    p.title = m.test;
+    if (m.significant) {
+      const star = document.createElement("span");
+      star.className = "star";
+      star.textContent = " *";
+      p.appendChild(star);
+    }
+    cell(row, interval(m.unpaired_interval), "num unpaired");
+    flipsCell(row, m, a, b);
+  }
+  block.appendChild(table);
+}
+
+function flipsCell(row, m, a, b) {
+  const td = row.insertCell();
+  td.className = "flips";
+  const details = document.createElement("details");
+  const summary = document.createElement("summary");
+  summary.textContent = "+" + m.flipped.better + " / −" + m.flipped.worse;
+  details.appendChild(summary);
+  // 0/1 metrics: documents that flipped; others: documents whose value rose or fell in B.
+  const binary = m.test === "mcnemar";
+  const titles = binary ? { better: "B right, A wrong: ", worse: "A right, B wrong: " }
+    : { better: "higher in B: ", worse: "lower in B: " };
+  for (const [name, docs] of [["better", m.better], ["worse", m.worse]]) {
+    const line = document.createElement("div");
+    line.className = "docs " + name;
+    line.append(titles[name]);
+    if (!docs.length) line.append("none");
+    for (const doc of docs) {
+      const link = document.createElement("a");
+      link.href = samplesUrl(b, m.task, doc);
+      link.className = "doc";
+      link.dataset.doc = String(doc);
+      link.textContent = String(doc);
+      link.title = "document " + doc + ": its samples in A and B";
+      link.addEventListener("click", (event) => {
+        event.preventDefault();
+        showDocument(a, b, m.task, doc).catch((error) => say(error.message));
+      });
+      line.append(link, " ");
+    }
+    details.appendChild(line);
+  }
+  td.appendChild(details);
+}
+
+function samplesUrl(evaluation, task, doc) {
+  return "/evaluations/" + evaluation.id + "/samples/" + encodeURIComponent(task)
+    + "?doc_id=" + encodeURIComponent(doc);
+}
+
+// One document's samples in A and in B, side by side (the lines of GET .../samples/{task}?doc_id=).
+async function showDocument(a, b, task, doc) {
+  const texts = await Promise.all([a, b].map(async (evaluation) => {
+    const jsonl = await (await api(samplesUrl(evaluation, task, doc))).text();
+    return jsonl.split("\n").filter((line) => line.trim())
+      .map((line) => JSON.stringify(JSON.parse(line), null, 2)).join("\n\n");
+  }));
+  $("sample-doc").textContent = String(doc);
+  $("sample-task").textContent = task;
+  $("sample-a-title").textContent = "A: " + label(a);
+  $("sample-b-title").textContent = "B: " + label(b);
+  $("sample-a").textContent = texts[0];
+  $("sample-b").textContent = texts[1];
+  $("sample-view").hidden = false;
+  $("sample-view").scrollIntoView();
+}
+
+function fixed(value) { return value === null ? "n/a" : number(value, 4); }
+
+function signed(value) {
+  return value === null ? "n/a" : (value > 0 ? "+" : "") + value.toFixed(4);
+}
+
+function interval(bounds) {
+  return bounds === null ? "n/a" : "[" + signed(bounds[0]) + ", " + signed(bounds[1]) + "]";
+}
+
+function pValue(p) {
+  if (p === null) return "n/a";
+  return p < 0.0001 ? "< 0.0001" : p.toFixed(4);
 }
 
 async function showResults(evaluation) {
@@ -472,6 +625,7 @@ $("compare-button").addEventListener("click", () => {
   showComparison([...state.compare]).catch((error) => say(error.message));
 });
 $("compare-close").addEventListener("click", () => { $("compare").hidden = true; });
+$("sample-close").addEventListener("click", () => { $("sample-view").hidden = true; });
 
 poll(refreshList, LIST_EVERY_MS);
 poll(refreshDetail, DETAIL_EVERY_MS, () => state.selected && state.settledFor !== state.selected);

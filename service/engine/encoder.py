@@ -28,6 +28,7 @@ from lm_eval.models.utils import (
     normalize_gen_kwargs,
     postprocess_generated_text,
 )
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from rayeval.actors.batches import ModelSpec
 from rayeval.actors.checkpoints import resolve_dtype
@@ -50,6 +51,7 @@ _SPEC_FIELDS = ENCODER_MODEL_ARGS | {
     "logits_cache",
     "softmax_dtype",
     "mixed_precision_dtype",
+    "checkpoint",
 }
 
 
@@ -59,11 +61,20 @@ def build_encoder(pretrained: str, model_args: dict[str, Any]) -> tuple[HFLM, to
     Raises:
         ConfigError: the model's config cannot be found.
     """
-    common = {
-        "revision": str(model_args.get("revision", "main")),
-        "subfolder": model_args.get("subfolder", ""),
-        "trust_remote_code": bool(model_args.get("trust_remote_code", False)),
-    }
+    shell, dtype = meta_model(pretrained, model_args)
+    encoder_kwargs = {k: v for k, v in model_args.items() if k in ENCODER_MODEL_ARGS}
+    encoder_kwargs.setdefault("tokenizer", pretrained)
+    encoder = HFLM(pretrained=shell, backend="causal", **_common(model_args), **encoder_kwargs)
+    return encoder, dtype
+
+
+def meta_model(pretrained: str, model_args: dict[str, Any]) -> tuple[Any, torch.dtype]:
+    """The model of ``pretrained``'s config on the meta device (no weights), and its dtype.
+
+    Raises:
+        ConfigError: the model's config cannot be found.
+    """
+    common = _common(model_args)
     try:
         config = transformers.AutoConfig.from_pretrained(pretrained, **common)
     except OSError as exc:
@@ -76,10 +87,34 @@ def build_encoder(pretrained: str, model_args: dict[str, Any]) -> tuple[HFLM, to
         shell = transformers.AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=common["trust_remote_code"]
         )
-    encoder_kwargs = {k: v for k, v in model_args.items() if k in ENCODER_MODEL_ARGS}
-    encoder_kwargs.setdefault("tokenizer", pretrained)
-    encoder = HFLM(pretrained=shell, backend="causal", **common, **encoder_kwargs)
-    return encoder, dtype
+    return shell, dtype
+
+
+def _common(model_args: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "revision": str(model_args.get("revision", "main")),
+        "subfolder": model_args.get("subfolder", ""),
+        "trust_remote_code": bool(model_args.get("trust_remote_code", False)),
+    }
+
+
+class _ModelObjectWarnings(logging.Filter):
+    """lm-eval's HF backend warns when it is handed a model object instead of a name (other model
+    args may be ignored; not for ``accelerate``). rayeval always hands it its weightless shell
+    (:func:`build_encoder`), with the args that shape tokenisation given to ``HFLM`` itself,
+    and the ranks load the weights: these warnings say nothing about the evaluation, so they are
+    dropped."""
+
+    MESSAGES = (
+        "`pretrained` model kwarg is not of type `str`",
+        "Passed an already-initialized model through `pretrained`",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.MESSAGES)
+
+
+logging.getLogger(HFLM.__module__).addFilter(_ModelObjectWarnings())
 
 
 def model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -> ModelSpec:
@@ -96,6 +131,7 @@ def model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -
         softmax_dtype=model_args.get("softmax_dtype"),
         mixed_precision_dtype=model_args.get("mixed_precision_dtype"),
         extra_kwargs={k: v for k, v in model_args.items() if k not in _SPEC_FIELDS},
+        checkpoint=str(model_args["checkpoint"]) if model_args.get("checkpoint") else None,
     )
 
 
@@ -131,6 +167,26 @@ def generate_request(
         max_length=kwargs.pop("max_length", None),
         kwargs=kwargs,
     )
+
+
+def rolling_windows(encoder: HFLM, strings: Sequence[str]) -> tuple[list[Any], list[int]]:
+    """lm-eval's disjoint rolling windows of each document, all in one list, and how many each
+    document has (as lm-eval's HF ``loglikelihood_rolling`` cuts them)."""
+    windows: list[tuple[list[int], list[int]]] = []
+    counts = []
+    for string in strings:
+        doc_windows = [
+            make_disjoint_window(window)
+            for window in get_rolling_token_windows(
+                token_list=encoder.tok_encode(string),
+                prefix_token=encoder.prefix_token_id,
+                max_seq_len=encoder.max_length,
+                context_len=1,
+            )
+        ]
+        windows += doc_windows
+        counts.append(len(doc_windows))
+    return windows, counts
 
 
 def decode_generation(encoder: HFLM, generated: Sequence[int], until: Sequence[str]) -> str:

@@ -99,12 +99,21 @@ class Executor:
         self._rank_memory: dict[str, list[RankMemory]] = {}
         self._group: WorkerGroup | None = None
         self._begun = self._reused = False
+        self._swap_load_s: float | None = None
 
     def attach(self, group: WorkerGroup | None, reused: bool = False) -> None:
         """Compute on ``group`` (None: closed). ``reused``: kept ranks, already seeded for this
         evaluation, that loaded nothing for it."""
         self._group = group
         self._begun = self._reused = reused
+
+    def begin_checkpoint(self, started: float, load_s: float) -> None:
+        """The ranks swapped in another checkpoint (at ``started``, reading for ``load_s``): the
+        figures start afresh and report that swap as the start-up."""
+        self.stats = {}
+        self._created = started
+        self._startup_s = None
+        self._swap_load_s = load_s
 
     def score(
         self,
@@ -290,6 +299,8 @@ class Executor:
             self._startup_s = time.monotonic() - self._created
         # Kept replicas loaded nothing for this evaluation.
         load_s = 0.0 if self._reused else max((r["seconds"] for r in load_reports), default=None)
+        if self._swap_load_s is not None:
+            load_s = self._swap_load_s
         return StartUp(load_s=load_s, startup_s=self._startup_s)
 
     def _run(

@@ -24,16 +24,15 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
-from rayeval.actors.profiles import ModelShape
-from rayeval.actors.sharding import ShardStrategy, model_obstacles, refusal
+from rayeval.actors.sharding import ShardStrategy
 from rayeval.service.config import DEFAULT_SEED, EngineConfig, HostOptions
+from rayeval.service.engine import model_shell
 from rayeval.service.engine.checks import (
     Origins,
     RequestChecks,
@@ -47,6 +46,7 @@ from rayeval.service.engine.encoder import (
     generate_request,
     model_sha,
     model_spec,
+    rolling_windows,
 )
 from rayeval.service.engine.executor import Executor
 from rayeval.service.engine.phases import PhaseStats
@@ -118,12 +118,18 @@ class RayEvalLM(TemplateLM):
         model_args = {k: v for k, v in config.model_args.items() if k != "pretrained"}
         self._encoder, self._dtype = build_encoder(self.pretrained, model_args)
         self.tokenizer = self._encoder.tokenizer
-        obstacles = self._obstacles()
+        obstacles = model_shell.obstacles(self._encoder.model, config)
+        if config.model_args.get("checkpoint"):  # refused here, before any rank starts
+            model_shell.check_checkpoint(
+                str(config.model_args["checkpoint"]), self._encoder.model, self.pretrained
+            )
         self._cache = open_cache(host.lm_eval.get("use_cache"), config.model_args)
         self.connection = connect(host.address, config.layout(DeviceKind.CPU))
         self.layout = config.layout(pick_device(config.device))
         self.name = host.name or f"rayeval-{uuid.uuid4().hex[:8]}"
-        self.share_prefixes = config.share_prefixes and self._packing_supported(model_args)
+        self.share_prefixes = config.share_prefixes and model_shell.packing_supported(
+            self._encoder.model, model_args
+        )
         logger.info("starting %s on %s (%s)", self.name, self.layout.describe(), self.connection)
         torch_seed = config.seeds[2]
         seed = torch_seed if torch_seed is not None else DEFAULT_SEED[2]
@@ -137,7 +143,9 @@ class RayEvalLM(TemplateLM):
             on_progress,
             created=self._created,
             shell=self._encoder.model,
-            static_only=self._static_generation_reason(),
+            static_only=model_shell.static_generation_reason(
+                config, self._encoder.model, self._encoder
+            ),
         )
         self._replicas = replicas
         self._key = replica_key(config) if replicas is not None else ""
@@ -216,6 +224,47 @@ class RayEvalLM(TemplateLM):
         if self._cache is not None:
             self._cache.close()
             self._cache = None
+
+    def load_checkpoint(self, checkpoint: str) -> dict[str, Any]:
+        """Evaluate another training checkpoint of this model from now on: checked on the
+        driver, then swapped in place by the ranks, each reading only what it holds. The
+        response cache and warm-replica key follow its fingerprint; the figures start afresh.
+
+        Args:
+            checkpoint: A DCP directory or HF weight files of this model's architecture.
+
+        Returns:
+            ``seconds`` (the whole swap), ``read_s`` (the slowest rank's read) and ``bytes``
+            (read into all ranks).
+
+        Raises:
+            ConfigError: the checkpoint does not fit the model (nothing was swapped).
+            ModelLoadError, EvaluationTimeoutError: a rank failed to read it; the ranks hold a
+                mix of two checkpoints and are released, so this engine cannot go on.
+        """
+        if self._group is None:
+            raise ConfigError("this RayEvalLM was closed: create a new one to evaluate again")
+        started = time.monotonic()
+        model_shell.check_checkpoint(checkpoint, self._encoder.model, self.pretrained)
+        try:
+            reports = self._group.load_checkpoint(checkpoint, timeout_s=self._timeouts.load_s)
+        except BaseException:
+            self.close()
+            raise
+        args = {**self.config.model_args, "checkpoint": checkpoint}
+        self.config = self.config.model_copy(update={"model_args": args})
+        if self._cache is not None:
+            self._cache.use_model(args)
+        if self._replicas is not None:
+            self._key = replica_key(self.config)
+        read_s = max(float(r["seconds"]) for r in reports)
+        self._executor.begin_checkpoint(started, load_s=read_s)
+        self.request_report = RequestReport()
+        return {
+            "seconds": time.monotonic() - started,
+            "read_s": read_s,
+            "bytes": sum(int(r["bytes"]) for r in reports),
+        }
 
     def __enter__(self) -> RayEvalLM:
         return self
@@ -319,20 +368,7 @@ class RayEvalLM(TemplateLM):
         return answers
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        windows: list[tuple[list[int], list[int]]] = []
-        counts = []
-        for (string,) in (request.args for request in requests):
-            doc_windows = [
-                lm_utils.make_disjoint_window(window)
-                for window in lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(string),
-                    prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length,
-                    context_len=1,
-                )
-            ]
-            windows += doc_windows
-            counts.append(len(doc_windows))
+        windows, counts = rolling_windows(self._encoder, [r.args[0] for r in requests])
         answers = self._executor.score(
             windows, self.max_length, "loglikelihood_rolling", disable_tqdm
         )
@@ -384,41 +420,6 @@ class RayEvalLM(TemplateLM):
         )
         self._executor.attach(group, reused=kept is not None)
         return group
-
-    def _obstacles(self) -> dict[ShardStrategy, list[str]]:
-        """Per strategy, why it cannot shard this model at this G; the requested strategy's
-        obstacles are an error before anything starts."""
-        shard_size = self.config.parallelism.shard_size
-        if shard_size == 1:
-            return {}
-        obstacles = model_obstacles(self._encoder.model.config, shard_size)
-        requested = self.config.parallelism.shard_strategy
-        if obstacles.get(requested):
-            raise ConfigError(refusal(requested, obstacles[requested]))
-        return obstacles
-
-    def _static_generation_reason(self) -> str | None:
-        """Why this evaluation generates in static batches only (None: continuous batching
-        may run, request settings permitting)."""
-        if not self.config.continuous_batching:
-            return "continuous_batching is off"
-        shape = ModelShape(self._encoder.model.config)
-        if not shape.profile.continuous:
-            return f"continuous batching is not checked for {shape.model_type!r} models"
-        if self._encoder.think_end_token is not None:
-            return "think_end_token is set (lm-eval cuts stop strings after the thinking part)"
-        return None
-
-    def _packing_supported(self, model_args: dict[str, Any]) -> bool:
-        """Whether the ranks' model scores packed rows exactly (else: one row per input)."""
-        shell = self._encoder.model
-        implementation = model_args.get("attn_implementation") or getattr(
-            shell.config, "_attn_implementation", None
-        )
-        reason = ModelShape(shell.config).packing_unsupported(implementation)
-        if reason is not None:
-            logger.info("shared prefixes are computed once per request (not packed): %s", reason)
-        return reason is None
 
 
 def _engine_config(

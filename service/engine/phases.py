@@ -17,6 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from rayeval.service.console import progress_stream
 from rayeval.service.engine.dispatch import PieceDone, StepDone
 from rayeval.service.events import Progress, RankMemory, ReplicaWork
 
@@ -126,7 +127,11 @@ class PhaseTracker:
         #: (requests done, when) at the last progress report.
         self._reported: tuple[int, float] | None = None
         self._bar = tqdm(
-            total=self.total, desc=f"rayeval {phase}", disable=disable_tqdm, unit="req"
+            total=self.total,
+            desc=f"rayeval {phase}",
+            disable=disable_tqdm,
+            unit="req",
+            file=progress_stream(),
         )
 
     def expect(self, requests_per_micro_batch: Counter[int], answered: int) -> None:

@@ -6,16 +6,20 @@ gives every repeat of a sampled request one key, ignores generation settings (#3
 pickles (CVE-2024-35515). This cache keys each answer by
 
 - a fingerprint of the model: ``pretrained`` (a local path made absolute), every model arg
-  (revision, dtype, tokenizer, max_length, ...), and for a local model the content hash of its
-  config and tokenizer files and the size, modification time and leading bytes of each weights
-  file; and
+  (revision, dtype, tokenizer, max_length, ``checkpoint``, ...), and for a local model the
+  content hash of its config and tokenizer files and the size, modification time and leading
+  bytes of each weights file — for a training checkpoint (``checkpoint=``) the content hash of
+  its DCP ``.metadata`` and the same of each shard file, so two steps of one run never share
+  answers; and
 - the exact request as the model sees it: token ids (and the window length) for a score, context
   tokens plus every generation setting for a generation. Sampled generations are never cached.
 
 It stores plain JSON in SQLite (one file, ``<use_cache>_rayeval.sqlite``, lm-eval's
 ``<use_cache>_rank<N>.db`` naming), one transaction per finished step, so an interrupted run keeps
 everything computed before the interruption. Answers do not depend on the layout, so any
-layout reads what any other wrote.
+layout reads what any other wrote. It also records which models (fingerprints) were evaluated
+to the end with which settings (:meth:`ResponseCache.mark_evaluated`), so that a watch over a
+training run skips the checkpoints it has already evaluated.
 """
 
 from __future__ import annotations
@@ -44,7 +48,11 @@ _DEFINING_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
 )
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp")
+#: A DCP save's metadata (hashed whole: it names every tensor, shape and shard).
+_DCP_METADATA = ".metadata"
+#: accelerate's FSDP sharded-state-dict folders (their files are described too).
+_NESTED_DIR_PREFIX = "pytorch_model_fsdp_"
 _HEAD_BYTES = 1 << 20
 
 
@@ -58,7 +66,7 @@ def model_fingerprint(model_args: Mapping[str, Any]) -> str:
     args = {key: value for key, value in model_args.items()}
     pretrained = str(args.get("pretrained", ""))
     files: dict[str, Any] = {}
-    for key in ("pretrained", "tokenizer"):
+    for key in ("pretrained", "tokenizer", "checkpoint"):
         value = args.get(key)
         if isinstance(value, str) and Path(value).expanduser().exists():
             local = Path(value).expanduser().resolve()
@@ -103,11 +111,40 @@ class ResponseCache:
             self._db.execute(
                 "CREATE TABLE IF NOT EXISTS answers (key TEXT PRIMARY KEY, answer TEXT NOT NULL)"
             )
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS evaluated "
+                "(fingerprint TEXT, settings TEXT, PRIMARY KEY (fingerprint, settings))"
+            )
         self.hits = 0
         self.stored = 0
         #: Parts of a large request type are looked up on a planning thread while the
         #: driver's thread stores finished ones (engine.streamed).
         self._lock = threading.Lock()
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the model whose answers are read and stored."""
+        return self._fingerprint
+
+    def use_model(self, model_args: Mapping[str, Any]) -> None:
+        """Read and store the answers of another model (a sweep's next checkpoint) from now on."""
+        self._fingerprint = model_fingerprint(model_args)
+
+    def mark_evaluated(self, fingerprint: str, settings: str) -> None:
+        """Record that the model of ``fingerprint`` was evaluated to the end with ``settings``
+        (a digest of the evaluation's other options)."""
+        with self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO evaluated VALUES (?, ?)", (fingerprint, settings)
+            )
+
+    def evaluated(self, fingerprint: str, settings: str) -> bool:
+        """Whether the model of ``fingerprint`` was evaluated to the end with ``settings``."""
+        row = self._db.execute(
+            "SELECT 1 FROM evaluated WHERE fingerprint = ? AND settings = ?",
+            (fingerprint, settings),
+        ).fetchone()
+        return row is not None
 
     def get_many(self, requests: Iterable[Any]) -> dict[int, Any]:
         """Cached answers: request position -> answer, for the requests found."""
@@ -196,7 +233,9 @@ def _describe_files(root: Path) -> dict[str, Any]:
         return {root.name: _file_hash(root)}
     described: dict[str, Any] = {}
     for path in sorted(root.iterdir()):
-        if path.name in _DEFINING_FILES or path.name.endswith(".index.json"):
+        if path.is_dir() and path.name.startswith(_NESTED_DIR_PREFIX):
+            described[path.name] = _describe_files(path)
+        elif path.name in (*_DEFINING_FILES, _DCP_METADATA) or path.name.endswith(".index.json"):
             described[path.name] = _file_hash(path)
         elif path.name.endswith(_WEIGHT_SUFFIXES):
             stat = path.stat()

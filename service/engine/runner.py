@@ -5,7 +5,8 @@ the :class:`rayeval.service.config.HostOptions` of where it runs, turns them int
 ``EvaluatorConfig`` (so every lm-eval option means what it means in lm-eval), resolves the tasks,
 evaluates with :class:`rayeval.service.engine.lm.RayEvalLM` and writes what ``lm_eval`` writes,
 where it writes it: ``OUT/<model>/results_<ts>.json`` and, with ``--log_samples``,
-``samples_<task>_<ts>.jsonl``.
+``samples_<task>_<ts>.jsonl``; and records it where it asks to be recorded (W&B, MLflow:
+:mod:`rayeval.service.engine.experiments`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lm_eval.tasks import TaskManager
 
 from rayeval.actors.errors import ConfigError, RayEvalError
 from rayeval.service.config import EvaluationConfig, HostOptions
+from rayeval.service.engine.experiments import ExperimentLog, written_files
 from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
 from rayeval.service.engine.warm import KeptReplicas
@@ -87,7 +89,9 @@ def run_evaluation(
             it is set (a local path, or an fsspec URL such as ``s3://bucket/evals`` with its
             package installed).
         on_progress: Called after every finished step.
-        on_warning: Called when a task has such requests (``{task, counts, example}``).
+        on_warning: Called when a task has such requests (``{task, counts, example}``), and
+            when an experiment tracker did not record the evaluation (``{tracker, message}``:
+            :mod:`rayeval.service.engine.experiments`; the evaluation still succeeds).
         replicas: Loaded replicas to use if they match, and to keep these ones in after a
             successful evaluation (the service's warm replicas; :mod:`rayeval.service.engine.warm`).
 
@@ -119,36 +123,72 @@ def _evaluate(
     on_warning: Callable[[dict[str, Any]], None] | None,
     replicas: KeptReplicas | None,
 ) -> EvaluationOutput | None:
-    from lm_eval import simple_evaluate
+    tracker = make_tracker(cfg, target.local_path if target is not None else None)
+    # The trackers, set up before the run as `lm_eval run` does (wandb.init happens here).
+    experiments = ExperimentLog(config, host, cfg, on_warning)
+    # lm-eval may have changed model args (--trust_remote_code): the engine uses its copy.
+    with (
+        experiments.abandoned_on_error(),
+        RayEvalLM.from_config(
+            config.model_copy(update={"model_args": dict(cfg.model_args)}),
+            host,
+            on_progress=on_progress,
+            on_warning=on_warning,
+            replicas=replicas,
+        ) as lm,
+    ):
+        output = evaluate_on(lm, config, cfg, task_manager, tracker)
+    if output is None:
+        experiments.record_wandb(None, None)
+        return None
+    experiments.record_wandb(output.results, output.samples)
+    save(tracker, output.results, output.samples)
+    files = written_files(tracker, output.results)
+    experiments.record_mlflow(output.results, output.samples, files)
+    if target is not None:
+        target.publish()
+    return output
+
+
+def make_tracker(cfg: EvaluatorConfig, output_path: str | None) -> Any:
+    """lm-eval's ``EvaluationTracker`` as ``lm_eval run`` makes it, writing under
+    ``output_path`` (a local path; None: where ``--hf_hub_log_args`` says, else nowhere)."""
     from lm_eval.loggers import EvaluationTracker
 
-    if target is not None:
-        cfg.hf_hub_log_args["output_path"] = target.local_path
+    if output_path is not None:
+        cfg.hf_hub_log_args["output_path"] = output_path
     if os.environ.get("HF_TOKEN"):
         cfg.hf_hub_log_args["token"] = os.environ["HF_TOKEN"]
-    tracker = EvaluationTracker(**cfg.hf_hub_log_args)
-    # lm-eval's W&B logger, set up before the run as `lm_eval run` does (wandb.init happens here).
-    wandb_logger = _wandb_logger(cfg)
-    # lm-eval may have changed model args (--trust_remote_code): the engine uses its copy.
-    with RayEvalLM.from_config(
-        config.model_copy(update={"model_args": dict(cfg.model_args)}),
-        host,
-        on_progress=on_progress,
-        on_warning=on_warning,
-        replicas=replicas,
-    ) as lm:
-        results = simple_evaluate(
-            model=lm,
-            evaluation_tracker=tracker,
-            **_simple_evaluate_kwargs(config, cfg, task_manager),
-        )
-        stats = {phase: phase_stats.report() for phase, phase_stats in lm.stats.items()}
-        request_warnings = lm.request_report.as_dict()
-        try:
-            ranks = lm.rank_sites()
-        except RayEvalError as exc:  # the results are complete: say so, do not drop them
-            logger.warning("could not ask the ranks where they ran: %s", exc)
-            ranks = []
+    return EvaluationTracker(**cfg.hf_hub_log_args)
+
+
+def evaluate_on(
+    lm: RayEvalLM,
+    config: EvaluationConfig,
+    cfg: EvaluatorConfig,
+    task_manager: Any,
+    tracker: Any,
+) -> EvaluationOutput | None:
+    """lm-eval's ``simple_evaluate`` on a running engine (whatever weights its ranks hold), with
+    the results recorded as lm-eval's HF backend records them; nothing is written yet.
+
+    Returns:
+        The results, or None where lm-eval returns None.
+    """
+    from lm_eval import simple_evaluate
+
+    results = simple_evaluate(
+        model=lm,
+        evaluation_tracker=tracker,
+        **_simple_evaluate_kwargs(config, cfg, task_manager),
+    )
+    stats = {phase: phase_stats.report() for phase, phase_stats in lm.stats.items()}
+    request_warnings = lm.request_report.as_dict()
+    try:
+        ranks = lm.rank_sites()
+    except RayEvalError as exc:  # the results are complete: say so, do not drop them
+        logger.warning("could not ask the ranks where they ran: %s", exc)
+        ranks = []
     if results is None:
         return None
     if request_warnings:
@@ -157,16 +197,11 @@ def _evaluate(
     results["config"]["model"] = cfg.model
     tracker.general_config_tracker.model_source = cfg.model
     samples = results.pop("samples", None) if cfg.log_samples else None
-    if wandb_logger is not None:
-        _log_to_wandb(wandb_logger, results, samples)
-    _save(tracker, results, samples)
-    if target is not None:
-        target.publish()
     return EvaluationOutput(results=results, samples=samples, stats=stats, ranks=ranks)
 
 
 def _simple_evaluate_kwargs(
-    config: EvaluationConfig, cfg: EvaluatorConfig, task_manager: TaskManager
+    config: EvaluationConfig, cfg: EvaluatorConfig, task_manager: Any
 ) -> dict[str, Any]:
     """lm-eval's ``simple_evaluate`` arguments for this evaluation, as ``lm_eval run`` passes
     them (the model and the tracker aside)."""
@@ -204,49 +239,13 @@ def _simple_evaluate_kwargs(
     }
 
 
-def _save(tracker: Any, results: dict[str, Any], samples: dict[str, Any] | None) -> None:
-    """As `lm_eval run`: the tracker writes where its output_path says (--output_path, or
-    --hf_hub_log_args output_path=...; nothing without one) and pushes to the hub if asked."""
+def save(tracker: Any, results: dict[str, Any], samples: dict[str, Any] | None) -> None:
+    """lm-eval's files of one evaluation, as `lm_eval run` writes them: the tracker writes where
+    its output_path says (--output_path, or --hf_hub_log_args output_path=...; nothing without
+    one) and pushes to the hub if asked."""
     tracker.save_results_aggregated(results=results, samples=samples)
     if samples is not None:
         for task_name in results["configs"]:
             tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
     if tracker.push_results_to_hub or tracker.push_samples_to_hub:
         tracker.recreate_metadata_card()
-
-
-def _wandb_logger(cfg: EvaluatorConfig) -> Any:
-    """lm-eval's ``WandbLogger`` for ``--wandb_args`` (None without them).
-
-    Raises:
-        ConfigError: wandb is not installed, or ``trackio_args`` were given.
-    """
-    if cfg.trackio_args:
-        raise ConfigError(
-            "--trackio_args is not supported by rayeval yet: log with --wandb_args, or read the "
-            "results file (--output_path)"
-        )
-    if not cfg.wandb_args:
-        return None
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise ConfigError(
-            "--wandb_args needs wandb: pip install 'rayeval[wandb]' (or pip install wandb)"
-        ) from None
-    from lm_eval.loggers import WandbLogger
-
-    return WandbLogger(dict(cfg.wandb_args), dict(cfg.wandb_config_args or {}))
-
-
-def _log_to_wandb(logger_: Any, results: dict[str, Any], samples: dict[str, Any] | None) -> None:
-    """Results (and samples) to W&B as `lm_eval run` logs them; the run is finished after."""
-    try:
-        logger_.post_init(results)
-        logger_.log_eval_result()
-        if samples is not None:
-            logger_.log_eval_samples(samples)
-    except Exception as exc:  # as lm-eval: a logging failure does not lose the results
-        logger.warning("logging to W&B failed: %s", exc)
-    finally:
-        logger_.run.finish()

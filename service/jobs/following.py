@@ -36,7 +36,7 @@ from rayeval.service.events import (
     RunnerWarning,
     StreamEvent,
     TaskResultEvent,
-    WarningEvent,
+    warning_event,
 )
 from rayeval.service.jobs.records import EvaluationRecord
 
@@ -91,7 +91,7 @@ def digest(progress: EvaluationProgress, events: Sequence[RunnerEvent]) -> Diges
         if isinstance(event, RunnerProgress):
             latest[event.progress.phase] = PhaseReport.of(event.progress, event.time)
         elif isinstance(event, RunnerWarning):
-            warnings.append(WarningEvent.of_warning(event.warning))
+            warnings.append(warning_event(event.warning))
         elif ended is None:
             ended = event
     progress = progress.with_reports(latest)

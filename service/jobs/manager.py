@@ -262,6 +262,7 @@ class EvaluationManager:
                 list(self._catalog.include_paths),
                 self._options.response_cache,
                 self._kept.enabled,
+                self._options.trackers,
             )
         except Exception as exc:  # e.g. a bad runtime_env: the evaluation cannot start
             error = f"could not start the runner actor: {brief(exc)}"

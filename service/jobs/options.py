@@ -2,9 +2,9 @@
 
 :class:`ManagerOptions` is what the server's settings (:class:`rayeval.api.settings.Settings`,
 ``rayeval serve``'s flags) set for :class:`rayeval.service.jobs.manager.EvaluationManager`:
-polling, the server's timeouts, the request policy, the response cache and warm replicas. An
-evaluation's own waits are its config's (:class:`rayeval.service.config.TimeoutSettings`). No
-torch here.
+polling, the server's timeouts, the request policy, the response cache, warm replicas and the
+experiment trackers. An evaluation's own waits are its config's
+(:class:`rayeval.service.config.TimeoutSettings`). No torch here.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rayeval.service.jobs.validation import ServerPolicy
+from rayeval.service.trackers import Trackers
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ManagerOptions:
             evaluation of the same model and layout (0: release at once).
         runner_scan_timeout_s: Bound on waiting for the runner actors found at start to say
             which evaluation they run (re-attaching after a restart).
+        trackers: The experiment trackers evaluations that ask to be tracked are recorded in.
     """
 
     namespace: str = "rayeval"
@@ -46,3 +48,4 @@ class ManagerOptions:
     stall_timeout_s: float = 1800.0
     warm_replicas: int = 0
     runner_scan_timeout_s: float = 10.0
+    trackers: Trackers = field(default_factory=Trackers)

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,6 @@ from rayeval.service.engine.warm import KeptReplicas
 from rayeval.service.events import (
     Progress,
     ReplicaReuse,
-    RequestWarning,
     RunnerEvent,
     RunnerFailed,
     RunnerProgress,
@@ -40,8 +40,10 @@ from rayeval.service.events import (
     RunnerSucceeded,
     RunnerWarning,
     RunOutputs,
+    warning_of,
 )
 from rayeval.service.jobs.ray_resources import group_name, runner_name
+from rayeval.service.trackers import Trackers
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class EvaluationRunner:
         include_paths: The server's task directories (must exist on this node too).
         response_cache: Path prefix of the response cache (``--use_cache``'s; None: none).
         keep_replicas: Keep the loaded ranks after a successful evaluation.
+        trackers: ``Trackers.to_json()`` of the server's experiment trackers (None: none).
     """
 
     def __init__(
@@ -69,10 +72,12 @@ class EvaluationRunner:
         include_paths: list[str],
         response_cache: str | None = None,
         keep_replicas: bool = False,
+        trackers: dict[str, Any] | None = None,
     ) -> None:
         self.owner_id = evaluation_id
         self._include_paths = tuple(include_paths)
         self._response_cache = response_cache
+        self._trackers = Trackers(**(trackers or {}))
         self._replicas = KeptReplicas(keep=keep_replicas)
         self._lock = threading.Lock()
         self._events: dict[str, list[RunnerEvent]] = {}
@@ -176,13 +181,14 @@ class EvaluationRunner:
             self._emit(evaluation_id, RunnerProgress, progress=progress)
 
         def on_warning(data: dict[str, Any]) -> None:
-            self._emit(evaluation_id, RunnerWarning, warning=RequestWarning.parse(data))
+            self._emit(evaluation_id, RunnerWarning, warning=warning_of(data))
 
         host = HostOptions(
             output_path=str(output_dir),
             include_paths=self._include_paths,
             name=group_name(self.owner_id),
             lm_eval={"use_cache": self._response_cache} if self._response_cache else {},
+            trackers=replace(self._trackers, evaluation_id=evaluation_id),
         )
         output = run_evaluation(
             config,
@@ -207,6 +213,7 @@ def launch_runner(
     include_paths: list[str],
     response_cache: str | None,
     keep_replicas: bool,
+    trackers: Trackers | None = None,
 ) -> Any:
     """Start the named, detached runner actor of an evaluation (its first evaluation starts).
 
@@ -217,6 +224,7 @@ def launch_runner(
         include_paths: The server's task directories.
         response_cache: Path prefix of the response cache (None: none).
         keep_replicas: Keep the loaded ranks after a successful evaluation.
+        trackers: The server's experiment trackers (None: none).
 
     Returns:
         The actor's handle.
@@ -232,7 +240,14 @@ def launch_runner(
             max_restarts=0,
             runtime_env={"env_vars": runner_environment()},
         )
-        .remote(evaluation_id, config, include_paths, response_cache, keep_replicas)
+        .remote(
+            evaluation_id,
+            config,
+            include_paths,
+            response_cache,
+            keep_replicas,
+            trackers.to_json() if trackers is not None else None,
+        )
     )
 
 

@@ -7,7 +7,7 @@ only the server can judge, so that what is accepted with 202 can run:
 - its policy (:class:`ServerPolicy`): no code from a request's model repository unless the
   operator allows it; model args and generation settings from an allowlist; local models and
   tokenizers only under the operator's model roots, with one answer for a path that is missing and
-  one that is forbidden (no file oracle);
+  one that is forbidden (no file oracle); tracking only where the server has a tracker;
 - task names (never paths) that its catalog knows, in ``tasks`` and in ``samples``;
 - options lm-eval accepts together, and a layout the cluster can ever hold;
 - a named shard strategy that can work: what it refuses of the model, read from a local
@@ -81,11 +81,14 @@ class ServerPolicy:
         model_roots: Directories under which local models and tokenizers may be named.
         allow_hub_models: Whether hub ids (``org/name``) may be named.
         allow_remote_code: Whether ``trust_remote_code`` may be set.
+        trackers: The experiment trackers the server records evaluations in (``mlflow``,
+            ``wandb``); an evaluation asking to be tracked needs one.
     """
 
     model_roots: tuple[str, ...] = ()
     allow_hub_models: bool = True
     allow_remote_code: bool = False
+    trackers: tuple[str, ...] = ()
 
 
 def check_submission(
@@ -114,6 +117,7 @@ def check_submission(
         ServiceNotReadyError: the task index is not ready yet and nothing else is wrong.
     """
     problems = policy_problems(config, policy) + task_problems(config)
+    problems += tracking_problems(config, policy)
     if not problems:  # a model path is read only once the policy allows it (no file oracle)
         problems += strategy_problems(config, node_totals)
     try:
@@ -175,6 +179,17 @@ def strategy_problems(
             "or use --shard_strategy auto (FSDP across nodes)"
         )
     return problems
+
+
+def tracking_problems(config: EvaluationConfig, policy: ServerPolicy) -> list[str]:
+    """An evaluation that asks to be tracked needs a server that has a tracker."""
+    if config.tracking is None or policy.trackers:
+        return []
+    return [
+        "tracking: this server records evaluations in no experiment tracker; drop "
+        '"tracking", or ask its operator to start it with --mlflow-tracking-uri or '
+        "--wandb-project"
+    ]
 
 
 def task_problems(config: EvaluationConfig) -> list[str]:

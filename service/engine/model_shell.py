@@ -1,0 +1,82 @@
+"""What the driver decides from its weightless (meta-device) copy of the model, before any rank
+starts: which strategies can shard it, whether continuous batching and packed rows reproduce
+lm-eval's answers for it, and whether a training checkpoint fits it.
+
+Each is a small function of the shell (the encoder's meta model) and the engine's configuration,
+so :class:`rayeval.service.engine.lm.RayEvalLM` only wires them together.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from rayeval.actors.errors import ConfigError
+from rayeval.actors.profiles import ModelShape
+from rayeval.actors.sharding import ShardStrategy, model_obstacles, refusal
+from rayeval.service.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+def obstacles(shell: Any, config: EngineConfig) -> dict[ShardStrategy, list[str]]:
+    """Per strategy, why it cannot shard this model at the configured G.
+
+    Raises:
+        ConfigError: the requested strategy cannot (before anything starts).
+    """
+    shard_size = config.parallelism.shard_size
+    if shard_size == 1:
+        return {}
+    found = model_obstacles(shell.config, shard_size)
+    requested = config.parallelism.shard_strategy
+    if found.get(requested):
+        raise ConfigError(refusal(requested, found[requested]))
+    return found
+
+
+def static_generation_reason(config: EngineConfig, shell: Any, encoder: Any) -> str | None:
+    """Why this evaluation generates in static batches only (None: continuous batching may run,
+    request settings permitting)."""
+    if not config.continuous_batching:
+        return "continuous_batching is off"
+    shape = ModelShape(shell.config)
+    if not shape.profile.continuous:
+        return f"continuous batching is not checked for {shape.model_type!r} models"
+    if encoder.think_end_token is not None:
+        return "think_end_token is set (lm-eval cuts stop strings after the thinking part)"
+    return None
+
+
+def packing_supported(shell: Any, model_args: dict[str, Any]) -> bool:
+    """Whether the ranks' model scores packed rows exactly (else: one row per input)."""
+    implementation = model_args.get("attn_implementation") or getattr(
+        shell.config, "_attn_implementation", None
+    )
+    reason = ModelShape(shell.config).packing_unsupported(implementation)
+    if reason is not None:
+        logger.info("shared prefixes are computed once per request (not packed): %s", reason)
+    return reason is None
+
+
+def check_checkpoint(checkpoint: str, shell: Any, pretrained: str) -> None:
+    """Refuse a training checkpoint that cannot fill this model, naming the first problem: not
+    a checkpoint, a half-written save (a DCP directory without its ``.metadata``), a tensor
+    missing, a shape that the config does not give. Reads only the checkpoint's metadata (DCP)
+    or file headers.
+
+    Raises:
+        CheckpointError: the checkpoint is unusable for this model (what to do is in the
+            message).
+    """
+    from rayeval.actors.errors import CheckpointError, ModelLoadError
+    from rayeval.actors.weights import open_source, problems, refusal, slots
+
+    try:
+        source = open_source(checkpoint)
+    except ModelLoadError as exc:
+        raise CheckpointError(str(exc)) from None
+    prefix = getattr(shell, "base_model_prefix", "")
+    _, found = problems(slots(shell), source.shapes(), prefix)
+    if found:
+        raise CheckpointError(refusal(source.where, found, pretrained))

@@ -1,0 +1,382 @@
+"""Training checkpoints read as they are: DCP directories, sweeps, watch mode, refusals.
+
+A "training run" of the bundled tiny Llama saves three steps, each with its own weights (the
+trained weights plus seeded noise, less at later steps), each saved another way:
+
+* ``step-100`` by FSDP2 over two gloo ranks in Ray actors (``get_model_state_dict`` +
+  ``dcp.save``: two shard files, every tensor split between them);
+* ``step-200`` by one process (``dcp.save`` with ``no_dist``);
+* ``step-300`` by FSDP2 over two ranks as accelerate's ``SHARDED_STATE_DICT`` writes it:
+  ``pytorch_model_fsdp_0/`` holding ``{"model": state_dict}``.
+
+The reference for each is lm-eval's own ``hf`` backend on the same weights merged into a
+safetensors copy with DCP's own ``dcp_to_torch_save`` (in the test only: rayeval never writes a
+merged copy). The slow tests evaluate the three steps in one engine per layout (G=1, G=2 FSDP,
+G=2 TP: the ranks swap weights between steps) against those references; a CLI sweep against
+three separate ``rayeval run`` evaluations (bit-identical); a watch that picks up a checkpoint
+written while it runs and leaves alone one still being written; and the refusals, before any
+rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.checkpoint_run import merge, save_one_process, save_sharded
+from tests.helpers import assert_same_results, evaluate, hf_reference, read_outputs
+
+STEPS = {"step-100": 0.3, "step-200": 0.1, "step-300": 0.0}  # noise scale per step
+RUN = {"num_fewshot": 1, "limit": 4, "bootstrap_iters": 0}
+TASKS = ["demo_mc", "demo_cloze", "demo_rolling", "demo_gen_short"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(demo: Any, ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The training run's checkpoint folder: three steps, each saved its own way."""
+    root = tmp_path_factory.mktemp("run")
+    (scale_100, scale_200, scale_300) = STEPS.values()
+    save_sharded(demo.model_dir, root / "step-100", scale_100, seed=100, accelerate=False)
+    save_one_process(demo.model_dir, root / "step-200", scale_200, seed=200)
+    save_sharded(demo.model_dir, root / "step-300", scale_300, seed=300, accelerate=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def references(
+    demo: Any, run_dir: Path, task_manager: Any, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    """lm-eval hf on each step's weights merged to safetensors."""
+    merged = tmp_path_factory.mktemp("merged")
+    return {
+        step: hf_reference(merge(run_dir / step, demo.model_dir, merged / step), task_manager,
+                           TASKS, **RUN)
+        for step in STEPS
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------ slow: evaluations
+LAYOUTS = [(1, "fsdp"), (2, "fsdp"), (2, "tp")]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("shard_size", "strategy"), LAYOUTS, ids=["1", "2-fsdp", "2-tp"])
+def test_checkpoints_match_lm_eval_hf_on_merged_weights(
+    shard_size: int, strategy: str, demo: Any, run_dir: Path, references: dict[str, Any],
+    task_manager: Any,
+) -> None:  # fmt: skip
+    """Each step read as saved (two FSDP2 shards, one process, accelerate's layout) by one
+    engine whose ranks swap weights between steps, at G=1 and G=2 under both strategies."""
+    from rayeval.service.engine.lm import RayEvalLM
+
+    steps = list(STEPS)
+    with RayEvalLM(
+        pretrained=str(demo.model_dir), checkpoint=str(run_dir / steps[0]), dtype="float32",
+        shard_size=shard_size, shard_strategy=strategy, batch_size="auto", max_batch_tokens=256,
+    ) as lm:  # fmt: skip
+        reports = lm.load_reports
+        for step in steps:
+            if step != steps[0]:
+                swap = lm.load_checkpoint(str(run_dir / step))
+                assert swap["bytes"] > 0
+            assert lm.config.model_args["checkpoint"] == str(run_dir / step)
+            ours = evaluate(lm, task_manager, TASKS, **RUN)
+            assert_same_results(references[step], ours)
+            assert lm.shard_strategy.value == strategy
+    total = sum(r["local_parameters"] for r in reports)
+    if shard_size == 2:  # each rank holds (and read) its half, not the whole model
+        assert max(r["local_parameters"] for r in reports) <= total / 2 * 1.05
+    assert references["step-100"]["results"] != references["step-300"]["results"]
+
+
+@pytest.mark.e2e
+def test_cli_sweep_equals_separate_evaluations(
+    demo: Any, run_dir: Path, tmp_path: Path, capsys: Any
+) -> None:
+    """``rayeval run --checkpoints 'run/step-*'``: one results file per step, bit-identical to
+    a ``rayeval run`` per step with ``checkpoint=``; ``sweep.json`` and ``rayeval results``."""
+    from rayeval.api.cli import main
+
+    def argv(model_args: str, out: Path) -> list[str]:
+        return ["run", "--model", "hf", "--model_args", model_args,
+                "--include_path", str(demo.tasks_dir), "--tasks", ",".join(TASKS),
+                "--limit", "4", "--num_fewshot", "1", "--bootstrap_iters", "0", "--seed", "7",
+                "--log_samples", "--output_path", str(out)]  # fmt: skip
+
+    base = f"pretrained={demo.model_dir},dtype=float32"
+    assert main([*argv(base, tmp_path / "sweep"), "--checkpoints", str(run_dir / "step-*")]) == 0
+    printed = capsys.readouterr().out
+    assert "step-100: succeeded" in printed and "| demo_mc" in printed
+    summary = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [c["label"] for c in summary["checkpoints"]] == list(STEPS)
+    assert [c["step"] for c in summary["checkpoints"]] == [100, 200, 300]
+    fingerprints = {c["fingerprint"] for c in summary["checkpoints"]}
+    assert len(fingerprints) == 3  # each step its own response-cache key
+    for step in STEPS:
+        assert main(argv(f"{base},checkpoint={run_dir / step}", tmp_path / "one" / step)) == 0
+        _, separate, separate_samples = read_outputs(tmp_path / "one" / step)
+        _, swept, swept_samples = read_outputs(tmp_path / "sweep" / step)
+        assert swept["config"]["model_args"]["checkpoint"] == str((run_dir / step).resolve())
+        assert_same_results(
+            {"results": separate["results"], "samples": separate_samples},
+            {"results": swept["results"], "samples": swept_samples},
+            exact=True,
+        )
+    capsys.readouterr()
+    assert main(["results", str(tmp_path / "sweep")]) == 0
+    table = capsys.readouterr().out
+    assert "| Tasks" in table and "step-300" in table and "exact_match" in table
+
+
+@pytest.mark.e2e
+def test_watch_picks_up_new_checkpoints_and_waits_for_incomplete_ones(
+    demo: Any, run_dir: Path, ray_session: None, tmp_path: Path, capsys: Any
+) -> None:
+    """A watch evaluates the step present at its start, then one saved while it runs, and
+    leaves alone a step whose save has no ``.metadata`` yet; a second watch over the same output
+    skips both (their results files are there)."""
+    from rayeval.api.cli import main
+    from rayeval.service.config import EvaluationConfig, HostOptions
+    from rayeval.service.engine.watch import WatchOptions, watch
+
+    watched = tmp_path / "run"
+    watched.mkdir()
+    shutil.copytree(run_dir / "step-100", watched / "step-100")
+    config = EvaluationConfig(
+        model_args={"pretrained": str(demo.model_dir), "dtype": "float32"},
+        tasks=["demo_mc"], limit=4, bootstrap_iters=0,
+    )  # fmt: skip
+    host = HostOptions(output_path=str(tmp_path / "out"), include_paths=(str(demo.tasks_dir),))
+    seen: list[tuple[str, str]] = []
+
+    def on_checkpoint(record: Any) -> None:
+        seen.append((record.label, record.status))
+        if len(seen) == 1:  # the trainer saves two more while the watch runs
+            partial = watched / "step-150"
+            partial.mkdir()
+            for shard in (run_dir / "step-200").glob("*.distcp"):
+                shutil.copy(shard, partial / shard.name)  # no .metadata: still being written
+            shutil.copytree(run_dir / "step-200", watched / "step-200")
+
+    done = threading.Event()
+    summary: dict[str, Any] = {}
+
+    def run() -> None:
+        options = WatchOptions(poll_s=0.2, max_checkpoints=2)
+        summary["value"] = watch(watched, config, host, options, on_checkpoint=on_checkpoint)
+        done.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert done.wait(timeout=600), "the watch did not stop after two checkpoints"
+    assert seen == [("step-100", "succeeded"), ("step-200", "succeeded")]
+    assert "step-150" not in {r.label for r in summary["value"].checkpoints}
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == ["step-100", "step-200", "sweep.json"]
+
+    status = main(["watch", str(watched), "--model", "hf",
+                   "--model_args", f"pretrained={demo.model_dir},dtype=float32",
+                   "--include_path", str(demo.tasks_dir), "--tasks", "demo_mc", "--limit", "4",
+                   "--bootstrap_iters", "0", "--output_path", str(tmp_path / "out"),
+                   "--poll_interval", "0.2", "--idle_timeout", "1"])  # fmt: skip
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "step-100: skipped" in printed and "step-200: skipped" in printed
+    assert "step-150" not in printed
+
+
+# ------------------------------------------------- small: refusals, keys, directories, requests
+@pytest.fixture(scope="module")
+def small_checkpoints(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One-process DCP saves of the demo model: good, a key missing, a shape that differs, and
+    a half-written one (shards, no .metadata)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    root = tmp_path_factory.mktemp("small")
+    state = transformers.AutoModelForCausalLM.from_pretrained(
+        demo.model_dir, dtype=torch.float32
+    ).state_dict()
+    missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    shape = dict(state, **{"model.norm.weight": torch.ones(65)})
+    for name, value in {"good": state, "missing": missing, "shape": shape}.items():
+        dcp.save(value, checkpoint_id=str(root / name), no_dist=True)
+    shutil.copytree(root / "good", root / "half")
+    (root / "half" / ".metadata").unlink()
+    (root / "empty").mkdir()
+    return {name: root / name for name in ("good", "missing", "shape", "half", "empty")}
+
+
+@pytest.mark.service
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing", "no tensor for parameter model.layers.1.mlp.up_proj.weight"),
+        ("shape", "tensor model.norm.weight has shape (65,), the model's config gives (64,)"),
+        ("half", "has DCP shard files but no .metadata file: the save is incomplete"),
+        ("empty", "is not a checkpoint: expected a torch.distributed.checkpoint directory"),
+    ],
+)
+def test_unusable_checkpoint_is_refused_before_any_rank_starts(
+    case: str, message: str, demo: Any, small_checkpoints: dict[str, Path], capsys: Any
+) -> None:
+    from rayeval.api.cli import main
+
+    common = ["--model", "hf", "--include_path", str(demo.tasks_dir), "--tasks", "demo_mc",
+              "--address", "127.0.0.1:1"]  # nothing listens there: refused before Ray  # fmt: skip
+    bad = small_checkpoints[case]
+    args = f"pretrained={demo.model_dir},checkpoint={bad}"
+    assert main(["run", *common, "--model_args", args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    # A sweep is refused as a whole, naming the unusable one, before any rank starts.
+    good = small_checkpoints["good"]
+    sweep = ["--model_args", f"pretrained={demo.model_dir}", "--checkpoints", f"{good},{bad}"]
+    assert main(["run", *common, *sweep]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(good) not in err
+
+
+@pytest.mark.service
+def test_fingerprints_follow_the_checkpoint(
+    demo: Any, small_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two checkpoints never share a response-cache or warm-replica key; rewriting a
+    checkpoint's files changes its key."""
+    from rayeval.service.config import EvaluationConfig
+    from rayeval.service.engine.response_cache import model_fingerprint
+    from rayeval.service.engine.warm import replica_key
+
+    def args(checkpoint: Path) -> dict[str, Any]:
+        return {"pretrained": str(demo.model_dir), "checkpoint": str(checkpoint)}
+
+    good, other = small_checkpoints["good"], small_checkpoints["shape"]
+    assert model_fingerprint(args(good)) != model_fingerprint(args(other))
+    assert model_fingerprint(args(good)) != model_fingerprint({"pretrained": str(demo.model_dir)})
+    configs = [EvaluationConfig(model_args=args(c), tasks=["demo_mc"]) for c in (good, other)]
+    assert replica_key(configs[0]) != replica_key(configs[1])
+    copy = shutil.copytree(good, tmp_path / "copy")
+    before = model_fingerprint(args(copy))
+    (copy / ".metadata").write_bytes((copy / ".metadata").read_bytes() + b" ")
+    assert model_fingerprint(args(copy)) != before
+
+
+@pytest.mark.service
+@pytest.mark.parametrize("stored", ["both", "embeddings", "head"])
+def test_tied_head_reads_the_one_tensor_the_checkpoint_has(stored: str, tmp_path: Path) -> None:
+    """A tied GPT-2 saved with both names of its one tensor, or either alone, loads whole
+    (G = 1, in this process) with the logits of the model that was saved."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    from rayeval.actors.batches import ModelSpec
+    from rayeval.actors.fsdp_loading import load_model
+    from rayeval.service.demo import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "gpt2", arch="gpt2", train_steps=0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = dict(model.state_dict())
+    drop = {"embeddings": "lm_head.weight", "head": "transformer.wte.weight"}.get(stored)
+    state.pop(drop, None)
+    dcp.save(state, checkpoint_id=str(tmp_path / "step"), no_dist=True)
+    spec = ModelSpec(str(model_dir), dtype="float32", checkpoint=str(tmp_path / "step"))
+    loaded = load_model(spec, torch.device("cpu"), None)
+    assert loaded.lm_head.weight is loaded.get_input_embeddings().weight
+    ids = torch.tensor([[1, 5, 9, 33, 100, 7]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
+@pytest.mark.unit
+def test_response_cache_remembers_what_was_evaluated(tmp_path: Path) -> None:
+    from rayeval.service.engine.response_cache import ResponseCache
+
+    cache = ResponseCache(tmp_path / "cache.sqlite", "model-a")
+    cache.mark_evaluated("step-1", "settings")
+    assert cache.evaluated("step-1", "settings")
+    assert not cache.evaluated("step-1", "other settings")
+    assert not cache.evaluated("step-2", "settings")
+    cache.close()
+    again = ResponseCache(tmp_path / "cache.sqlite", "model-a")
+    assert again.evaluated("step-1", "settings")
+    again.close()
+
+
+@pytest.mark.unit
+def test_checkpoint_directories_complete_ordered_and_named(tmp_path: Path) -> None:
+    from rayeval.actors.checkpoint_dirs import by_step, expand, inspect_dir, labels, step_of
+
+    assert [step_of(n) for n in ("step-1000", "checkpoint-500", "global_step20", "final")] == [
+        1000, 500, 20, None,
+    ]  # fmt: skip
+    for name in ("step-20", "step-3", "step-100", "final"):
+        (tmp_path / "run" / name).mkdir(parents=True)
+    ordered = [p.name for p in expand(str(tmp_path / "run" / "*"))]
+    assert ordered == ["step-3", "step-20", "step-100", "final"]
+    assert [p.name for p in by_step(expand(f"{tmp_path}/run/step-100,{tmp_path}/run/step-3"))] == [
+        "step-3", "step-100",
+    ]  # fmt: skip
+    named = labels([tmp_path / "a" / "step-1", tmp_path / "b" / "step-1"])
+    assert sorted(named.values()) == ["a__step-1", "b__step-1"]
+    # A safetensors file shorter than its header says is still being written.
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    save_file({"w": torch.ones(1000)}, str(model / "model.safetensors"))
+    assert inspect_dir(model).complete  # type: ignore[union-attr]
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[:-100])
+    found = inspect_dir(model)
+    assert found is not None and not found.complete and "still being written" in found.problem
+    assert inspect_dir(tmp_path / "run" / "final") is None
+
+
+@pytest.mark.unit
+def test_tasks_build_their_requests_once() -> None:
+    """A sweep's task manager loads tasks once; a task builds its requests once per arguments
+    and gives the same instances back unanswered."""
+    from rayeval.service.engine.sweep import TasksOnce
+
+    class _Instance:
+        def __init__(self) -> None:
+            self.resps: list[Any] = []
+            self.filtered_resps: dict[str, Any] = {}
+
+    class _Task:
+        def __init__(self) -> None:
+            self.builds = 0
+            self.instances: list[_Instance] = []
+
+        def build_all_requests(self, **kwargs: Any) -> None:
+            self.builds += 1
+            self.instances = [_Instance()]
+
+    class _Manager:
+        loads = 0
+
+        def load(self, tasks: Any) -> dict[str, Any]:
+            self.loads += 1
+            return {"tasks": {"t": _Task()}, "groups": {}}
+
+    manager = _Manager()
+    once = TasksOnce(manager)
+    task = once.load(["t"])["tasks"]["t"]
+    assert once.load(["t"])["tasks"]["t"] is task and manager.loads == 1
+    task.build_all_requests(limit=4)
+    first = task.instances[0]
+    first.resps.append("answer")
+    first.filtered_resps["none"] = "answer"
+    task.build_all_requests(limit=4)
+    assert task.builds == 1 and task.instances[0] is first
+    assert first.resps == [] and first.filtered_resps == {}
+    task.build_all_requests(limit=2)
+    assert task.builds == 2
