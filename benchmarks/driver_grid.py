@@ -146,12 +146,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for step_ms in STEP_MS:
-        points = sorted((r["replicas"], r) for r in rows if r["step_ms"] == step_ms)
-        xs = [x for x, _ in points]
-        left.plot(xs, [r["replica_utilisation"] for _, r in points], "o-", label=f"{step_ms:g} ms")
-        right.plot(
-            xs, [r["cpu_per_micro_batch_ms"] for _, r in points], "o-", label=f"{step_ms:g} ms"
-        )
+        xs = sorted({r["replicas"] for r in rows if r["step_ms"] == step_ms})
+        for axis, key in ((left, "replica_utilisation"), (right, "cpu_per_micro_batch_ms")):
+            ys = [_mean(rows, step_ms, x, key) for x in xs]
+            axis.plot(xs, ys, "o-", label=f"{step_ms:g} ms")
     left.axhline(0.9, color="grey", linestyle=":", linewidth=1)
     left.set(xlabel="replicas R", ylabel="replica utilisation", ylim=(0, 1.05))
     right.set(xlabel="replicas R", ylabel="driver CPU per micro-batch (ms)")
@@ -164,6 +162,12 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.suptitle(f"simulated ranks, one 2-core machine (mean load average {load:.0f})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _mean(rows: list[dict[str, Any]], step_ms: float, replicas: int, key: str) -> float:
+    """The mean of ``key`` over the repeats of one grid point."""
+    values = [r[key] for r in rows if r["step_ms"] == step_ms and r["replicas"] == replicas]
+    return sum(values) / len(values)
 
 
 def text_plot(rows: list[dict[str, Any]]) -> str:
