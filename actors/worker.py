@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -220,6 +221,18 @@ class ShardWorker:
         """Greedy or sampled continuations, as lm-eval's HF backend calls ``generate``."""
         assert self._rank is not None, "setup() loads the model first"
         return generate(self._rank, batch)
+
+    def compute_many(self, method: str, batches: bytes) -> bytes:
+        """Several micro-batches in one call, in order: ``method`` is ``score`` or ``generate``,
+        ``batches`` the pickled list; returns the pickled (result, stats) of each
+        (:meth:`rayeval.actors.group.Replica.submit_many`). The dispatcher sends short steps in
+        bulk so that a Ray round trip per step does not idle the rank; every rank of a replica
+        gets as many, so collectives still line up."""
+        if method not in ("score", "generate"):
+            raise ValueError(f"compute_many computes score or generate micro-batches, not {method}")
+        compute: Callable[[Any], tuple[Any, StepStats]] = getattr(self, method)
+        outputs = [compute(batch) for batch in pickle.loads(batches)]
+        return pickle.dumps(outputs, protocol=5)
 
     def generate_stream(self, group: GenerateGroup) -> Iterator[GenerationPiece]:
         """Continuous batching over a group's requests, streaming each answer as its request

@@ -26,7 +26,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, overload
 
 from rayeval.actors.errors import ConfigError
 
@@ -96,11 +96,33 @@ class Inspection:
     flagged: list[Flagged]
 
 
+class Origins(Sequence[tuple[str, Any]]):
+    """Per request, ``(task name, doc id)``, read from lm-eval's Instances when asked (a report
+    or an error needs a few; a list of a million tuples would cost the driver memory)."""
+
+    def __init__(self, instances: Sequence[Any]) -> None:
+        self._instances = instances
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[str, Any]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[tuple[str, Any]]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [(i.task_name, i.doc_id) for i in self._instances[index]]
+        instance = self._instances[index]
+        return instance.task_name, instance.doc_id
+
+
 def inspect_requests(
     requests: Sequence[tuple[tuple[str, str], Sequence[int], Sequence[int]]],
     origins: Sequence[tuple[str, Any]] | None,
     encode: Callable[[str], list[int]],
     logits_cache: bool,
+    merged: Sequence[bool] | None = None,
 ) -> Inspection:
     """Flag degenerate loglikelihood requests and give lm-eval's answers for empty continuations.
 
@@ -109,6 +131,8 @@ def inspect_requests(
         origins: Per request, ``(task name, doc id)`` (None: unknown).
         encode: The tokenizer's ``tok_encode`` (lm-eval's, special tokens as lm-eval adds them).
         logits_cache: lm-eval's ``logits_cache`` model arg (one forward per shared context).
+        merged: Per request, whether its joint encoding does not start with its context's
+            tokens, when the tokeniser already knows (None: ``encode`` finds out).
 
     Returns:
         ``answers`` (request index -> lm-eval's answer, for requests no model call is needed for)
@@ -119,21 +143,26 @@ def inspect_requests(
             the fix.
     """
     groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    for index, (_, ctx, cont) in enumerate(requests):
-        groups[(*ctx, *cont[:-1])].append(index)
+    if not all(cont for _, _, cont in requests):  # only empty continuations need the groups
+        for index, (_, ctx, cont) in enumerate(requests):
+            groups[(*ctx, *cont[:-1])].append(index)
     answers: dict[int, tuple[float, bool]] = {}
     flagged: list[Flagged] = []
     for index, ((context, continuation), ctx, cont) in enumerate(requests):
-        task, doc_id = origins[index] if origins is not None else ("unknown", None)
 
         def flag(kind: RequestIssue) -> Flagged:
+            task, doc_id = origins[index] if origins is not None else ("unknown", None)  # noqa: B023
             return Flagged(kind, task, doc_id, context, continuation)  # noqa: B023
 
         if not ctx:
             raise _crash(flag(RequestIssue.EMPTY_CONTEXT), "the context encodes to no token")
         if not context.strip():
             flagged.append(flag(RequestIssue.EMPTY_CONTEXT))
-        elif encode(context + continuation)[: len(ctx)] != list(ctx):
+        elif (
+            merged[index]
+            if merged is not None
+            else encode(context + continuation)[: len(ctx)] != list(ctx)
+        ):
             flagged.append(flag(RequestIssue.MERGED_BOUNDARY))
         if cont:
             continue
@@ -148,6 +177,37 @@ def inspect_requests(
             )
         answers[index] = EMPTY_ANSWER
     return Inspection(answers, flagged)
+
+
+@dataclass(frozen=True)
+class RequestChecks:
+    """:func:`inspect_requests` with an LM's settings, reporting what it flags.
+
+    Args:
+        encode: The tokenizer's ``tok_encode``.
+        logits_cache: lm-eval's ``logits_cache`` model arg.
+        report: Where flagged requests are counted.
+        on_warning: Called as :func:`report_flagged` says.
+    """
+
+    encode: Callable[..., list[int]]
+    logits_cache: bool
+    report: RequestReport
+    on_warning: Callable[[dict[str, Any]], None] | None
+
+    def __call__(
+        self,
+        requests: Sequence[tuple[tuple[str, str], Sequence[int], Sequence[int]]],
+        origins: Sequence[tuple[str, Any]] | None,
+        merged: Sequence[bool] | None,
+    ) -> Inspection:
+        inspection = inspect_requests(
+            requests, origins, self.encode, self.logits_cache, merged=merged
+        )
+        for flagged in inspection.flagged:
+            self.report.add(flagged)
+        report_flagged(inspection.flagged, self.on_warning)
+        return inspection
 
 
 def check_empty_context_pairs(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,12 @@ from rayeval.actors.batches import (
     ScoreMicroBatch,
     StepStats,
 )
-from rayeval.actors.errors import EvaluationTimeoutError, RayEvalError, WorkerLostError
+from rayeval.actors.errors import (
+    EvaluationTimeoutError,
+    RayEvalError,
+    ResultIntegrityError,
+    WorkerLostError,
+)
 from rayeval.actors.group import Replica, WorkerGroup, rank_failure
 
 logger = logging.getLogger(__name__)
@@ -69,11 +74,46 @@ class PieceDone:
 
 @dataclass
 class _InFlight:
-    """A step sent to a replica: one ref (or one stream) per rank."""
+    """A call sent to a replica: the steps it carries, one ref (or one stream) per rank."""
 
-    step: int
+    steps: list[int]
     refs: list[Any]
     ended: list[bool] = field(default_factory=list)
+
+
+#: A call carries about this many seconds of a replica's work: each call costs the driver and the
+#: rank a Ray round trip (a fraction of a millisecond of CPU each) that short steps cannot hide.
+CALL_SECONDS = 0.5
+#: The most steps one call carries.
+MAX_STEPS_PER_CALL = 64
+#: How long an idle dispatcher waits for the next part of a plan before it looks again.
+FEED_WAIT_S = 1.0
+
+
+class CallSizer:
+    """How many steps the next call to a replica carries (plain steps; a stream carries one).
+
+    One until steps have been timed, so the first results come back after one step; then enough
+    for :data:`CALL_SECONDS` of the mean step so far, but never more than the queue's share of
+    every replica's calls, so calls shrink as the queue drains and the replicas end together.
+    Which replica computes which step never changes a result, so neither does this.
+    """
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+        self._steps = 0
+
+    def timed(self, seconds: float) -> None:
+        """Count one finished step's compute time."""
+        self._seconds += seconds
+        self._steps += 1
+
+    def size(self, pending: int, calls: int) -> int:
+        """Steps for the next call, with ``pending`` steps queued for ``calls`` call slots."""
+        if not self._steps:
+            return 1
+        mean = max(self._seconds / self._steps, 1e-6)
+        return max(1, min(int(CALL_SECONDS / mean), pending // max(1, calls), MAX_STEPS_PER_CALL))
 
 
 class Dispatcher:
@@ -83,7 +123,8 @@ class Dispatcher:
         group: The ready worker group.
         micro_batches: All micro-batches of one request type (all score or all generate).
         step_timeout_s: Longest a replica may spend on one step.
-        depth: Steps queued per replica (2: the next one is ready when the current one ends).
+        depth: Calls queued per replica (2: the next one is ready when the current one ends).
+        kind: The micro-batches' type, when none is given yet (they come with :meth:`add`).
     """
 
     def __init__(
@@ -92,12 +133,13 @@ class Dispatcher:
         micro_batches: Sequence[MicroBatch],
         step_timeout_s: float,
         depth: int = 2,
+        kind: type[MicroBatch] | None = None,
     ) -> None:
-        self._micro_batches = micro_batches
+        self._micro_batches = list(micro_batches)
         self._timeout_s = step_timeout_s
         self._depth = depth
         self._width = width = group.micro_batches_per_step
-        first = micro_batches[0] if micro_batches else None
+        first = micro_batches[0] if micro_batches else (kind() if kind else None)
         self._streaming = isinstance(first, GenerateGroup)
         self._same_batch = any(r.same_batch for r in group.replicas)
         self._dummy: MicroBatch = GenerateMicroBatch()
@@ -118,13 +160,39 @@ class Dispatcher:
         self._pending = deque(range(len(self._steps)))
         self._alive: dict[int, Replica] = {replica.index: replica for replica in group.replicas}
         self._inflight: dict[int, deque[_InFlight]] = {r: deque() for r in self._alive}
-        #: Per replica, since when its oldest step in flight has been its head.
-        self._head_since: dict[int, float] = {}
+        #: Per replica, when its oldest call in flight must have ended (or sent a piece).
+        self._deadline: dict[int, float] = {}
+        self._sizer = CallSizer()
+
+    def add(self, micro_batches: Sequence[MicroBatch]) -> int:
+        """Queue more micro-batches of the same kind (a plan that arrives in parts), in steps of
+        their own; returns the index of the first."""
+        first = len(self._micro_batches)
+        self._micro_batches.extend(micro_batches)
+        for i in range(first, len(self._micro_batches), self._width):
+            self._steps.append(list(range(i, min(i + self._width, len(self._micro_batches)))))
+            self._pending.append(len(self._steps) - 1)
+        self._results.extend([None] * len(micro_batches))
+        self._filled.extend([False] * len(micro_batches))
+        return first
+
+    def results(self, indices: Iterable[int]) -> list[Any]:
+        """The results of these micro-batches (None: not back yet)."""
+        return [self._results[i] for i in indices]
+
+    def forget(self, indices: Iterable[int]) -> None:
+        """Drop finished micro-batches and their results (read already): a long run's memory
+        stays its unfinished part. Each still counts as returned."""
+        for i in indices:
+            if not self._filled[i]:
+                raise RayEvalError(f"micro-batch {i} was dropped before it came back")
+            self._micro_batches[i] = self._results[i] = None  # type: ignore[call-overload]
 
     def run(
         self,
         on_step: Callable[[StepDone], None] | None = None,
         on_piece: Callable[[PieceDone], None] | None = None,
+        feed: Callable[[float], bool] | None = None,
     ) -> list[Any]:
         """Compute every micro-batch; return one result per micro-batch, in the order given
         (a streamed group's: each request's answer, by position).
@@ -132,6 +200,8 @@ class Dispatcher:
         Args:
             on_step: Called on the driver after each finished step.
             on_piece: Called with each streamed piece's new answers.
+            feed: Adds micro-batches while the others compute (:meth:`add`): ``feed(wait_s)``
+                waits at most ``wait_s`` for more, and returns False once none will come.
 
         Raises:
             EvaluationTimeoutError: a step ran past the step timeout.
@@ -139,63 +209,87 @@ class Dispatcher:
             RayEvalError: a rank raised while computing (its message is passed on).
         """
         self._on_piece = on_piece
-        self._refill()
-        while any(self._inflight.values()):
-            heads = [ref for r in self._alive if self._inflight[r] for ref in self._waiting(r)]
-            ray.wait(heads, num_returns=1, timeout=self._time_left())
-            for index in list(self._alive):
-                done = self._poll(index)
-                if done is not None and on_step is not None:
-                    on_step(done)
+        more = feed is not None
+        while True:
+            if more:
+                assert feed is not None
+                starving = not self._pending and not any(self._inflight.values())
+                more = feed(FEED_WAIT_S if starving else 0.0)
             self._refill()
-        return self._results
+            if not any(self._inflight.values()):
+                if more:
+                    continue
+                return self._results
+            owners = {ref: r for r in self._alive if self._inflight[r] for ref in self._waiting(r)}
+            ready, _ = ray.wait(list(owners), num_returns=1, timeout=self._time_left())
+            if ready:  # everything that is ready now, in one call
+                ready, _ = ray.wait(list(owners), num_returns=len(owners), timeout=0)
+            now = time.monotonic()
+            due = {owners[ref] for ref in ready}
+            due |= {index for index, deadline in self._deadline.items() if now > deadline}
+            for index in sorted(due):
+                for done in self._poll(index):
+                    if on_step is not None:
+                        on_step(done)
 
     def _waiting(self, index: int) -> list[Any]:
-        """The refs (or streams that have not ended) of the replica's head step."""
+        """The refs (or streams that have not ended) of the replica's head call."""
         head = self._inflight[index][0]
         return [ref for ref, ended in zip(head.refs, head.ended, strict=True) if not ended]
 
     def _refill(self) -> None:
-        """Level by level: every replica gets a step before any gets a second one."""
+        """Level by level: every replica gets a call before any gets a second one."""
         for level in range(self._depth):
             for index, replica in self._alive.items():
                 if len(self._inflight[index]) > level or not self._pending:
                     continue
-                step = self._pending.popleft()
-                batch = [self._micro_batches[i] for i in self._steps[step]]
-                batch += [self._dummy] * (self._width - len(batch))
-                refs = replica.submit(self._method, batch, streaming=self._streaming)
-                self._inflight[index].append(_InFlight(step, refs, [False] * len(refs)))
-                self._head_since.setdefault(index, time.monotonic())
+                count = 1
+                if not self._streaming:
+                    count = self._sizer.size(len(self._pending), len(self._alive) * self._depth)
+                steps = [self._pending.popleft() for _ in range(min(count, len(self._pending)))]
+                batches = [self._step_batches(step) for step in steps]
+                if self._streaming:
+                    refs = replica.submit(self._method, batches[0], streaming=True)
+                else:
+                    refs = replica.submit_many(self._method, batches)
+                self._inflight[index].append(_InFlight(steps, refs, [False] * len(refs)))
+                self._deadline.setdefault(index, time.monotonic() + self._timeout_s * len(steps))
 
-    def _poll(self, index: int) -> StepDone | None:
-        """The replica's head step if it finished (None: not yet, or the replica was lost)."""
-        if not self._inflight[index]:
-            return None
+    def _step_batches(self, step: int) -> list[MicroBatch]:
+        """A step's micro-batches, dummies filling the ranks it has none for."""
+        batch = [self._micro_batches[i] for i in self._steps[step]]
+        return batch + [self._dummy] * (self._width - len(batch))
+
+    def _poll(self, index: int) -> list[StepDone]:
+        """The steps of the replica's head call if it finished (none: not yet, or the replica
+        was lost)."""
+        if index not in self._alive or not self._inflight[index]:
+            return []
         head = self._inflight[index][0]
         try:
             outputs = self._drain(index, head) if self._streaming else self._collect(index, head)
             if outputs is None:
-                return None
+                return []
         except ray.exceptions.RayActorError as exc:
             self._drop(index, exc)
-            return None
+            return []
         except ray.exceptions.RayTaskError as exc:
             raise rank_failure(exc, RayEvalError, "computing a batch", hint=_OOM_HINT) from None
-        return self._accept(index, head.step, outputs)
+        return self._accept(index, outputs)
 
-    def _collect(self, index: int, head: _InFlight) -> list[Any] | None:
-        """A plain step's (result, stats) per micro-batch, once every rank returned."""
+    def _collect(self, index: int, head: _InFlight) -> list[list[Any]] | None:
+        """Per step of a plain call, its (result, stats) per micro-batch, once every rank
+        returned."""
         done, _ = ray.wait(head.refs, num_returns=len(head.refs), timeout=0)
-        # A rank that died fails its ref at once while its peers wait in a collective: look at
-        # the finished refs first so a lost replica is noticed immediately.
-        ray.get(done, timeout=self._timeout_s)
         if len(done) < len(head.refs):
+            # A rank that died fails its ref at once while its peers wait in a collective: look
+            # at the finished refs first so a lost replica is noticed immediately.
+            ray.get(done, timeout=self._timeout_s)
             self._check_deadline(index)
             return None
-        return self._alive[index].answers(ray.get(head.refs, timeout=self._timeout_s))
+        return self._alive[index].answers_many(ray.get(head.refs, timeout=self._timeout_s))
 
-    def _drain(self, index: int, head: _InFlight) -> list[Any] | None:
+    def _drain(self, index: int, head: _InFlight) -> list[list[Any]] | None:
         """Read every piece the replica's streams have ready; once all ended, the step's
         (answers by position, no stats: pieces carried them) per micro-batch."""
         while not all(head.ended):
@@ -212,11 +306,11 @@ class Dispatcher:
                 except StopIteration:
                     head.ended[rank] = True
                     continue
-                self._head_since[index] = time.monotonic()
-                self._take(index, head.step, rank, piece)
-        mbs = self._steps[head.step]
+                self._deadline[index] = time.monotonic() + self._timeout_s
+                self._take(index, head.steps[0], rank, piece)
+        mbs = self._steps[head.steps[0]]
         outputs = [(self._group_result(mb), None) for mb in mbs]
-        return outputs + [(None, None)] * (self._width - len(mbs))
+        return [outputs + [(None, None)] * (self._width - len(mbs))]
 
     def _take(self, index: int, step: int, rank: int, piece: GenerationPiece) -> None:
         """Record a piece's new answers and report them."""
@@ -252,43 +346,51 @@ class Dispatcher:
         return [known[position] for position in range(len(group.requests))]
 
     def _check_deadline(self, index: int) -> None:
-        if time.monotonic() - self._head_since[index] > self._timeout_s:
+        if time.monotonic() > self._deadline[index]:
             raise EvaluationTimeoutError(
                 f"replica {index} did not finish a batch within {self._timeout_s:g}s: a rank is "
                 "stuck or far too slow; raise the step timeout or lower the batch size"
             )
 
-    def _accept(self, index: int, step: int, outputs: list[Any]) -> StepDone:
-        """Record a finished step's results (each micro-batch exactly once)."""
-        self._inflight[index].popleft()
-        self._head_since.pop(index)
+    def _accept(self, index: int, outputs: list[list[Any]]) -> list[StepDone]:
+        """Record the finished head call's results (each micro-batch exactly once), per step."""
+        head = self._inflight[index].popleft()
+        self._deadline.pop(index)
         if self._inflight[index]:
-            self._head_since[index] = time.monotonic()
-        for i, (result, _) in zip(self._steps[step], outputs, strict=False):
-            if self._filled[i]:
-                raise RayEvalError(
-                    f"micro-batch {i} came back twice (internal error, please report)"
+            steps = len(self._inflight[index][0].steps)
+            self._deadline[index] = time.monotonic() + self._timeout_s * steps
+        done = []
+        for step, step_outputs in zip(head.steps, outputs, strict=True):
+            for i, (result, _) in zip(self._steps[step], step_outputs, strict=False):
+                if self._filled[i]:
+                    raise RayEvalError(
+                        f"micro-batch {i} came back twice (internal error, please report)"
+                    )
+                self._results[i], self._filled[i] = result, True
+            stats = tuple(stats for _, stats in step_outputs if stats is not None)
+            if stats:
+                self._sizer.timed(max(s.seconds for s in stats))
+            done.append(
+                StepDone(
+                    step,
+                    index,
+                    tuple(self._steps[step]),
+                    stats,
+                    tuple(self._results[i] for i in self._steps[step]),
                 )
-            self._results[i], self._filled[i] = result, True
-        return StepDone(
-            step,
-            index,
-            tuple(self._steps[step]),
-            tuple(stats for _, stats in outputs if stats is not None),
-            tuple(self._results[i] for i in self._steps[step]),
-        )
+            )
+        return done
 
     def _time_left(self) -> float:
-        if not self._head_since:
+        if not self._deadline:
             return self._timeout_s
-        oldest = min(self._head_since.values())
-        return max(0.1, self._timeout_s - (time.monotonic() - oldest) + 0.1)
+        return max(0.1, min(self._deadline.values()) - time.monotonic() + 0.1)
 
     def _drop(self, index: int, exc: Exception) -> None:
         """Forget a replica whose actor died and give its unfinished steps back to the queue."""
         replica = self._alive.pop(index)
-        lost = [flight.step for flight in self._inflight.pop(index)]
-        self._head_since.pop(index, None)
+        lost = [step for flight in self._inflight.pop(index) for step in flight.steps]
+        self._deadline.pop(index, None)
         self._pending.extendleft(reversed(lost))
         replica.kill()
         logger.warning(
@@ -313,3 +415,23 @@ def run_steps(
     if not micro_batches:
         return []
     return Dispatcher(group, micro_batches, step_timeout_s, depth).run(on_step, on_piece)
+
+
+def check_exactly_once(micro_batches: Sequence[MicroBatch], results: Sequence[Any]) -> None:
+    """Every micro-batch came back once, with one answer per row (per target for scores)."""
+    for index, (batch, result) in enumerate(zip(micro_batches, results, strict=True)):
+        if isinstance(batch, ScoreMicroBatch):
+            expected = [len(row.targets) for row in batch.rows]
+            got = [len(row) for row in result] if result is not None else None
+        elif isinstance(batch, GenerateGroup):
+            expected = [1] * len(batch.requests)
+            got = [1] * len(result) if result is not None else None
+        else:
+            assert isinstance(batch, GenerateMicroBatch)
+            expected = [1] * len(batch.contexts)
+            got = [1] * len(result) if result is not None else None
+        if got != expected:
+            raise ResultIntegrityError(
+                f"micro-batch {index} came back with {got} answers, expected {expected} "
+                "(a request id is missing or duplicated: please report this bug)"
+            )

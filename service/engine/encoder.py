@@ -5,14 +5,18 @@ length, thinking tokens) is its own code here: :func:`build_encoder` builds an `
 meta-device model, which holds no weights. :func:`generate_request` tokenises one
 ``generate_until`` request and :func:`decode_generation` turns generated ids back into lm-eval's
 answer text, both as lm-eval's ``generate_until`` does; :func:`model_spec` says how the ranks load
-the model the encoder describes.
+the model the encoder describes. :func:`encode_pairs` tokenises loglikelihood pairs as lm-eval's
+``TemplateLM.loglikelihood`` does, in bulk: each context string once, one batch call into a fast
+tokenizer for many strings, token ids shared rather than copied.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +35,11 @@ from rayeval.actors.checkpoints import resolve_dtype
 from rayeval.actors.errors import ConfigError
 from rayeval.service.engine.planner import GenerateRequest
 from rayeval.service.lm_eval_options import ENCODER_MODEL_ARGS
+
+logger = logging.getLogger(__name__)
+
+#: Pairs tokenised per batch call (bounds the memory of their joint encodings).
+ENCODE_CHUNK = 4096
 
 #: Model args the ranks' ModelSpec carries in its own fields (the rest go to from_pretrained).
 _SPEC_FIELDS = ENCODER_MODEL_ARGS | {
@@ -152,7 +161,7 @@ def generate_request(
         special = {"add_special_tokens": encoder.add_bos_token}
     ids = tokenizer(context, truncation=encoder.truncation, **special)["input_ids"]
     return GenerateRequest(
-        context=tuple(ids[-max_ctx_len:]),
+        context=_shared_ids(encoder)(ids[-max_ctx_len:]),
         max_gen_toks=max_gen_toks,
         until=tuple(until),
         max_length=kwargs.pop("max_length", None),
@@ -207,3 +216,123 @@ def model_sha(pretrained: str, revision: str) -> str:
         return HfApi().model_info(repo_id=pretrained, revision=revision).sha or ""
     except Exception:  # lm-eval records "" whenever the hub cannot say
         return ""
+
+
+@dataclass(frozen=True)
+class EncodedPairs:
+    """Tokenised loglikelihood pairs, as lm-eval's ``TemplateLM.loglikelihood`` makes them.
+
+    Attributes:
+        pairs: Per request, its context and continuation token ids. Requests with the same
+            context string share one context tuple; every id is one shared int object.
+        merged: Per request, whether the joint encoding does not start with the context's own
+            tokens (:class:`rayeval.service.engine.checks.RequestIssue`'s ``merged_boundary``).
+    """
+
+    pairs: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    merged: list[bool]
+
+    def requests(self, strings: Sequence[tuple[str, str]]) -> list[Any]:
+        """lm-eval's tokenised requests: ``((context, continuation), ctx_enc, cont_enc)``."""
+        return [(pair, *tokens) for pair, tokens in zip(strings, self.pairs, strict=True)]
+
+
+def encode_pairs(encoder: HFLM, requests: Sequence[tuple[str, str]]) -> EncodedPairs:
+    """Tokenise (context, continuation) pairs exactly as lm-eval's causal ``loglikelihood``.
+
+    lm-eval moves a context's trailing spaces to the continuation, encodes context and
+    context + continuation, and takes the continuation's ids from the joint encoding past the
+    context's length; an empty context conditions on the prefix token. Here each distinct context
+    is encoded once (the choices of a question share it), strings are encoded in batches
+    (:func:`tok_encode_many`), and the joint encodings are dropped once used.
+    """
+    shared = _shared_ids(encoder)
+    pairs: list[Any] = [None] * len(requests)
+    merged = [False] * len(requests)
+    contexts: dict[str, tuple[int, ...]] = {}
+    split: list[tuple[int, str, str]] = []
+    for index, (context, continuation) in enumerate(requests):
+        if context == "":
+            pairs[index] = _empty_context_pair(encoder, continuation, shared)
+            continue
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces > 0:
+            context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+        split.append((index, context, continuation))
+    for start in range(0, len(split), ENCODE_CHUNK):
+        chunk = split[start : start + ENCODE_CHUNK]
+        new = list(dict.fromkeys(c for _, c, _ in chunk if c not in contexts))
+        contexts.update(zip(new, map(shared, tok_encode_many(encoder, new)), strict=True))
+        wholes = tok_encode_many(encoder, [context + cont for _, context, cont in chunk])
+        for (index, context, _), whole in zip(chunk, wholes, strict=True):
+            ctx = contexts[context]
+            pairs[index] = (ctx, shared(whole[len(ctx) :]))
+            merged[index] = shared(whole[: len(ctx)]) != ctx
+    return EncodedPairs(pairs, merged)
+
+
+def tok_encode_many(encoder: HFLM, strings: Sequence[str]) -> list[list[int]]:
+    """``encoder.tok_encode(s)`` of each string, with lm-eval's rules (special tokens as
+    ``add_bos_token`` says, none for a string that starts with the BOS text), in one batch call
+    per rule into a fast tokenizer: that skips ``tokenizer.encode``'s per-call Python and runs on
+    every core (``TOKENIZERS_PARALLELISM``). A slow tokenizer encodes string by string."""
+    tokenizer = encoder.tokenizer
+    if not strings or not getattr(tokenizer, "is_fast", False):
+        return [encoder.tok_encode(string) for string in strings]
+    bos = tokenizer.decode(encoder.prefix_token_id)
+    plain = {} if encoder.add_bos_token is None else {"add_special_tokens": encoder.add_bos_token}
+    by_rule: dict[bool, list[int]] = {}
+    for index, string in enumerate(strings):
+        by_rule.setdefault(has_bos_prefix(string, bos), []).append(index)
+    encoded: list[list[int]] = [[] for _ in strings]
+    for prefixed, indices in by_rule.items():
+        kwargs = {"add_special_tokens": False} if prefixed else plain
+        batch = [strings[i] for i in indices]
+        ids = tokenizer(batch, return_attention_mask=False, **kwargs)["input_ids"]
+        for index, tokens in zip(indices, ids, strict=True):
+            encoded[index] = tokens
+    if encoded[0] != encoder.tok_encode(strings[0]):  # a tokenizer whose batch call differs
+        logger.warning("the tokenizer's batch encoding differs from tok_encode: one by one")
+        return [encoder.tok_encode(string) for string in strings]
+    return encoded
+
+
+def _empty_context_pair(
+    encoder: HFLM, continuation: str, shared: _Interner
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """lm-eval's pair for an empty context: the prefix token (or the continuation's first
+    token, when it is the prefix token) as context."""
+    cont = encoder.tok_encode(continuation, add_special_tokens=False)
+    if encoder.prefix_token_id != cont[0]:
+        return shared([encoder.prefix_token_id]), shared(cont)
+    return shared(cont[:1]), shared(cont[1:])
+
+
+def _shared_ids(encoder: HFLM) -> _Interner:
+    """The encoder's :class:`_Interner` (made once per encoder)."""
+    interner = _INTERNERS.get(encoder)
+    if interner is None:
+        interner = _INTERNERS[encoder] = _Interner(encoder)
+    return interner
+
+
+class _Interner:
+    """Token ids as tuples of shared int objects (a tokenizer returns a new int per id: 36 bytes
+    a token instead of 8), and one tuple per distinct short sequence (a choice's letter)."""
+
+    def __init__(self, encoder: HFLM) -> None:
+        size = max(len(encoder.tokenizer), int(getattr(encoder.tokenizer, "vocab_size", 0) or 0))
+        self._ids = tuple(range(size))
+        self._short: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def __call__(self, ids: Sequence[int]) -> tuple[int, ...]:
+        try:
+            tokens = tuple(map(self._ids.__getitem__, ids))
+        except IndexError:  # an id past the vocabulary: kept as it is
+            tokens = tuple(ids)
+        if len(tokens) <= 4:
+            return self._short.setdefault(tokens, tokens)
+        return tokens
+
+
+_INTERNERS: weakref.WeakKeyDictionary[HFLM, _Interner] = weakref.WeakKeyDictionary()

@@ -14,11 +14,12 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
-from rayeval.actors.batches import GenerateGroup, GenerateMicroBatch, MicroBatch, ScoreMicroBatch
-from rayeval.actors.errors import ConfigError, ResultIntegrityError
+from rayeval.actors.batches import MicroBatch, ScoreMicroBatch
+from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, Timeouts
 from rayeval.service.config import (
@@ -27,7 +28,13 @@ from rayeval.service.config import (
     DEFAULT_MAX_BATCH_TOKENS,
     EngineConfig,
 )
-from rayeval.service.engine.dispatch import PieceDone, StepDone, run_steps
+from rayeval.service.engine.dispatch import (
+    Dispatcher,
+    PieceDone,
+    StepDone,
+    check_exactly_once,
+    run_steps,
+)
 from rayeval.service.engine.phases import PhaseStats, PhaseTracker, StartUp
 from rayeval.service.engine.planner import (
     GenerateRequest,
@@ -39,6 +46,7 @@ from rayeval.service.engine.planner import (
     request_seeds,
 )
 from rayeval.service.engine.response_cache import ResponseCache, generate_key, score_key
+from rayeval.service.engine.streamed import PartLedger, PlannedPart, Planner, ScorePart, plan_part
 from rayeval.service.events import Progress, RankMemory
 
 logger = logging.getLogger(__name__)
@@ -115,26 +123,40 @@ class Executor:
         disable_tqdm: bool,
     ) -> list[tuple[float, bool]]:
         """(log-likelihood, is_greedy) of each (context, continuation) token pair, in order."""
-        keys = [score_key(context, continuation, max_length) for context, continuation in pairs]
-        cached, todo = self._cached(keys, phase)
+        cache = self._cache
+        keys: list[Any] = []
+        todo: Sequence[int] = range(len(pairs))
+        cached: dict[int, Any] = {}
+        if cache is not None:  # hashed at once: a million token-list keys would not fit
+            keys = [cache.digest(score_key(c, k, max_length)) for c, k in pairs]
+            cached, todo = self._cached(keys, phase)
         plan = plan_score(
-            [pairs[i] for i in todo], max_length, self._score_budget, self._share_prefixes
+            [pairs[i] for i in todo] if cached else pairs,
+            max_length,
+            self._score_budget,
+            self._share_prefixes,
         )
-        located = [
-            (keys[i], loc.micro_batch, (loc.row, loc.target))
-            for i, loc in zip(todo, plan.locations, strict=True)
-        ]
+        where = plan.where
+        store = None
+        if cache is not None:
+            store = cache.storer(
+                [
+                    (keys[i], micro_batch, (row, target))
+                    for i, (micro_batch, row, target) in zip(todo, where, strict=True)
+                ]
+            )
         results = self._run(
             plan.micro_batches,
             phase,
-            Counter(loc.micro_batch for loc in plan.locations),
+            Counter(micro_batch for micro_batch, _, _ in where),
             disable_tqdm,
-            on_result=self._cache.storer(located) if self._cache is not None else None,
+            on_result=store,
         )
-        answers = dict(cached) | {
-            i: results[loc.micro_batch][loc.row][loc.target]
-            for i, loc in zip(todo, plan.locations, strict=True)
-        }
+        scored = (results[micro_batch][row][target] for micro_batch, row, target in where)
+        if not cached:
+            return list(scored)
+        answers = dict(cached)
+        answers.update(zip(todo, scored, strict=True))
         return [answers[i] for i in range(len(pairs))]
 
     def generate(
@@ -145,7 +167,9 @@ class Executor:
     ) -> list[list[int]]:
         """The generated token ids of each request, in order (``names``: per request, how an
         error names it)."""
-        keys = [generate_key(request.context, request.settings()) for request in requests]
+        keys: list[Any] = [None] * len(requests)
+        if self._cache is not None:  # hashed at once, as scores' keys
+            keys = [self._cache.digest(generate_key(r.context, r.settings())) for r in requests]
         cached, todo = self._cached(keys, "generate_until")
         pending = [requests[i] for i in todo]
         pending_keys = [keys[i] for i in todo]
@@ -202,7 +226,7 @@ class Executor:
         start = self._start_up()
         seeds = request_seeds(requests, self._seed)
         plan = plan_generate_groups(requests, self._slot_budget(), seeds, names)
-        key_at = dict(zip(plan.locations, keys, strict=True))
+        key_at = dict(zip(plan.locations, keys, strict=True)) if self._cache is not None else {}
         cache = self._cache
 
         def store(piece: PieceDone) -> None:
@@ -292,20 +316,9 @@ class Executor:
         """Compute the micro-batches of one request type, reporting progress after each step
         (for streamed groups: as each request finishes); ``on_result(micro_batch, result)`` for
         each finished micro-batch, ``on_piece`` for each streamed piece."""
-        start = start or self._start_up()
+        tracker = self._tracker(phase, requests_per_micro_batch, disable_tqdm, start)
+        self.stats[phase].micro_batches += len(micro_batches)
         assert self._group is not None
-        stats = self.stats.setdefault(phase, PhaseStats())
-        stats.micro_batches += len(micro_batches)
-        tracker = PhaseTracker(
-            phase,
-            stats,
-            requests_per_micro_batch,
-            range(self._group.layout.num_replicas),
-            self._rank_memory,
-            start,
-            self._on_progress,
-            disable_tqdm,
-        )
 
         def on_step(step: StepDone) -> None:
             if on_piece is None:  # streamed groups reported their pieces already
@@ -332,25 +345,86 @@ class Executor:
         check_exactly_once(micro_batches, results)
         return results
 
+    def _tracker(
+        self,
+        phase: str,
+        requests_per_micro_batch: Counter[int],
+        disable_tqdm: bool,
+        start: StartUp | None = None,
+        expected: int | None = None,
+    ) -> PhaseTracker:
+        """The progress of one run of ``phase`` (the ranks ready and seeded first)."""
+        start = start or self._start_up()
+        assert self._group is not None
+        return PhaseTracker(
+            phase,
+            self.stats.setdefault(phase, PhaseStats()),
+            requests_per_micro_batch,
+            range(self._group.layout.num_replicas),
+            self._rank_memory,
+            start,
+            self._on_progress,
+            disable_tqdm,
+            expected=expected,
+        )
 
-def check_exactly_once(micro_batches: Sequence[MicroBatch], results: Sequence[Any]) -> None:
-    """Every micro-batch came back once, with one answer per row (per target for scores)."""
-    for index, (batch, result) in enumerate(zip(micro_batches, results, strict=True)):
-        if isinstance(batch, ScoreMicroBatch):
-            expected = [len(row.targets) for row in batch.rows]
-            got = [len(row) for row in result] if result is not None else None
-        elif isinstance(batch, GenerateGroup):
-            expected = [1] * len(batch.requests)
-            got = [1] * len(result) if result is not None else None
-        else:
-            assert isinstance(batch, GenerateMicroBatch)
-            expected = [1] * len(batch.contexts)
-            got = [1] * len(result) if result is not None else None
-        if got != expected:
-            raise ResultIntegrityError(
-                f"micro-batch {index} came back with {got} answers, expected {expected} "
-                "(a request id is missing or duplicated: please report this bug)"
-            )
+    def score_parts(
+        self,
+        total: int,
+        bounds: Iterator[tuple[int, int]],
+        make: Callable[[int, int], ScorePart],
+        max_length: int,
+        disable_tqdm: bool,
+    ) -> list[tuple[float, bool]]:
+        """:meth:`score` for ``total`` loglikelihood requests that ``make(start, stop)`` tokenises
+        part by part: planned on a background thread while the replicas compute the parts
+        before (:mod:`rayeval.service.engine.streamed`)."""
+        phase = "loglikelihood"
+        tracker = self._tracker(phase, Counter(), disable_tqdm, expected=total)
+        assert self._group is not None
+        dispatcher = Dispatcher(self._group, [], self._timeouts.step_s, kind=ScoreMicroBatch)
+
+        def finish(planned: PlannedPart) -> None:
+            first, count = planned.first, len(planned.micro_batches)
+            results = dispatcher.results(range(first, first + count))
+            check_exactly_once(planned.micro_batches, results)
+            for index, (mb, row, target) in zip(planned.computed, planned.plan.where, strict=True):
+                ledger.answers[index] = results[mb][row][target]
+            dispatcher.forget(range(first, first + count))
+
+        def feed(wait_s: float) -> bool:
+            try:
+                planned = planner.take(wait_s)
+            except StopIteration:
+                return False
+            if planned is not None:
+                self.stats[phase].cached += len(planned.cached)
+                self.stats[phase].micro_batches += len(planned.micro_batches)
+                ledger.add(planned, dispatcher.add(planned.micro_batches))
+                tracker.expect(planned.counts(), len(planned.part.fixed) + len(planned.cached))
+            return True
+
+        def on_step(step: StepDone) -> None:
+            tracker.step(step)
+            for micro_batch, result in zip(step.micro_batches, step.results, strict=True):
+                ledger.back(micro_batch, result)
+
+        ledger = PartLedger(total, finish)
+        plan = partial(
+            plan_part,
+            cache=self._cache,
+            budget=self._score_budget,
+            share_prefixes=self._share_prefixes,
+            max_length=max_length,
+        )
+        planner = Planner(bounds, make, plan)
+        planner.start()
+        try:
+            dispatcher.run(on_step, feed=feed)
+        finally:
+            planner.stop()
+            tracker.close()
+        return ledger.check()
 
 
 def budget(config: EngineConfig, score_on: DeviceKind | None = None) -> TokenBudget:

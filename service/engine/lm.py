@@ -21,6 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from lm_eval.api.model import TemplateLM
@@ -33,10 +34,10 @@ from rayeval.actors.sharding import ShardStrategy
 from rayeval.service.config import DEFAULT_SEED, EngineConfig, HostOptions
 from rayeval.service.engine import model_shell
 from rayeval.service.engine.checks import (
+    Origins,
+    RequestChecks,
     RequestReport,
     check_empty_context_pairs,
-    inspect_requests,
-    report_flagged,
 )
 from rayeval.service.engine.cluster import connect, pick_device
 from rayeval.service.engine.encoder import (
@@ -50,6 +51,7 @@ from rayeval.service.engine.encoder import (
 from rayeval.service.engine.executor import Executor
 from rayeval.service.engine.phases import PhaseStats
 from rayeval.service.engine.response_cache import open_cache
+from rayeval.service.engine.streamed import SCORE_PART, make_part, part_bounds
 from rayeval.service.engine.warm import KeptReplicas, replica_key
 from rayeval.service.events import Progress
 from rayeval.service.private_apis import check_private_apis
@@ -74,6 +76,9 @@ class RayEvalLM(TemplateLM):
             requests whose tokens do not measure it (see :mod:`rayeval.service.engine.checks`).
         replicas: Loaded replicas to use if they match, and where to keep these ones after a
             successful evaluation (:mod:`rayeval.service.engine.warm`).
+        benchmark_rank_class: Benchmarks only, never set by the product: a class that replaces
+            every rank actor (``benchmarks/sim_rank.py``'s simulated rank, which loads no model;
+            see :meth:`rayeval.actors.group.WorkerGroup.create`).
         **options: :meth:`EngineConfig.from_kwargs`'s keywords: ``num_replicas``, ``shard_size``,
             ``cpus_per_rank``, ``batch_size``, ``max_batch_size``, ``max_batch_tokens``,
             ``device``, ``seed``, ``timeouts`` (or ``placement_s``, ``load_s``, ...), ``address``,
@@ -95,9 +100,11 @@ class RayEvalLM(TemplateLM):
         on_progress: Callable[[Progress], None] | None = None,
         on_warning: Callable[[dict[str, Any]], None] | None = None,
         replicas: KeptReplicas | None = None,
+        benchmark_rank_class: type | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
+        self._benchmark_rank_class = benchmark_rank_class
         check_private_apis()  # names a package version that moved, before anything starts
         self._created = time.monotonic()
         config, host = _engine_config(pretrained, config, host, options)
@@ -105,7 +112,6 @@ class RayEvalLM(TemplateLM):
         self.batch_sizes: dict[int, int] = {}
         self._timeouts = config.timeouts.for_ranks()
         self._on_warning = on_warning
-        self._origins: list[tuple[str, Any]] | None = None
         #: Degenerate loglikelihood requests seen so far, per task and kind (see engine.checks).
         self.request_report = RequestReport()
         self.pretrained = config.pretrained
@@ -320,47 +326,46 @@ class RayEvalLM(TemplateLM):
                 "enable_thinking=True is not compatible with loglikelihood tasks: "
                 "drop enable_thinking from model_args or run generative tasks only"
             )
-        origins = [(r.task_name, r.doc_id) for r in requests]
-        check_empty_context_pairs([r.args for r in requests], origins, self.tok_encode)
-        self._origins = origins
-        try:
-            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
-        finally:
-            self._origins = None
+        origins = Origins(requests)
+        pairs = [r.args for r in requests]
+        check_empty_context_pairs(pairs, origins, self.tok_encode)
+        # TemplateLM's tokenisation, in bulk, and the checks (engine.streamed.make_part).
+        make = partial(make_part, self._encoder, pairs, origins, self._checks())
+        if len(pairs) > SCORE_PART:  # tokenised, checked and planned in parts
+            bounds = part_bounds([context for context, _ in pairs], SCORE_PART)
+            answers = self._executor.score_parts(
+                len(pairs), bounds, make, self.max_length, disable_tqdm
+            )
+            return self._hooked(pairs, answers)
+        part = make(0, len(pairs))
+        scored = iter(
+            self._executor.score(part.pairs, self.max_length, "loglikelihood", disable_tqdm)
+        )
+        fixed = part.fixed
+        return self._hooked(pairs, [fixed.get(i) or next(scored) for i in range(len(pairs))])
 
     def _loglikelihood_tokens(
         self, requests: list[Any], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
-        """Score tokenised pairs; answers lm-eval gives without a model call are given so too.
+        """Score lm-eval's tokenised requests, ``((context, continuation), ctx_enc,
+        cont_enc)``; answers lm-eval gives without a model call are given so too."""
+        fixed = self._checks()(requests, None, None).answers
+        pairs = [(requests[i][1], requests[i][2]) for i in range(len(requests)) if i not in fixed]
+        scored = iter(self._executor.score(pairs, self.max_length, "loglikelihood", disable_tqdm))
+        answers = [fixed.get(i) or next(scored) for i in range(len(requests))]
+        return self._hooked([request[0] for request in requests], answers)
 
-        ``requests`` are lm-eval's ``((context, continuation), ctx_enc, cont_enc)`` in the
-        order of the Instances given to :meth:`loglikelihood` (their origins name the task
-        in reports and errors).
-        """
-        inspection = inspect_requests(
-            requests,
-            self._origins
-            if self._origins is not None and len(self._origins) == len(requests)
-            else None,
-            self.tok_encode,
-            logits_cache=bool(self.config.model_args.get("logits_cache", True)),
-        )
-        for flagged in inspection.flagged:
-            self.request_report.add(flagged)
-        report_flagged(inspection.flagged, self._on_warning)
-        todo = [i for i in range(len(requests)) if i not in inspection.answers]
-        scored = self._executor.score(
-            [(requests[i][1], requests[i][2]) for i in todo],
-            self.max_length,
-            "loglikelihood",
-            disable_tqdm,
-        )
-        answers = dict(inspection.answers) | dict(zip(todo, scored, strict=True))
-        ordered = [answers[i] for i in range(len(requests))]
-        for (request_str, _, _), answer in zip(requests, ordered, strict=True):
-            if request_str is not None:
-                self.cache_hook.add_partial("loglikelihood", request_str, answer)
-        return ordered
+    def _checks(self) -> RequestChecks:
+        """How loglikelihood requests are checked, and where findings are reported."""
+        logits_cache = bool(self.config.model_args.get("logits_cache", True))
+        return RequestChecks(self.tok_encode, logits_cache, self.request_report, self._on_warning)
+
+    def _hooked(self, requests: list[Any], answers: list[Any]) -> list[Any]:
+        """lm-eval's cache hook given each (context, continuation) request's answer."""
+        for request, answer in zip(requests, answers, strict=True):
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, answer)
+        return answers
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         windows, counts = rolling_windows(self._encoder, [r.args[0] for r in requests])
@@ -411,6 +416,7 @@ class RayEvalLM(TemplateLM):
             strategy=parallelism.shard_strategy,
             obstacles=obstacles,
             shm_collectives=parallelism.shm_collectives,
+            benchmark_rank_class=self._benchmark_rank_class,
         )
         self._executor.attach(group, reused=kept is not None)
         return group

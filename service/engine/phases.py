@@ -3,7 +3,8 @@
 :class:`PhaseStats` accumulates a request type's figures over an evaluation (requests, tokens,
 seconds, per-replica work) for the results and the benchmarks. :class:`PhaseTracker` follows one
 run of micro-batches: after every finished step it adds the step's figures, moves the progress
-bar and reports a :class:`rayeval.service.events.Progress`.
+bar and reports a :class:`rayeval.service.events.Progress` when one is due (the first and last
+moves, and in between every 1/200 of the requests or every second).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from tqdm import tqdm
 from rayeval.service.console import progress_stream
 from rayeval.service.engine.dispatch import PieceDone, StepDone
 from rayeval.service.events import Progress, RankMemory, ReplicaWork
+
+#: Progress is reported once at least this share of a run's requests moved since the last report
+#: (every move of a run of fewer than 1/REPORT_SHARE requests), or after REPORT_EVERY_S.
+REPORT_SHARE = 1 / 200
+REPORT_EVERY_S = 1.0
 
 
 @dataclass
@@ -90,6 +96,7 @@ class PhaseTracker:
         start: The engine's start-up figures.
         on_progress: Called with the request type's progress after every step.
         disable_tqdm: No progress bar.
+        expected: Requests of the run when its micro-batches come in parts (:meth:`expect`).
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class PhaseTracker:
         start: StartUp,
         on_progress: Callable[[Progress], None] | None,
         disable_tqdm: bool,
+        expected: int | None = None,
     ) -> None:
         self._phase = phase
         self._stats = stats
@@ -109,13 +117,15 @@ class PhaseTracker:
         self._rank_memory = rank_memory
         self._start = start
         self._on_progress = on_progress
-        self.total = sum(requests_per_micro_batch.values())
+        self.total = sum(requests_per_micro_batch.values()) if expected is None else expected
         self.done = 0
         stats.requests += self.total
         for replica in replicas:
             stats.replica_busy_s.setdefault(replica, 0.0)
         self._started = time.monotonic()
         self._base_seconds = stats.seconds
+        #: (requests done, when) at the last progress report.
+        self._reported: tuple[int, float] | None = None
         self._bar = tqdm(
             total=self.total,
             desc=f"rayeval {phase}",
@@ -123,6 +133,14 @@ class PhaseTracker:
             unit="req",
             file=progress_stream(),
         )
+
+    def expect(self, requests_per_micro_batch: Counter[int], answered: int) -> None:
+        """Micro-batches of the next part of the run, and how many of the expected requests
+        were answered without computing (the run's total shrinks by them)."""
+        self._counts.update(requests_per_micro_batch)
+        self.total -= answered
+        self._stats.requests -= answered
+        self._bar.total = self.total
 
     def step(self, step: StepDone) -> None:
         """Add a finished step's figures and report progress."""
@@ -171,15 +189,28 @@ class PhaseTracker:
         self._moved(count)
 
     def _moved(self, count: int) -> None:
-        """The phase's seconds so far, the bar, and a progress report."""
+        """The phase's seconds so far, the bar, and a progress report when one is due."""
         stats = self._stats
-        stats.seconds = self._base_seconds + time.monotonic() - self._started
+        now = time.monotonic()
+        stats.seconds = self._base_seconds + now - self._started
         self._bar.update(count)
         self._bar.set_postfix(
-            tok_s=f"{stats.tokens_per_s:,.0f}", real=f"{stats.real_token_fraction:.2f}"
+            tok_s=f"{stats.tokens_per_s:,.0f}",
+            real=f"{stats.real_token_fraction:.2f}",
+            refresh=False,
         )
-        if self._on_progress is not None:
+        if self._on_progress is not None and self._report_due(now):
+            self._reported = (self.done, now)
             self._on_progress(self.progress())
+
+    def _report_due(self, now: float) -> bool:
+        """The first and last moves are reported, and in between a move of at least
+        :data:`REPORT_SHARE` of the requests or :data:`REPORT_EVERY_S` after the last report:
+        a report per step would cost the driver more than the step at many replicas."""
+        if self._reported is None or self.done >= self.total:
+            return True
+        done, at = self._reported
+        return self.done - done >= self.total * REPORT_SHARE or now - at >= REPORT_EVERY_S
 
     def progress(self) -> Progress:
         """The request type's progress as it stands."""

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,12 +68,34 @@ class ScoreLocation:
     target: int
 
 
+class Where:
+    """Per request, (micro-batch, row, target) of its answer, in three int arrays."""
+
+    def __init__(self) -> None:
+        self._columns = (array("q"), array("q"), array("q"))
+
+    def append(self, micro_batch: int, row: int, target: int) -> None:
+        for column, value in zip(self._columns, (micro_batch, row, target), strict=True):
+            column.append(value)
+
+    def __len__(self) -> int:
+        return len(self._columns[0])
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        return zip(*self._columns, strict=True)
+
+
 @dataclass(frozen=True)
 class ScorePlan:
     """Micro-batches to compute and, per request (in input order), where its answer lands."""
 
     micro_batches: list[ScoreMicroBatch]
-    locations: list[ScoreLocation]
+    where: Where
+
+    @property
+    def locations(self) -> list[ScoreLocation]:
+        """Per request, where its answer lands, as objects (:attr:`where` holds them)."""
+        return [ScoreLocation(*place) for place in self.where]
 
 
 @dataclass(frozen=True)
@@ -127,6 +150,9 @@ def model_input(
             f"a continuation of {len(continuation)} tokens exceeds the model's max_length "
             f"{max_length}: raise max_length in model_args or shorten the task's targets"
         )
+    if isinstance(context, tuple) and len(context) + len(continuation) <= max_length + 1:
+        # Nothing to cut: the context tuple itself when the continuation is one token.
+        return context + tuple(continuation[:-1])
     return tuple((list(context) + list(continuation))[-(max_length + 1) :][:-1])
 
 
@@ -156,15 +182,17 @@ def plan_score(
             :func:`rayeval.actors.packing.packing_unsupported`).
 
     Returns:
-        The plan; ``locations[i]`` tells where request ``i``'s (logprob, is_greedy) will be.
+        The plan; ``where[i]`` tells where request ``i``'s (logprob, is_greedy) will be.
     """
     inputs: dict[tuple[int, ...], dict[tuple[int, ...], int]] = {}
-    request_keys = []
+    request_inputs: list[tuple[int, ...]] = []
+    request_targets = array("q")
     for context, continuation in requests:
         tokens = model_input(context, continuation, max_length)
         targets = inputs.setdefault(tokens, {})
         target = targets.setdefault(tuple(continuation), len(targets))
-        request_keys.append((tokens, target))
+        request_inputs.append(tokens)
+        request_targets.append(target)
 
     if share_prefixes:
         # The row's width bounds its attention like one of lm-eval's rows (and the budget's).
@@ -186,11 +214,11 @@ def plan_score(
             for tokens, offset in item.offsets.items():
                 row_at[tokens] = (len(micro_batches), position, offset)
         micro_batches.append(ScoreMicroBatch(rows=tuple(item.row for item in chunk)))
-    locations = []
-    for tokens, target in request_keys:
+    where = Where()
+    for tokens, target in zip(request_inputs, request_targets, strict=True):
         micro_batch, row, offset = row_at[tokens]
-        locations.append(ScoreLocation(micro_batch, row, offset + target))
-    return ScorePlan(micro_batches, locations)
+        where.append(micro_batch, row, offset + target)
+    return ScorePlan(micro_batches, where)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import sqlite3
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,11 @@ def generate_key(context: Sequence[int], settings: Mapping[str, Any]) -> Any | N
     return ["generate", list(context), dict(settings)]
 
 
+class Digest(str):
+    """A request's key already hashed (:meth:`ResponseCache.digest`): 64 characters to hold
+    instead of the request's token lists, for a million requests."""
+
+
 class ResponseCache:
     """Answers of one model, keyed by request, in a SQLite file.
 
@@ -111,6 +117,9 @@ class ResponseCache:
             )
         self.hits = 0
         self.stored = 0
+        #: Parts of a large request type are looked up on a planning thread while the
+        #: driver's thread stores finished ones (engine.streamed).
+        self._lock = threading.Lock()
 
     @property
     def fingerprint(self) -> str:
@@ -145,10 +154,11 @@ class ResponseCache:
         for start in range(0, len(items), 500):  # SQLite bounds the number of parameters
             chunk = dict(items[start : start + 500])
             marks = ",".join("?" * len(chunk))
-            rows = self._db.execute(
-                f"SELECT key, answer FROM answers WHERE key IN ({marks})",
-                list(chunk),
-            )
+            with self._lock:
+                rows = self._db.execute(
+                    f"SELECT key, answer FROM answers WHERE key IN ({marks})",
+                    list(chunk),
+                ).fetchall()
             for key, answer in rows:
                 found[chunk[key]] = _from_json(json.loads(answer))
         self.hits += len(found)
@@ -163,7 +173,7 @@ class ResponseCache:
         ]
         if not rows:
             return
-        with self._db:
+        with self._lock, self._db:
             self._db.executemany("INSERT OR REPLACE INTO answers VALUES (?, ?)", rows)
         self.stored += len(rows)
 
@@ -194,11 +204,18 @@ class ResponseCache:
 
         return store
 
+    def digest(self, request: Any) -> Digest | None:
+        """The key of ``request`` as this cache stores it (None stays None); every method
+        taking requests takes digests too."""
+        return None if request is None else Digest(self._key(request))
+
     def close(self) -> None:
         """Close the database (answers are committed as they are stored)."""
         self._db.close()
 
     def _key(self, request: Any) -> str:
+        if isinstance(request, Digest):
+            return request
         text = json.dumps([self._fingerprint, request], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
 

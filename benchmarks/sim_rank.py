@@ -1,0 +1,266 @@
+"""A simulated rank for measuring the driver: the rank actor's interface, a modelled model call.
+
+:class:`SimulatedRank` has the methods :class:`rayeval.actors.worker.ShardWorker` offers the
+worker group and the dispatcher (set-up, ``score``, ``generate``, ``generate_stream``, the bulk
+``compute_many``, the figures), runs as a real Ray actor in the real placement group, and loads
+nothing: it never imports torch, so 64 of them fit on a 2-core machine. Each micro-batch sleeps
+for the time a GPU would spend on it (:class:`StepCost`: padded tokens times a per-token cost,
+decode steps bounded below by reading the weights once) and returns answers of the right shape
+that depend on the request alone (a hash of its tokens), so any layout must give every request
+the same answer.
+
+Benchmarks only: the product never imports this module. It is handed to
+``RayEvalLM(benchmark_rank_class=simulated_rank(cost))``, which passes it to
+``WorkerGroup.create``; everything else (placement group, dispatcher, planner, progress, the
+response cache) is the product's own code.
+
+The default cost is Llama-3.2-1B (1.24e9 parameters) in bf16 on one H100 SXM: NVIDIA's datasheet
+gives 989 TFLOP/s of dense BF16 and 3.35 TB/s of HBM3. A forward costs about 2 FLOPs per parameter
+per token; at half the peak (a prefill-heavy forward's usual share) that is 5.0 us per token. A
+decode step reads every weight once: 2.5 GB / 3.35 TB/s = 0.74 ms, about 1 ms with the KV cache
+and launch overheads.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rayeval.actors.batches import (
+    GenerateGroup,
+    GenerateMicroBatch,
+    GenerationPiece,
+    ModelSpec,
+    RankOptions,
+    ScoreMicroBatch,
+    ScoreRow,
+    StepStats,
+)
+from rayeval.actors.layout import RankCoord
+
+#: As rayeval.actors.continuous (not imported: it imports torch): refill slots in waves of an
+#: eighth of them, stream a piece once a quarter of the slots' requests finished or after 1 s.
+ADMIT_FRACTION = 1 / 8
+PIECE_FRACTION = 1 / 4
+PIECE_WAIT_S = 1.0
+#: Generated token ids are drawn from this range (ordinary tokens of any tokenizer).
+TOKEN_LOW, TOKEN_SPAN = 100, 500
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one micro-batch costs a modelled GPU.
+
+    Args:
+        token_s: Seconds per padded token of a forward (prefill or scoring).
+        decode_step_s: Least seconds of one decode step (reading the weights once).
+    """
+
+    token_s: float = 5.0e-6
+    decode_step_s: float = 1.0e-3
+
+    def forward_s(self, padded_tokens: int) -> float:
+        return padded_tokens * self.token_s
+
+    def decode_s(self, rows: int) -> float:
+        return max(self.decode_step_s, rows * self.token_s)
+
+
+def simulated_rank(cost: StepCost) -> type[SimulatedRank]:
+    """A :class:`SimulatedRank` class whose ranks model ``cost``. Ray ships it by value, with this
+    module, so rank processes need not find ``benchmarks/`` on their path."""
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return type("SimulatedRank", (SimulatedRank,), {"COST": cost})
+
+
+def score_answer(model_input: Sequence[int], target: Sequence[int]) -> tuple[float, bool]:
+    """The simulated (log-likelihood, is_greedy) of ``target`` after ``model_input``: a function
+    of the request alone (tuples of ints hash alike in every process)."""
+    return _answer(hash(tuple(model_input)), target)
+
+
+def _answer(input_hash: int, target: Sequence[int]) -> tuple[float, bool]:
+    h = hash((input_hash, tuple(target)))
+    return -((h % 1_000_003) / 1e5 + 0.01) * len(target), h % 7 == 0
+
+
+def generated_tokens(context: Sequence[int], max_gen_toks: int) -> tuple[int, ...]:
+    """The simulated answer of a generation request: 1 to ``max_gen_toks`` tokens."""
+    h = hash(tuple(context)) & 0xFFFFFFFFFFFF
+    length = 1 + h % max(1, max_gen_toks)
+    return tuple(TOKEN_LOW + (h >> (i % 40)) % TOKEN_SPAN for i in range(length))
+
+
+class SimulatedRank:
+    """One simulated rank (see the module docstring); Ray's actor options are the real rank's.
+
+    Args:
+        spec: The model (ignored: nothing is loaded).
+        coord: This rank's replica, shard rank and global rank.
+        options: How the evaluation's ranks run.
+    """
+
+    COST = StepCost()
+
+    def __init__(self, spec: ModelSpec, coord: RankCoord, options: RankOptions) -> None:
+        self._coord = coord
+        self._fed = {"fed": 0, "real": 0, "calls": 0, "decode_rows": 0}
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def node_info(self) -> dict[str, Any]:
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [],
+            "pid": os.getpid(),
+            "cuda_visible_devices": None,
+            "cuda_device": None,
+        }
+
+    def begin_evaluation(self, seed: int) -> int:
+        return os.getpid()
+
+    def reserve_port(self) -> tuple[str, int]:
+        return "127.0.0.1", 0
+
+    def setup(self, rendezvous: tuple[str, int]) -> dict[str, Any]:
+        return {
+            "seconds": 0.0,
+            "local_parameters": 0,
+            "device_total_mib": None,
+            "strategy": None,
+            "collectives": None,
+            "peak_rss_mib": 0.0,
+        }
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
+    def input_token_counts(self) -> dict[str, int]:
+        return dict(self._fed)
+
+    # ------------------------------------------------------------------------------- compute
+    def compute_many(self, method: str, batches: bytes) -> bytes:
+        """Several pickled micro-batches in one call, in order (the real rank's bulk entry)."""
+        compute = {"score": self.score, "generate": self.generate}[method]
+        return pickle.dumps([compute(batch) for batch in pickle.loads(batches)], protocol=5)
+
+    def score(self, batch: ScoreMicroBatch) -> tuple[list[list[tuple[float, bool]]], StepStats]:
+        started = time.monotonic()
+        width = max((len(row.tokens) for row in batch.rows), default=1)
+        padded = width * max(1, len(batch.rows))
+        real = sum(len(row.tokens) for row in batch.rows)
+        result = [_row_answers(row) for row in batch.rows]
+        return result, self._finish(started, self.COST.forward_s(padded), real, padded)
+
+    def generate(self, batch: GenerateMicroBatch) -> tuple[list[list[int]], StepStats]:
+        started = time.monotonic()
+        answers = [list(generated_tokens(c, batch.max_gen_toks)) for c in batch.contexts]
+        width = max((len(c) for c in batch.contexts), default=1)
+        rows = max(1, len(batch.contexts))
+        steps = max((len(a) for a in answers), default=1)
+        modelled = self.COST.forward_s(rows * width) + steps * self.COST.decode_s(rows)
+        real = sum(len(c) for c in batch.contexts)
+        return answers, self._finish(started, modelled, real, rows * (width + steps))
+
+    def generate_stream(self, group: GenerateGroup) -> Iterator[GenerationPiece]:
+        """Continuous batching, modelled: slots refilled in waves, one decode step per token,
+        a piece whenever a quarter of the slots' requests finished (or a second passed)."""
+        yield from _SlotModel(self, group).run()
+
+    def _finish(self, started: float, modelled: float, real: int, padded: int) -> StepStats:
+        """Sleep out the modelled time (less what the answers took) and report it."""
+        time.sleep(max(0.0, modelled - (time.monotonic() - started)))
+        self._fed["fed"] += padded
+        self._fed["real"] += real
+        self._fed["calls"] += 1
+        return StepStats(real_tokens=real, padded_tokens=padded, seconds=modelled)
+
+
+def _row_answers(row: ScoreRow) -> list[tuple[float, bool]]:
+    """Each target's answer from its own model input (a packed row's path to its last token)."""
+    if row.parents is None:  # one input, hashed once for all its targets
+        input_hash = hash(row.tokens)
+        return [_answer(input_hash, target) for target in row.targets]
+    answers = []
+    for target, positions in zip(row.targets, row.scored_positions(), strict=True):
+        path = []
+        node = positions[-1]
+        while node >= 0:
+            path.append(row.tokens[node])
+            node = row.parents[node]
+        answers.append(score_answer(path[::-1], target))
+    return answers
+
+
+class _SlotModel:
+    """The continuous-batching engine's timeline for one group, without a model."""
+
+    def __init__(self, rank: SimulatedRank, group: GenerateGroup) -> None:
+        self._rank = rank
+        self._group = group
+        self._cost = rank.COST
+        self._answers = [generated_tokens(r.context, r.max_gen_toks) for r in group.requests]
+        self._pending = deque(range(len(group.requests)))
+        self._live: dict[int, int] = {}  # position -> tokens still to generate
+
+    def run(self) -> Iterator[GenerationPiece]:
+        started = time.monotonic()
+        clock = sent = 0.0  # modelled seconds since the start, and at the last piece
+        finished: list[tuple[int, tuple[int, ...]]] = []
+        fed = 0
+        while self._pending or self._live:
+            admitted = self._admit()
+            clock += self._cost.forward_s(
+                sum(len(self._group.requests[p].context) for p in admitted)
+            )
+            fed += sum(len(self._group.requests[p].context) for p in admitted) + len(self._live)
+            clock += self._cost.decode_s(len(self._live))
+            for position in list(self._live):
+                self._live[position] -= 1
+                if self._live[position] == 0:
+                    del self._live[position]
+                    finished.append((position, self._answers[position]))
+            enough = len(finished) >= max(1, int(self._group.slots * PIECE_FRACTION))
+            if finished and (enough or clock - sent >= PIECE_WAIT_S):
+                yield self._piece(finished, fed, clock - sent, started + clock)
+                finished, fed, sent = [], 0, clock
+        if finished or fed:
+            yield self._piece(finished, fed, clock - sent, started + clock)
+
+    def _admit(self) -> list[int]:
+        group = self._group
+        free = group.slots - len(self._live)
+        wave = max(1, int(group.slots * ADMIT_FRACTION))
+        if self._live and free < min(wave, len(self._pending)):
+            return []
+        held = sum(group.requests[p].kv_tokens for p in self._live)
+        admitted: list[int] = []
+        while self._pending and len(self._live) < group.slots:
+            need = group.requests[self._pending[0]].kv_tokens
+            if held + need > group.kv_tokens and self._live:
+                break
+            position = self._pending.popleft()
+            self._live[position] = len(self._answers[position])
+            admitted.append(position)
+            held += need
+        return admitted
+
+    def _piece(
+        self, finished: list[tuple[int, tuple[int, ...]]], fed: int, seconds: float, due: float
+    ) -> GenerationPiece:
+        time.sleep(max(0.0, due - time.monotonic()))
+        self._rank._fed["fed"] += fed
+        self._rank._fed["real"] += fed
+        stats = StepStats(real_tokens=fed, padded_tokens=fed, seconds=seconds)
+        return GenerationPiece(tuple(finished), stats)

@@ -1,0 +1,202 @@
+"""The driver at many replicas: simulated ranks on a real Ray cluster, bulk tokenisation, parts.
+
+The simulated rank (``benchmarks/sim_rank.py``) is the real rank actor's interface with a modelled
+step; every answer is a function of its own request, so the tests can say, per request, whether
+the driver delivered its answer exactly once and to the right request, whatever the layout
+(R = 8, 1, 3), with a plan streamed in parts, and with a replica lost mid-run. The cluster runs in
+a subprocess (``tests/sim_driver_cluster.py``): it needs 12 logical CPUs, the session's Ray has 4.
+The other tests: lm-eval's own tokenisation against the driver's bulk one, part boundaries, the
+dispatcher's call sizes, and a real model scored in parts against lm-eval's ``hf``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import (
+    assert_same_results,
+    evaluate,
+    hf_reference,
+    kill_processes_naming,
+    stop_process_group,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_RUN_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def sim_report(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run tests/sim_driver_cluster.py; return what it recorded."""
+    out = tmp_path_factory.mktemp("sim-driver")
+    report, log = out / "report.json", out / "cluster.log"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))  # short: Ray's socket paths
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = str(ray_tmp)
+    command = [sys.executable, "-m", "tests.sim_driver_cluster", "--report", str(report),
+               "--model-dir", str(demo.model_dir), "--work", str(out)]  # fmt: skip
+    with log.open("w") as log_file:
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            process.wait(timeout=CLUSTER_RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            stop_process_group(process)
+        finally:
+            kill_processes_naming(str(ray_tmp))
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    if process.returncode != 0 or not report.exists():
+        tail = log.read_text(errors="replace")[-6000:]
+        pytest.fail(f"the simulated cluster run failed (exit {process.returncode}):\n{tail}")
+    return json.loads(report.read_text())
+
+
+@pytest.mark.e2e
+def test_every_request_gets_its_own_answer_once_in_every_layout(
+    sim_report: dict[str, Any],
+) -> None:
+    expected, runs = sim_report["expected"], sim_report["runs"]
+    for name in ("R8", "R1", "R3", "R8-parts"):
+        assert runs[name]["loglikelihood"] == expected, f"{name}: an answer went astray"
+        figures = runs[name]["stats"]["loglikelihood"]
+        # Each micro-batch was computed once: the ranks saw as many calls as the plan has.
+        assert runs[name]["calls"] == figures["micro_batches"], name
+        assert figures["requests"] == len(expected)
+    plans = {runs[name]["stats"]["loglikelihood"]["micro_batches"] for name in ("R8", "R1", "R3")}
+    assert len(plans) == 1, f"the plan depends on the layout: {plans}"
+    assert runs["R8-parts"]["stats"]["loglikelihood"]["micro_batches"] > plans.pop()
+
+
+@pytest.mark.e2e
+def test_generations_do_not_depend_on_the_layout_or_batching(sim_report: dict[str, Any]) -> None:
+    runs = sim_report["runs"]
+    reference = runs["R1"]["generate_until"]
+    assert len(reference) == 160 and len(set(reference)) > 100
+    for name in ("R8", "R3", "R8-static", "R3-static", "R8-lost"):
+        assert runs[name]["generate_until"] == reference, name
+    assert runs["R8"]["stats"]["generate_until"]["batching"] == "continuous"
+    assert runs["R8-static"]["stats"]["generate_until"]["batching"] == "static"
+    static = runs["R8-static"]["stats"]["generate_until"]["micro_batches"]
+    assert runs["R8-static"]["calls"] == runs["R3-static"]["calls"] == static
+
+
+@pytest.mark.e2e
+def test_a_lost_replicas_work_is_rerun_elsewhere(sim_report: dict[str, Any]) -> None:
+    lost = sim_report["runs"]["R8-lost"]
+    assert lost["killed"], "no replica was killed"
+    assert lost["loglikelihood"] == sim_report["expected"]
+    utilisation = lost["stats"]["loglikelihood"]["replica_utilisation"]
+    assert len(utilisation) == 8 and sum(1 for u in utilisation.values() if u > 0) >= 7
+
+
+@pytest.mark.service
+def test_bulk_tokenisation_is_lm_evals(demo: Any) -> None:
+    """encode_pairs against lm-eval's own TemplateLM.loglikelihood tokenisation."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import TemplateLM
+
+    from rayeval.service.engine.encoder import build_encoder, encode_pairs
+
+    encoder, _ = build_encoder(str(demo.model_dir), {})
+    pairs = [
+        ("The cat sat on the", " mat"), ("The cat sat on the", " hat"),
+        ("Question: 2+2?\nAnswer:", " 4"), ("trailing space ", "word"),
+        ("", "Once upon a time"), ("<s>already a bos", " yes"), ("model\n", "yes"),
+        ("émigré naïve", " café"), ("a", " b c d e f"), ("   ", "x"),
+    ]  # fmt: skip
+    captured: list[Any] = []
+
+    def capture(requests: list[Any], **_: Any) -> list[Any]:
+        captured.extend(requests)
+        return [(0.0, True)] * len(requests)
+
+    encoder._loglikelihood_tokens = capture  # type: ignore[method-assign]
+    instances = [
+        Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=0) for pair in pairs
+    ]
+    TemplateLM.loglikelihood(encoder, instances)
+    encoded = encode_pairs(encoder, pairs)
+    assert [(list(c), list(k)) for c, k in encoded.pairs] == [
+        (list(c), list(k)) for _, c, k in captured
+    ]
+    for index, ((context, cont), ctx, _) in enumerate(captured):
+        if context.strip():  # engine.checks' merged-boundary test, without a second encoding
+            merged = encoder.tok_encode(context + cont)[: len(ctx)] != list(ctx)
+            assert encoded.merged[index] == merged, pairs[index]
+    assert encoded.pairs[0][0] is encoded.pairs[1][0], "choices of one context share its tokens"
+
+
+@pytest.mark.unit
+def test_parts_keep_a_contexts_requests_together() -> None:
+    from rayeval.service.engine.streamed import part_bounds
+
+    contexts = ["a"] * 3 + ["b"] * 4 + ["c"] + ["d"] * 2
+    assert list(part_bounds(contexts, 2)) == [(0, 3), (3, 7), (7, 10)]
+    assert list(part_bounds(contexts, 1)) == [(0, 3), (3, 7), (7, 8), (8, 10)]
+    assert list(part_bounds(contexts, 100)) == [(0, 10)]
+    assert list(part_bounds([], 4)) == []
+
+
+@pytest.mark.unit
+def test_calls_carry_more_steps_once_timed_and_fewer_as_the_queue_drains() -> None:
+    from rayeval.service.engine.dispatch import CALL_SECONDS, CallSizer
+
+    sizer = CallSizer()
+    assert sizer.size(pending=10_000, calls=16) == 1  # the first results after one step
+    sizer.timed(0.02)
+    assert sizer.size(pending=10_000, calls=16) == int(CALL_SECONDS / 0.02)
+    assert sizer.size(pending=64, calls=16) == 4
+    assert sizer.size(pending=3, calls=16) == 1
+
+
+@pytest.mark.unit
+def test_the_product_never_reaches_the_simulated_rank() -> None:
+    """benchmarks/ is not part of the product; the benchmark-only rank class is set nowhere in
+    it but where RayEvalLM hands it to WorkerGroup.create."""
+    passed_on = []
+    for folder in ("actors", "api", "service"):
+        for path in (REPO / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    names = [getattr(node, "module", None) or ""]
+                    names += [alias.name for alias in node.names]
+                    assert not any(n.split(".")[0] == "benchmarks" for n in names), path
+                if isinstance(node, ast.keyword) and node.arg == "benchmark_rank_class":
+                    passed_on.append(path.relative_to(REPO).as_posix())
+    assert passed_on == ["service/engine/lm.py"]
+
+
+@pytest.mark.e2e
+def test_scores_planned_in_parts_match_lm_eval_hf(
+    demo: Any, task_manager: Any, ray_session: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real model: loglikelihood requests tokenised and planned in parts of 8 while the
+    replicas compute, results as lm-eval's hf backend gives them."""
+    import rayeval.service.engine.lm as lm_module
+    from rayeval.service.engine.lm import RayEvalLM
+
+    run = {"limit": 12, "bootstrap_iters": 0, "num_fewshot": 1}
+    tasks = ["demo_mc", "demo_cloze"]
+    reference = hf_reference(demo.model_dir, task_manager, tasks, **run)
+    monkeypatch.setattr(lm_module, "SCORE_PART", 8)
+    started = time.monotonic()
+    with RayEvalLM(pretrained=str(demo.model_dir), num_replicas=2, dtype="float32") as lm:
+        ours = evaluate(lm, task_manager, tasks, **run)
+        figures = lm.stats["loglikelihood"].report()
+    assert time.monotonic() - started < 300
+    assert figures["requests"] > 8 * 3, "the requests should make several parts"
+    assert_same_results(reference, ours)
