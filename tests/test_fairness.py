@@ -100,6 +100,18 @@ ORDERS = [
 ]
 
 
+def test_users_holding_nothing_take_turns_least_recently_served_first() -> None:
+    """More users than room: each holds nothing between evaluations, so fair share alone ties
+    every round and the oldest queue (ann's) would win each one; the least recently served wins."""
+    queue = [rec(f"a{i}", "ann", i) for i in range(1, 4)]
+    queue += [rec("b1", "bob", 4), rec("c1", "cat", 5)]
+    assert names(fair_order(queue, {}, {}).order)[0] == "a1"
+    assert names(fair_order(queue, {}, {}, {"ann": 1}).order)[:3] == ["b1", "c1", "a1"]
+    assert names(fair_order(queue, {}, {}, {"ann": 2, "bob": 1}).order)[:3] == ["c1", "b1", "a1"]
+    # Fair share comes first: a user holding ranks waits however long ago they were served.
+    assert names(fair_order(queue, {"bob": 1}, {}, {"ann": 2, "bob": 1}).order)[:2] == ["c1", "a1"]
+
+
 @pytest.mark.parametrize(("queued", "held", "shares", "expected"), ORDERS)
 def test_fair_order(
     queued: list[tuple[str, str, int, int]],

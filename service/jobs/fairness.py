@@ -3,9 +3,12 @@
 Each user's own queue is ordered by priority (higher first), then by submission (oldest first).
 The users are served in turn by weighted fair share of the ranks they hold: the next evaluation
 comes from the user whose ranks held (running now, plus those ordered ahead of it) divided by
-their weight is the smallest, ties to the user whose next evaluation is oldest. So with equal
-weights one user's twenty queued evaluations alternate with another's one, and a user of weight 2
-gets about twice the ranks of a user of weight 1 while both have work queued. A user whose next
+their weight is the smallest; ties go to the user served least recently (never served first),
+then to the one whose next evaluation is oldest. So with equal weights one user's twenty queued
+evaluations alternate with another's one, a user of weight 2 gets about twice the ranks of a user
+of weight 1 while both have work queued, and when there are more users than room (each holding
+nothing between their evaluations) they still take turns rather than the oldest queue winning
+every tie. A user whose next
 evaluation would take their ranks over their cap waits (their whole queue: nobody overtakes
 within it) until their running evaluations end; the others go on.
 
@@ -50,6 +53,7 @@ def fair_order(
     queued: Iterable[EvaluationRecord],
     held: Mapping[str, int],
     shares: Mapping[str, Share],
+    served: Mapping[str, int] | None = None,
 ) -> FairOrder:
     """Order the queue by weighted fair share, priorities and caps.
 
@@ -57,6 +61,8 @@ def fair_order(
         queued: Every queued evaluation, in any order.
         held: Ranks each user's starting or running evaluations hold now.
         shares: Each user's weight and cap (a user not listed: weight 1, no cap).
+        served: When each user last had an evaluation started, as increasing numbers (a user
+            not listed: never); breaks ties of fair share, least recently served first.
 
     Returns:
         The order admission offers them in, and those held back by a cap.
@@ -65,10 +71,16 @@ def fair_order(
     for record in sorted(queued, key=_within_owner):
         queues.setdefault(record.owner, deque()).append(record)
     usage = {owner: float(held.get(owner, 0)) for owner in queues}
+    last = served or {}
     decided = FairOrder()
     while queues:
         owner = min(
-            queues, key=lambda u: (usage[u] / _share(shares, u).weight, queues[u][0].number)
+            queues,
+            key=lambda u: (
+                usage[u] / _share(shares, u).weight,
+                last.get(u, -1),
+                queues[u][0].number,
+            ),
         )
         record = queues[owner][0]
         cap = _share(shares, owner).max_ranks

@@ -71,6 +71,10 @@ class Scheduler:
         self._preempt = preempt
         self._positions: dict[str, int] = {}
         self._made_room: dict[str, float] = {}
+        #: When each user last had an evaluation started (fair share's tie-break; from 0 again
+        #: after a restart).
+        self._served: dict[str, int] = {}
+        self._starts = 0
 
     def position(self, evaluation_id: str) -> int | None:
         """The evaluation's place in the last round's fair order (None: not known)."""
@@ -85,7 +89,8 @@ class Scheduler:
         active = self._store.active()
         now = time.monotonic()
         self._made_room = {i: t for i, t in self._made_room.items() if now - t < ROOM_GRACE_S}
-        fair = fair_order(queued, held_ranks(active), self._store.accounts.shares())
+        shares = self._store.accounts.shares()
+        fair = fair_order(queued, held_ranks(active), shares, self._served)
         fair = room_made_first(fair, self._made_room)
         kept = self._kept.entries()
         free = free_resources(active, self._followed.owners(), kept)
@@ -106,6 +111,8 @@ class Scheduler:
             with self._lock:
                 if not self._store.transition(record.id, EvaluationStatus.STARTING):
                     continue
+                self._starts += 1
+                self._served[record.owner] = self._starts
                 if entry is None or not self._start_on_kept(record, entry.owner):
                     self._start_runner(record)
             self._made_room.pop(record.id, None)
