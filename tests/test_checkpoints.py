@@ -380,3 +380,95 @@ def test_tasks_build_their_requests_once() -> None:
     assert first.resps == [] and first.filtered_resps == {}
     task.build_all_requests(limit=2)
     assert task.builds == 2
+
+
+@pytest.mark.unit
+def test_the_model_roots_cover_checkpoints(tmp_path: Path) -> None:
+    """``model_args.checkpoint`` in a request: a directory under a model root; a missing one and
+    one outside the roots get the same answer (no file oracle)."""
+    from rayeval.service.config import EvaluationConfig
+    from rayeval.service.jobs.validation import ServerPolicy, policy_problems
+
+    root, outside = tmp_path / "models", tmp_path / "elsewhere"
+    (root / "run" / "step-1").mkdir(parents=True)
+    outside.mkdir()
+    policy = ServerPolicy(model_roots=(str(root),))
+
+    def problems(checkpoint: Any) -> list[str]:
+        """The policy's answers about the checkpoint, its own value left out."""
+        args = {"pretrained": "org/model", "checkpoint": checkpoint}
+        config = EvaluationConfig.model_validate({"model_args": args, "tasks": ["demo_mc"]})
+        found = policy_problems(config, policy)
+        return [p.replace(repr(checkpoint), "<path>") for p in found if "checkpoint" in p]
+
+    assert problems(str(root / "run" / "step-1")) == []
+    refused = problems(str(outside))
+    assert len(refused) == 1 and "--model-root" in refused[0] and str(root) in refused[0]
+    assert problems(str(root / "run" / "step-2")) == refused  # missing: the same answer
+    assert problems(str(root / "run" / ".." / ".." / "elsewhere")) == refused
+    assert problems(7) == refused and problems("") == refused
+    empty = ServerPolicy()
+    args = {"pretrained": "org/model", "checkpoint": str(root / "run" / "step-1")}
+    config = EvaluationConfig.model_validate({"model_args": args, "tasks": ["demo_mc"]})
+    assert any("none configured" in p for p in policy_problems(config, empty))
+
+
+@pytest.mark.e2e
+def test_rest_evaluates_a_checkpoint_under_the_model_roots(
+    demo: Any, run_dir: Path, tmp_path: Path
+) -> None:
+    """``POST /evaluations`` with ``model_args.checkpoint``: the ranks (G=2) read the DCP
+    checkpoint as saved, and the served results and samples equal what ``lm_eval run --model hf``
+    writes for the merged weights; a checkpoint outside the server's model roots is a 422 before
+    anything is queued."""
+    from rayeval.service.result_files import parse_samples
+    from tests.helpers import run_lm_eval_cli
+    from tests.test_service import ServerThread, body, finished, make_settings, submit, wait_for
+
+    step = run_dir / "step-200"
+    merged = merge(step, demo.model_dir, tmp_path / "merged")
+    run_lm_eval_cli(["run", "--model", "hf", "--model_args", f"pretrained={merged},dtype=float32",
+                     "--include_path", str(demo.tasks_dir), "--tasks", ",".join(TASKS),
+                     "--limit", "4", "--num_fewshot", "1", "--device", "cpu",
+                     "--batch_size", "4", "--log_samples",
+                     "--output_path", str(tmp_path / "ref")])  # fmt: skip
+    _, reference, reference_samples = read_outputs(tmp_path / "ref")
+
+    settings = make_settings(tmp_path / "data", demo.tasks_dir)
+    roots = [str(demo.model_dir.parent), str(run_dir)]
+    server = ServerThread(settings.model_copy(update={"model_roots": roots}))
+    server.start()
+    try:
+        with server.client() as client:
+            args = {"pretrained": str(demo.model_dir), "dtype": "float32"}
+            refused = client.post(
+                "/evaluations",
+                json=body(demo, model_args={**args, "checkpoint": str(tmp_path)}, tasks=TASKS),
+            )
+            assert refused.status_code == 422 and "model_args.checkpoint" in refused.text
+            payload = body(
+                demo, model_args={**args, "checkpoint": str(step)}, tasks=TASKS, **RUN,
+                parallelism={"num_replicas": 1, "shard_size": 2},
+            )  # fmt: skip
+            evaluation = wait_for(client, submit(client, payload)["id"], finished, timeout_s=600)
+            assert evaluation["status"] == "succeeded", evaluation
+            served = f"/evaluations/{evaluation['id']}"
+            results = client.get(f"{served}/results").json()
+            samples = {
+                task: parse_samples(client.get(f"{served}/samples/{task}").text) for task in TASKS
+            }
+    finally:
+        server.stop()
+    assert results["config"]["model_args"]["checkpoint"] == str(step.resolve())
+    assert results["n-shot"] == reference["n-shot"]
+
+    def metrics(outputs: dict[str, Any]) -> dict[str, Any]:  # lm-eval's CLI always bootstraps
+        return {
+            task: {k: v for k, v in values.items() if "stderr" not in k}
+            for task, values in outputs["results"].items()
+        }
+
+    assert_same_results(
+        {"results": metrics(reference), "samples": reference_samples},
+        {"results": metrics(results), "samples": samples},
+    )

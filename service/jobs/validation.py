@@ -1,13 +1,13 @@
 """The server's checks of a submitted evaluation, before it is queued.
 
 An :class:`rayeval.service.config.EvaluationConfig` is already well-formed; what is checked here is
-what
-only the server can judge, so that what is accepted with 202 can run:
+what only the server can judge, so that what is accepted with 202 can run:
 
 - its policy (:class:`ServerPolicy`): no code from a request's model repository unless the
   operator allows it; model args and generation settings from an allowlist; local models and
-  tokenizers only under the operator's model roots, with one answer for a path that is missing and
-  one that is forbidden (no file oracle); tracking only where the server has a tracker;
+  tokenizers (and training checkpoints, ``model_args.checkpoint``) only under the operator's model
+  roots, with one answer for a path that is missing and one that is forbidden (no file oracle);
+  tracking only where the server has a tracker;
 - task names (never paths) that its catalog knows, in ``tasks`` and in ``samples``;
 - options lm-eval accepts together, and a layout the cluster can ever hold;
 - a named shard strategy that can work: what it refuses of the model, read from a local
@@ -50,6 +50,7 @@ REQUEST_MODEL_ARGS = ENCODER_MODEL_ARGS | {
     "mixed_precision_dtype",
     "backend",
     "trust_remote_code",
+    "checkpoint",
 }
 
 #: Generation settings a request may set, each with a check of its value.
@@ -252,6 +253,8 @@ def policy_problems(config: EvaluationConfig, policy: ServerPolicy) -> list[str]
         value = args.get(key)
         if isinstance(value, str):
             problems += _model_source_problems(f"model_args.{key}", value, args, policy)
+    if "checkpoint" in args:
+        problems += _checkpoint_problems(args["checkpoint"], policy)
     subfolder = args.get("subfolder", "")
     if not isinstance(subfolder, str) or os.path.isabs(subfolder) or ".." in Path(subfolder).parts:
         problems.append("model_args.subfolder: a relative folder inside the model, without '..'")
@@ -291,6 +294,22 @@ def _model_source_problems(
         f"{where}: {value!r} is not a model under this server's model roots "
         f"({', '.join(policy.model_roots) or 'none configured'}): name a model there or a hub "
         "id; the server operator adds roots with --model-root"
+    ]
+
+
+def _checkpoint_problems(value: Any, policy: ServerPolicy) -> list[str]:
+    """A training checkpoint named by a request: a directory under a model root (a missing one
+    and one outside the roots get the same answer; whether it is a usable checkpoint is checked
+    when the evaluation starts, before any rank computes)."""
+    if isinstance(value, str) and value:
+        found = Path(value).expanduser().resolve()
+        roots = [Path(root).expanduser().resolve() for root in policy.model_roots]
+        if found.is_dir() and any(found == root or root in found.parents for root in roots):
+            return []
+    return [
+        f"model_args.checkpoint: {value!r} is not a checkpoint directory under this server's "
+        f"model roots ({', '.join(policy.model_roots) or 'none configured'}): save it under "
+        "one, or the server operator adds its folder with --model-root"
     ]
 
 
