@@ -399,7 +399,8 @@ def test_the_model_roots_cover_checkpoints(tmp_path: Path) -> None:
         args = {"pretrained": "org/model", "checkpoint": checkpoint}
         config = EvaluationConfig.model_validate({"model_args": args, "tasks": ["demo_mc"]})
         found = policy_problems(config, policy)
-        return [p.replace(repr(checkpoint), "<path>") for p in found if "checkpoint" in p]
+        named = f"model_args.checkpoint: {checkpoint!r} "
+        return [p.replace(named, "model_args.checkpoint: <path> ") for p in found if named in p]
 
     assert problems(str(root / "run" / "step-1")) == []
     refused = problems(str(outside))

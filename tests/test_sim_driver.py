@@ -139,6 +139,35 @@ def test_bulk_tokenisation_is_lm_evals(demo: Any) -> None:
     assert encoded.pairs[0][0] is encoded.pairs[1][0], "choices of one context share its tokens"
 
 
+@pytest.mark.service
+def test_bulk_generation_tokenisation_is_lm_evals(demo: Any) -> None:
+    """generate_requests against lm-eval's tok_batch_encode of each context alone (its rules for
+    a batch of one, left-truncated to max_length - max_gen_toks), settings per gen_kwargs."""
+    from rayeval.service.engine.encoder import build_encoder, generate_requests
+
+    encoder, _ = build_encoder(str(demo.model_dir), {})
+    long_context = " ".join(["word"] * (encoder.max_length + 50))
+    requests = [
+        ("Question: 2+2?\nAnswer:", {"until": ["\n"], "do_sample": False, "max_gen_toks": 16}),
+        ("<s>already a bos", {"until": ["\n"], "do_sample": False, "max_gen_toks": 16}),
+        ("émigré naïve", {"until": "END", "max_gen_toks": 7}),
+        (long_context, {"until": ["\n"], "max_gen_toks": 40, "max_length": 99}),
+        ("Question: 2+2?\nAnswer:", {"max_gen_toks": 16, "do_sample": False, "until": ["\n"]}),
+    ]  # fmt: skip
+    eos = encoder.tok_decode(encoder.eot_token_id, skip_special_tokens=False)
+    ours = generate_requests(encoder, requests, eos)
+    for (context, _), request in zip(requests, ours, strict=True):
+        budget = encoder.max_length - request.max_gen_toks
+        ids, _ = encoder.tok_batch_encode([context], left_truncate_len=budget,
+                                          truncation=encoder.truncation)  # fmt: skip
+        assert list(request.context) == ids[0].tolist(), context[:30]
+    assert [r.max_gen_toks for r in ours] == [16, 16, 7, 40, 16]
+    assert ours[2].until == ("END", eos) and ours[3].max_length == 99
+    assert len(ours[3].context) == encoder.max_length - 40
+    assert ours[0].context == ours[4].context
+    assert ours[0].kwargs is ours[4].kwargs, "one gen_kwargs, one settings dict"
+
+
 @pytest.mark.unit
 def test_parts_keep_a_contexts_requests_together() -> None:
     from rayeval.service.engine.streamed import part_bounds
