@@ -140,10 +140,10 @@ def test_bulk_tokenisation_is_lm_evals(demo: Any) -> None:
 
 
 @pytest.mark.service
-def test_bulk_generation_tokenisation_is_lm_evals(demo: Any) -> None:
-    """generate_requests against lm-eval's tok_batch_encode of each context alone (its rules for
-    a batch of one, left-truncated to max_length - max_gen_toks), settings per gen_kwargs."""
-    from rayeval.service.engine.encoder import build_encoder, generate_requests
+def test_generation_tokenisation_is_lm_evals(demo: Any) -> None:
+    """generate_request against lm-eval's tok_batch_encode of each context alone (its rules for
+    a batch of one, left-truncated to max_length - max_gen_toks), and its settings."""
+    from rayeval.service.engine.encoder import build_encoder, generate_request
 
     encoder, _ = build_encoder(str(demo.model_dir), {})
     long_context = " ".join(["word"] * (encoder.max_length + 50))
@@ -155,7 +155,7 @@ def test_bulk_generation_tokenisation_is_lm_evals(demo: Any) -> None:
         ("Question: 2+2?\nAnswer:", {"max_gen_toks": 16, "do_sample": False, "until": ["\n"]}),
     ]  # fmt: skip
     eos = encoder.tok_decode(encoder.eot_token_id, skip_special_tokens=False)
-    ours = generate_requests(encoder, requests, eos)
+    ours = [generate_request(encoder, context, kwargs, eos) for context, kwargs in requests]
     for (context, _), request in zip(requests, ours, strict=True):
         budget = encoder.max_length - request.max_gen_toks
         ids, _ = encoder.tok_batch_encode([context], left_truncate_len=budget,
@@ -164,8 +164,7 @@ def test_bulk_generation_tokenisation_is_lm_evals(demo: Any) -> None:
     assert [r.max_gen_toks for r in ours] == [16, 16, 7, 40, 16]
     assert ours[2].until == ("END", eos) and ours[3].max_length == 99
     assert len(ours[3].context) == encoder.max_length - 40
-    assert ours[0].context == ours[4].context
-    assert ours[0].kwargs is ours[4].kwargs, "one gen_kwargs, one settings dict"
+    assert ours[0].context == ours[4].context and ours[0].kwargs == ours[4].kwargs
 
 
 @pytest.mark.unit

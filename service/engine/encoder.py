@@ -2,8 +2,8 @@
 
 Every tokeniser rule lm-eval's HF backend applies (BOS handling, pad token, chat templates, max
 length, thinking tokens) is its own code here: :func:`build_encoder` builds an ``HFLM`` over a
-meta-device model, which holds no weights. :func:`generate_requests` tokenises
-``generate_until`` requests and :func:`decode_generation` turns generated ids back into lm-eval's
+meta-device model, which holds no weights. :func:`generate_request` tokenises one
+``generate_until`` request and :func:`decode_generation` turns generated ids back into lm-eval's
 answer text, both as lm-eval's ``generate_until`` does; :func:`model_spec` says how the ranks load
 the model the encoder describes. :func:`encode_pairs` tokenises loglikelihood pairs as lm-eval's
 ``TemplateLM.loglikelihood`` does, in bulk: each context string once, one batch call into a fast
@@ -12,7 +12,6 @@ tokenizer for many strings, token ids shared rather than copied.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import weakref
@@ -136,50 +135,14 @@ def model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -
     )
 
 
-def generate_requests(
-    encoder: HFLM, requests: Sequence[tuple[str, dict[str, Any]]], eos: str
-) -> list[GenerateRequest]:
-    """Tokenise ``generate_until`` requests (context, gen_kwargs) as lm-eval's HF
-    ``generate_until`` does, in bulk: the settings worked out once per distinct ``gen_kwargs``
-    (lm-eval hands each request its own copy of its task's), the contexts encoded in batch calls
-    (:data:`ENCODE_CHUNK` at a time) with the rules ``tok_batch_encode`` gives each string.
+def generate_request(
+    encoder: HFLM, context: str, gen_kwargs: dict[str, Any], eos: str
+) -> GenerateRequest:
+    """Tokenise one generate_until request as lm-eval's HF ``generate_until`` does.
 
     Raises:
         ConfigError: ``max_gen_toks`` leaves no room for a context.
     """
-    settings: dict[str, _GenerateSettings] = {}
-    chosen = []
-    for _, gen_kwargs in requests:
-        key = json.dumps(gen_kwargs, sort_keys=True, default=repr)
-        if key not in settings:
-            settings[key] = _generate_settings(encoder, gen_kwargs, eos)
-        chosen.append(settings[key])
-    ids = _encode_contexts(encoder, [context for context, _ in requests])
-    shared = _shared_ids(encoder)
-    return [
-        GenerateRequest(
-            context=shared(tokens[-setting.max_ctx_len :]),
-            max_gen_toks=setting.max_gen_toks,
-            until=setting.until,
-            max_length=setting.max_length,
-            kwargs=setting.kwargs,  # one dict per gen_kwargs, read only (the planner copies)
-        )
-        for tokens, setting in zip(ids, chosen, strict=True)
-    ]
-
-
-@dataclass(frozen=True)
-class _GenerateSettings:
-    """One ``gen_kwargs``' settings, normalised as lm-eval's HF ``generate_until`` does."""
-
-    until: tuple[str, ...]
-    max_gen_toks: int
-    max_ctx_len: int
-    max_length: int | None
-    kwargs: dict[str, Any]
-
-
-def _generate_settings(encoder: HFLM, gen_kwargs: dict[str, Any], eos: str) -> _GenerateSettings:
     kwargs = normalize_gen_kwargs(gen_kwargs, encoder.max_gen_toks)
     until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
     max_gen_toks = kwargs.pop("max_gen_toks")
@@ -189,29 +152,21 @@ def _generate_settings(encoder: HFLM, gen_kwargs: dict[str, Any], eos: str) -> _
             f"max_gen_toks ({max_gen_toks}) must be below the model's max_length "
             f"({encoder.max_length}): lower max_gen_toks in --gen_kwargs or the task"
         )
-    max_length = kwargs.pop("max_length", None)
-    return _GenerateSettings(tuple(until), max_gen_toks, max_ctx_len, max_length, kwargs)
-
-
-def _encode_contexts(encoder: HFLM, contexts: Sequence[str]) -> list[list[int]]:
-    """Each context's ids under ``tok_batch_encode``'s rules for one string (BOS-prefixed text
-    gets no special tokens), strings of one rule encoded together in batch calls."""
+    # tok_batch_encode's rules for one string: BOS-prefixed text gets no special tokens.
     tokenizer = encoder.tokenizer
-    bos = getattr(tokenizer, "bos_token", None)
-    plain = {} if encoder.add_bos_token is None else {"add_special_tokens": encoder.add_bos_token}
-    by_rule: dict[bool, list[int]] = {}
-    for index, context in enumerate(contexts):
-        by_rule.setdefault(has_bos_prefix(context, bos), []).append(index)
-    encoded: list[list[int]] = [[] for _ in contexts]
-    for prefixed, indices in by_rule.items():
-        special = {"add_special_tokens": False} if prefixed else plain
-        for start in range(0, len(indices), ENCODE_CHUNK):
-            chunk = indices[start : start + ENCODE_CHUNK]
-            batch = [contexts[i] for i in chunk]
-            ids = tokenizer(batch, truncation=encoder.truncation, **special)["input_ids"]
-            for index, tokens in zip(chunk, ids, strict=True):
-                encoded[index] = tokens
-    return encoded
+    special: dict[str, bool] = {}
+    if has_bos_prefix(context, getattr(tokenizer, "bos_token", None)):
+        special = {"add_special_tokens": False}
+    elif encoder.add_bos_token is not None:
+        special = {"add_special_tokens": encoder.add_bos_token}
+    ids = tokenizer(context, truncation=encoder.truncation, **special)["input_ids"]
+    return GenerateRequest(
+        context=_shared_ids(encoder)(ids[-max_ctx_len:]),
+        max_gen_toks=max_gen_toks,
+        until=tuple(until),
+        max_length=kwargs.pop("max_length", None),
+        kwargs=kwargs,
+    )
 
 
 def rolling_windows(encoder: HFLM, strings: Sequence[str]) -> tuple[list[Any], list[int]]:

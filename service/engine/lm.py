@@ -43,7 +43,7 @@ from rayeval.service.engine.cluster import connect, pick_device
 from rayeval.service.engine.encoder import (
     build_encoder,
     decode_generation,
-    generate_requests,
+    generate_request,
     model_sha,
     model_spec,
     rolling_windows,
@@ -383,7 +383,10 @@ class RayEvalLM(TemplateLM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         eos = self._encoder.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        prepared = generate_requests(self._encoder, [r.args for r in requests], eos)
+        prepared = [
+            generate_request(self._encoder, context, gen_kwargs, eos)
+            for context, gen_kwargs in (r.args for r in requests)
+        ]
         names = [f"task {r.task_name} doc {r.doc_id}" for r in requests]
         generated = self._executor.generate(prepared, disable_tqdm, names)
         texts = []
