@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TypeVar
 
 import ray
 
@@ -137,19 +138,15 @@ def plan(
     return Admission(start, [])
 
 
+#: What admission can take room from: kept replicas, or running evaluations to preempt.
+_Holder = TypeVar("_Holder", Kept, EvaluationRecord)
+
+
 def _release_kept(
     pool: Sequence[Kept], remaining: Mapping[str, float], head: EvaluationRecord
 ) -> tuple[list[Kept], dict[str, float]]:
     """Kept replicas to release for ``head``, oldest first, until it fits (or all of them)."""
-    room = dict(remaining)
-    release: list[Kept] = []
-    for candidate in pool:
-        if covers(room, head.resources):
-            break
-        release.append(candidate)
-        for key, amount in candidate.resources.items():
-            room[key] = room.get(key, 0.0) + amount
-    return release, room
+    return _take_until_fits(pool, remaining, head)
 
 
 def _victims(
@@ -163,15 +160,24 @@ def _victims(
         (r for r in running if r.scheduling.preemptible and r.scheduling.priority < priority),
         key=lambda r: (r.scheduling.priority, -(r.started_at or _EPOCH).timestamp()),
     )
+    victims, room = _take_until_fits(candidates, room, head)
+    return victims if covers(room, head.resources) else []
+
+
+def _take_until_fits(
+    candidates: Sequence[_Holder], room: Mapping[str, float], head: EvaluationRecord
+) -> tuple[list[_Holder], dict[str, float]]:
+    """Candidates taken in order, each adding the resources it holds to ``room``, until ``head``
+    fits (or none is left); the ones taken and the room they make."""
     room = dict(room)
-    victims: list[EvaluationRecord] = []
+    taken: list[_Holder] = []
     for candidate in candidates:
         if covers(room, head.resources):
             break
-        victims.append(candidate)
+        taken.append(candidate)
         for key, amount in candidate.resources.items():
             room[key] = room.get(key, 0.0) + amount
-    return victims if covers(room, head.resources) else []
+    return taken, room
 
 
 _EPOCH = datetime.fromtimestamp(0).astimezone()
