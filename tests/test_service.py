@@ -924,56 +924,6 @@ def test_loopback_rule() -> None:
         Settings(host="0.0.0.0", api_token="")
 
 
-# ------------------------------------------------------------------------------- store
-@pytest.mark.unit
-def test_store_state_changes_are_exclusive_and_events_numbered(tmp_path: Path) -> None:
-    """A cancel racing a completion and a progress report: exactly one of the two state changes
-    wins, results exist only if completion won, and event numbers stay 1, 2, 3, ..."""
-    from rayeval.service.jobs.store import EvaluationStore
-    from rayeval.service.states import EvaluationStatus
-
-    store = EvaluationStore(f"sqlite:///{tmp_path / 'race.db'}")
-    store.create_schema()
-    for _ in range(5):
-        record = store.create({"model": "hf"}, {"CPU": 1.0})
-        assert store.transition(record.id, EvaluationStatus.STARTING)
-        assert sorted(_race(store, record.id)) == [False, True]
-        final = store.get(record.id)
-        assert final.status in {EvaluationStatus.CANCELLED, EvaluationStatus.SUCCEEDED}
-        succeeded = final.status is EvaluationStatus.SUCCEEDED
-        assert (store.results_json(record.id) is not None) == succeeded
-        events = store.events_since(record.id, 0)
-        assert [e.seq for e in events] == list(range(1, len(events) + 1))
-        assert events[-1].data["status"] == final.status.value
-    store.close()
-
-
-def _race(store: Any, record_id: str) -> list[bool]:
-    """Cancel, complete and report progress at the same instant; the two state changes' results."""
-    from rayeval.service.states import EvaluationStatus, EventKind
-
-    barrier = threading.Barrier(3)
-    outcomes: list[bool] = []
-    calls = [
-        lambda: outcomes.append(store.transition(record_id, EvaluationStatus.CANCELLED)),
-        lambda: outcomes.append(store.finish_succeeded(record_id, "{}", {"t": "{}\n"}, {}, [])),
-        lambda: store.record_progress(
-            record_id, {"phases": {}}, 1, [(EventKind.PROGRESS, {"done": 1})]
-        ),
-    ]
-
-    def run(call: Callable[[], Any]) -> None:
-        barrier.wait(timeout=30)
-        call()
-
-    threads = [threading.Thread(target=run, args=(call,)) for call in calls]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    return outcomes
-
-
 # ----------------------------------------------------------------------- layering rules
 @pytest.mark.unit
 def test_api_never_imports_torch() -> None:

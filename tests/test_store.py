@@ -97,16 +97,19 @@ def _counts(url: str) -> dict[str, int]:
 
 @both
 def test_state_changes_are_exclusive_and_events_numbered(database_url: str) -> None:
-    """A cancel racing a completion and a progress report: one state change wins."""
+    """A cancel racing a completion and a progress report: exactly one of the two state changes
+    wins, results exist only if completion won, and event numbers stay 1, 2, 3, ..."""
     store = _store(database_url)
-    for _ in range(4):
+    for _ in range(5):
         record = store.create({"model": "hf"}, {"CPU": 1.0})
         assert store.transition(record.id, S.STARTING)
         assert sorted(_race(store, record.id)) == [False, True]
         final = store.get(record.id)
+        assert final.status in {S.CANCELLED, S.SUCCEEDED}
         assert (store.results_json(record.id) is not None) == (final.status is S.SUCCEEDED)
         events = store.events_since(record.id, 0)
         assert [e.seq for e in events] == list(range(1, len(events) + 1))
+        assert events[-1].data["status"] == final.status.value
     store.close()
 
 
