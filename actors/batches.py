@@ -154,6 +154,18 @@ class SlotRequest:
         return len(self.context) + self.max_gen_toks
 
 
+#: How a rank paces a :class:`GenerateGroup` (``actors.continuous``; the benchmarks' simulated
+#: rank, which loads no torch, reads them too). Slots are refilled once at least this share of
+#: them is free (or every pending request fits): a prefill is a forward of its own, and a wave
+#: of them costs about what one does.
+ADMIT_FRACTION = 1 / 8
+#: A rank streams a piece back once this share of its slots' requests finished since the last
+#: one (at least one request), or once a finished answer has waited this long: each piece costs
+#: the driver a round trip, and the count keeps the pieces the same on any machine.
+PIECE_FRACTION = 1 / 4
+PIECE_WAIT_S = 1.0
+
+
 @dataclass(frozen=True)
 class GenerateGroup:
     """Requests one rank generates with the continuous-batching engine: ``slots`` rows decode

@@ -47,18 +47,16 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rayeval.actors.batches import GenerateGroup, GenerationPiece, SlotRequest
+from rayeval.actors.batches import (
+    ADMIT_FRACTION,
+    PIECE_FRACTION,
+    PIECE_WAIT_S,
+    GenerateGroup,
+    GenerationPiece,
+    SlotRequest,
+)
 from rayeval.actors.generation import lm_eval_generation_kwargs
 from rayeval.actors.rank_model import RankModel
-
-#: Slots are refilled once at least this share of them is free (or every pending request
-#: fits): a prefill is a forward of its own, and a wave of them costs about what one does.
-ADMIT_FRACTION = 1 / 8
-#: A rank streams a piece back once this share of its slots' requests finished since the last
-#: one (at least one request), or once a finished answer has waited this long: each piece costs
-#: the driver a round trip, and the count keeps the pieces the same on any machine.
-PIECE_FRACTION = 1 / 4
-PIECE_WAIT_S = 1.0
 
 #: Warpers that read the scores alone (never the input ids), so rows can be processed together.
 _ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)

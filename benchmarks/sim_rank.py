@@ -33,6 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayeval.actors.batches import (
+    ADMIT_FRACTION,
+    PIECE_FRACTION,
+    PIECE_WAIT_S,
     GenerateGroup,
     GenerateMicroBatch,
     GenerationPiece,
@@ -44,11 +47,6 @@ from rayeval.actors.batches import (
 )
 from rayeval.actors.layout import RankCoord
 
-#: As rayeval.actors.continuous (not imported: it imports torch): refill slots in waves of an
-#: eighth of them, stream a piece once a quarter of the slots' requests finished or after 1 s.
-ADMIT_FRACTION = 1 / 8
-PIECE_FRACTION = 1 / 4
-PIECE_WAIT_S = 1.0
 #: Generated token ids are drawn from this range (ordinary tokens of any tokenizer).
 TOKEN_LOW, TOKEN_SPAN = 100, 500
 
