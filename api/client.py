@@ -96,6 +96,19 @@ class RayEvalClient:
         """One task's samples JSONL, verbatim (with ``log_samples``)."""
         return self._request("GET", f"/evaluations/{evaluation_id}/samples/{task}").text
 
+    def sweep(self, evaluation_id: str) -> dict[str, Any]:
+        """A checkpoint sweep's summary so far, each checkpoint with links to its files."""
+        return dict(self._json("GET", f"/evaluations/{evaluation_id}/sweep"))
+
+    def sweep_table(self, evaluation_id: str) -> str:
+        """A checkpoint sweep as a plain-text table (a row per metric, a column per step)."""
+        path = f"/evaluations/{evaluation_id}/sweep"
+        return self._request("GET", path, params={"format": "text"}).text
+
+    def text(self, path: str) -> str:
+        """A file the server links to (``links`` of an evaluation or a sweep), verbatim."""
+        return self._request("GET", path).text
+
     def samples(self, evaluation_id: str, task: str) -> list[dict[str, Any]]:
         """One task's samples, one dict per document."""
         text = self.samples_text(evaluation_id, task)

@@ -589,7 +589,7 @@ def _sweep_body(demo: Any, sweep: dict[str, Any], **overrides: Any) -> dict[str,
 @pytest.mark.e2e
 def test_rest_sweep_matches_lm_eval_hf_per_checkpoint(
     demo: Any, run_dir: Path, references: dict[str, Any], sweep_server: tuple[Any, Path],
-    tmp_path: Path,
+    tmp_path: Path, capsys: Any,
 ) -> None:  # fmt: skip
     """``POST /evaluations`` with ``sweep.checkpoints`` (a glob the server expands under its
     model roots): each checkpoint's results and samples served under ``/checkpoints/{label}/``
@@ -628,6 +628,7 @@ def test_rest_sweep_matches_lm_eval_hf_per_checkpoint(
         compared = client.get("/compare", params={"a": accepted["id"], "b": accepted["id"]})
         missing = client.get(f"{served}/checkpoints/step-999/results")
     events = read_events(server.url, f"{served}/events")
+    _assert_remote_results_write_a_sweep(server.url, accepted["id"], swept, tmp_path, capsys)
     assert accepted["kind"] == "sweep"
     resolved = [str((run_dir / step).resolve()) for step in STEPS]
     assert accepted["request"]["sweep"]["checkpoints"] == resolved
@@ -704,6 +705,26 @@ def _assert_equals_lm_eval_cli(
         {"results": _metrics(reference), "samples": reference_samples},
         {"results": _metrics(served["results"]), "samples": served["samples"]},
     )
+
+
+def _assert_remote_results_write_a_sweep(
+    url: str, evaluation_id: str, swept: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
+    """``rayeval results ID --output_path OUT`` prints the sweep's table and writes what
+    ``rayeval run --checkpoints`` writes (each checkpoint's files verbatim, ``sweep.json``),
+    which ``rayeval results OUT`` reads back."""
+    from rayeval.api.cli import main
+
+    capsys.readouterr()
+    out = tmp_path / "remote"
+    assert main(["results", evaluation_id, "--url", url, "--output_path", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| Tasks" in printed and "step-300" in printed and "sweep.json" in printed
+    for step in STEPS:
+        _, results, samples = read_outputs(out / step)
+        assert results == swept[step]["results"] and samples == swept[step]["samples"]
+    assert main(["results", str(out)]) == 0
+    assert "step-100" in capsys.readouterr().out
 
 
 def _checkpoints_at_least(client: Any, count: int) -> Any:

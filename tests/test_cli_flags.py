@@ -160,3 +160,34 @@ def test_submit_flags_become_the_request_body(output_path: str | None) -> None:
     assert config.log_samples and config.limit == 5 and config.tasks == ("demo_mc", "demo_cloze")
     assert config.parallelism.num_replicas == 3 and config.gen_kwargs == {"max_gen_toks": 7}
     assert config.model_args == {"pretrained": "/models/m", "dtype": "float32"}
+
+
+def test_submit_names_a_sweep_or_a_watch() -> None:
+    """`rayeval submit --checkpoints A,GLOB` and `--watch DIR --poll_interval S ...` become the
+    body's ``sweep`` (paths as given: the server expands and checks them); both at once, or a
+    bad watch setting, are refused naming the flags."""
+    from rayeval.actors.errors import ConfigError
+    from rayeval.api.cli import build_parser
+    from rayeval.api.cli.evaluation_flags import config_from_args as _config_from_args
+    from rayeval.api.cli.remote import submission_body
+
+    base = ["submit", "--model_args", "pretrained=/models/m", "--tasks", "demo_mc"]
+
+    def body(*flags: str) -> Any:
+        return submission_body(build_parser().parse_args([*base, *flags]), _config_from_args)
+
+    assert body().sweep is None
+    sweep = body("--checkpoints", "/models/run/step-100, /models/run/step-2*").sweep
+    assert sweep.kind == "sweep"
+    assert sweep.checkpoints == ("/models/run/step-100", "/models/run/step-2*")
+    watch = body("--watch", "/models/run", "--poll_interval", "5", "--max_checkpoints", "3").sweep
+    assert (watch.kind, watch.watch, watch.poll_s, watch.max_checkpoints) == (
+        "watch",
+        "/models/run",
+        5.0,
+        3,
+    )
+    with pytest.raises(ConfigError, match="--checkpoints and --watch"):
+        body("--checkpoints", "/a", "--watch", "/b")
+    with pytest.raises(ConfigError, match="poll_s"):
+        body("--watch", "/b", "--poll_interval", "0")

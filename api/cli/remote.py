@@ -20,6 +20,12 @@ from typing import Any
 
 from rayeval.actors.errors import ConfigError, RayEvalError
 from rayeval.api.cli.evaluation_flags import GROUP_TITLE, add_config_flags, config_from_args
+from rayeval.api.cli.remote_sweeps import (
+    SWEEP_FLAGS,
+    add_remote_sweep_flags,
+    sweep_results,
+    with_sweep,
+)
 from rayeval.api.client import RayEvalClient, ServiceError
 from rayeval.service.events import PhaseCounts
 
@@ -101,6 +107,7 @@ def _add_submit_parser(subparsers: argparse._SubParsersAction) -> None:
     remote.add_argument(
         "--wait", action="store_true", help="follow the evaluation until it ends (progress bars)"
     )
+    add_remote_sweep_flags(submit.add_argument_group("checkpoints (paths on the server)"))
 
 
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -162,15 +169,14 @@ def submission_body(
             f"{', '.join(sorted(refused))}: the server's operator sets these (task directories, "
             "caches and loggers live on the server); drop them, or use `rayeval run`"
         )
-    local = argparse.Namespace(
-        **{k: v for k, v in given.items() if k not in _REMOTE_FLAGS}, address=None
-    )
+    dropped = (*_REMOTE_FLAGS, *SWEEP_FLAGS)
+    local = argparse.Namespace(**{k: v for k, v in given.items() if k not in dropped}, address=None)
     if not given.get("output_path"):
         # lm-eval refuses --log_samples without --output_path; remotely the server keeps the
         # samples, so its check must pass. The path is only checked, never written.
         local.output_path = "server"
     config, _ = read_config(local)
-    return config
+    return with_sweep(config, args)
 
 
 def _submit(client: RayEvalClient, args: argparse.Namespace) -> int:
@@ -265,6 +271,8 @@ def _phases(evaluation: dict[str, Any]) -> dict[str, PhaseCounts]:
 def _results(
     client: RayEvalClient, evaluation_id: str, output_path: str | None, as_json: bool
 ) -> int:
+    if client.get(evaluation_id).get("kind", "evaluation") != "evaluation":
+        return sweep_results(client, evaluation_id, output_path, as_json)
     text = client.results_text(evaluation_id)
     results = json.loads(text)
     if as_json:

@@ -123,7 +123,8 @@ def checkpoint_outputs(record: Any, output_dir: Path) -> CheckpointOutputs:
 
     from rayeval.service.result_files import read_lm_eval_files
 
-    data = json.loads(json.dumps(asdict(record), default=str))
+    # Its results file is served at a link (the run's private directory is gone by then).
+    data = json.loads(json.dumps({**asdict(record), "results_file": None}, default=str))
     directory = output_dir / record.label
     if record.status != "succeeded" or not directory.is_dir():
         return CheckpointOutputs(record=data, results_json=None)
