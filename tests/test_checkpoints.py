@@ -663,7 +663,8 @@ def test_rest_watch_evaluates_new_complete_checkpoints(
 ) -> None:
     """``sweep.watch``: the step present at the start is evaluated, then one saved while the
     watch runs; one whose save has no ``.metadata`` yet is not; it ends after
-    ``max_checkpoints``."""
+    ``max_checkpoints``. A second watch of the same run with the same settings skips both (the
+    server's response cache knows them) and, cancelled, keeps what it recorded."""
     from tests.test_service import finished, submit, wait_for
 
     server, watched = sweep_server
@@ -680,6 +681,16 @@ def test_rest_watch_evaluates_new_complete_checkpoints(
         shutil.copytree(run_dir / "step-200", watched / "step-200")
         evaluation = wait_for(client, watching["id"], finished, timeout_s=600)
         sweep = client.get(f"{served}/sweep").json()
+        spec = {"watch": str(watched), "poll_s": 0.2}
+        again = submit(client, _sweep_body(demo, spec, tasks=["demo_mc"]))
+        wait_for(client, again["id"], _checkpoints_at_least(client, 2), timeout_s=300)
+        cancelled = client.delete(f"/evaluations/{again['id']}").json()
+        kept = client.get(f"/evaluations/{again['id']}/sweep").json()
+    assert cancelled["status"] == "cancelled", cancelled
+    assert [(c["label"], c["status"]) for c in kept["checkpoints"]] == [
+        ("step-100", "skipped"),
+        ("step-200", "skipped"),
+    ]
     assert watching["kind"] == "watch"
     assert evaluation["status"] == "succeeded", evaluation
     assert [(c["label"], c["status"]) for c in sweep["checkpoints"]] == [
