@@ -423,7 +423,7 @@ def test_a_sweep_request_is_expanded_under_the_model_roots(tmp_path: Path) -> No
     from pydantic import ValidationError
 
     from rayeval.service.config import EvaluationConfig
-    from rayeval.service.jobs.validation import ServerPolicy, expand_sweep
+    from rayeval.service.jobs.validation import ServerPolicy, expand_sweep, tracking_problems
 
     root, outside = tmp_path / "models", tmp_path / "elsewhere"
     for step in ("step-20", "step-3", "step-100"):
@@ -453,6 +453,16 @@ def test_a_sweep_request_is_expanded_under_the_model_roots(tmp_path: Path) -> No
     assert len(problems) == 1 and "sweep.checkpoints" in problems[0]
     assert expanded({"watch": str(root / "run")})[1] == []
     assert "sweep.watch" in expanded({"watch": str(outside)})[1][0]
+    tracked = EvaluationConfig.model_validate(
+        {
+            "model_args": {"pretrained": "o/m"},
+            "tasks": ["t"],
+            "tracking": {},
+            "sweep": {"watch": "/r"},
+        }
+    )
+    assert "MLflow" in tracking_problems(tracked, ServerPolicy(trackers=("wandb",)))[0]
+    assert tracking_problems(tracked, ServerPolicy(trackers=("wandb", "mlflow"))) == []
     for bad in ({}, {"checkpoints": ["a"], "watch": "b"}, {"watch": "b", "poll_s": 0.01},
                 {"checkpoints": []}):  # fmt: skip
         with pytest.raises(ValidationError):

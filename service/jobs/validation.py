@@ -225,8 +225,17 @@ def chat_template_problems(config: EvaluationConfig) -> list[str]:
 
 
 def tracking_problems(config: EvaluationConfig, policy: ServerPolicy) -> list[str]:
-    """An evaluation that asks to be tracked needs a server that has a tracker."""
-    if config.tracking is None or policy.trackers:
+    """An evaluation that asks to be tracked needs a server that has a tracker (a sweep: MLflow,
+    one run per checkpoint)."""
+    if config.tracking is None:
+        return []
+    if config.sweep is not None and policy.trackers and "mlflow" not in policy.trackers:
+        return [
+            "tracking: a checkpoint sweep is recorded in MLflow (one run per checkpoint) and "
+            "this server has no MLflow tracker: drop \"tracking\" and read the sweep at "
+            "/evaluations/{id}/sweep, or ask its operator for --mlflow-tracking-uri"
+        ]
+    if policy.trackers:
         return []
     return [
         "tracking: this server records evaluations in no experiment tracker; drop "
