@@ -19,7 +19,11 @@ filters, metrics, its environment report, files). Every checkpoint's metrics mus
 the three (float32; exit status 1 otherwise).
 
 Usage: ``python benchmarks/bench_sweep.py [--checkpoints 3] [--tasks demo] [--limit 8]
-[--hidden 1024 --layers 8] [--shard_size 1] [--json out.json]``
+[--hidden 1024 --layers 8] [--shard_size 1] [--rest] [--json out.json]``
+
+With ``--rest``, a fourth row: the same sweep submitted to ``rayeval serve`` (``"sweep":
+{"checkpoints": [...]}``), timed by when each checkpoint shows in ``GET /evaluations/{id}/sweep``;
+its served results must agree too.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.rest_sweep import rest_sweep
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -59,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "command line cannot change it)",
     )
     parser.add_argument("--skip_lm_eval", action="store_true", help="no lm_eval row")
+    parser.add_argument(
+        "--rest", action="store_true", help="also the sweep through `rayeval serve` (REST)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     return parser.parse_args(argv)
 
@@ -205,12 +216,31 @@ def main(argv: list[str] | None = None) -> int:
                 )  # fmt: skip
                 ok &= same(metrics(root / "lm_eval" / path.name), metrics(out))
             rows.append(row)
+        if args.rest:
+            rest = rest_sweep(root, model_dir, include, args, _rest_body(model_dir, args))
+            for row, served in zip(rows, rest["rows"], strict=True):
+                row["rest"] = served
+                ok &= same(metrics(root / "sweep" / row["checkpoint"]),
+                           rest["results"][served["label"]]["results"])  # fmt: skip
     print_table(rows, sweep_s, size_mb, args)
     if args.json is not None:
         args.json.write_text(json.dumps({"sweep_s": sweep_s, "rows": rows}, indent=2))
     if not ok:
         print("RESULTS DIFFER between the rows", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _rest_body(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The REST body of the same evaluation as the command-line rows."""
+    return {
+        "model_args": {"pretrained": str(model_dir), "dtype": "float32"},
+        "tasks": args.tasks.split(","),
+        "limit": args.limit,
+        "num_fewshot": args.num_fewshot,
+        "seed": 7,
+        "bootstrap_iters": args.bootstrap_iters,
+        "parallelism": {"num_replicas": 1, "shard_size": args.shard_size},
+    }
 
 
 def print_table(
@@ -237,6 +267,14 @@ def print_table(
         print(
             f"sweep process: {sweep_s:.2f}s in all ({sweep_s / n:.2f}s per checkpoint); after "
             f"the first, {mean:.2f}s per checkpoint, of which {read:.2f}s reading weights"
+        )
+    if rows and "rest" in rows[0]:
+        gaps = ", ".join(f"{r['rest']['gap_s']:.2f}s" for r in rows)
+        further = [r["rest"]["seconds"]["total"] for r in rows[1:]]
+        print(
+            f"REST sweep (rayeval serve): each checkpoint listed by GET /sweep after {gaps} "
+            f"(from the submission, then from the one before); the runner's own figures after "
+            f"the first: {', '.join(f'{t:.2f}s' for t in further)}"
         )
     total_run = sum(r["rayeval_run_s"] for r in rows)
     print(f"{n} rayeval runs: {total_run:.2f}s in all ({total_run / n:.2f}s per checkpoint)")
