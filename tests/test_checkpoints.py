@@ -758,3 +758,24 @@ def _checkpoints_at_least(client: Any, count: int) -> Any:
         return len(sweep["checkpoints"]) >= count
 
     return done
+
+
+@pytest.mark.unit
+def test_a_runner_forgets_the_files_it_delivered() -> None:
+    """Checkpoint events up to the service's cursor keep their record and lose their files."""
+    import time
+
+    from rayeval.service.events import CheckpointOutputs, RunnerCheckpoint, RunnerWaiting
+    from rayeval.service.jobs.runner_actor import _drop_delivered_files
+
+    def checkpoint(seq: int) -> RunnerCheckpoint:
+        outputs = CheckpointOutputs(record={"label": f"s{seq}", "status": "succeeded"},
+                                    results_json="{}", samples={"t": "x"})  # fmt: skip
+        return RunnerCheckpoint(seq=seq, time=time.time(), outputs=outputs)
+
+    events: list[Any] = [checkpoint(1), RunnerWaiting(seq=2, time=0.0), checkpoint(3)]
+    assert _drop_delivered_files(events, 0, 2) == 2
+    assert events[0].outputs.results_json is None and events[0].outputs.samples == {}
+    assert events[0].outputs.record["label"] == "s1"
+    assert events[2].outputs.results_json == "{}"  # not delivered yet
+    assert _drop_delivered_files(events, 2, 9) == 3 and events[2].outputs.samples == {}

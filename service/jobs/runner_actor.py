@@ -32,6 +32,7 @@ from rayeval.actors.process import runner_environment
 from rayeval.service.config import EvaluationConfig, HostOptions
 from rayeval.service.engine.warm import KeptReplicas
 from rayeval.service.events import (
+    CheckpointOutputs,
     Progress,
     ReplicaReuse,
     RunnerCheckpoint,
@@ -86,6 +87,7 @@ class EvaluationRunner:
         self._replicas = KeptReplicas(keep=keep_replicas)
         self._lock = threading.Lock()
         self._events: dict[str, list[RunnerEvent]] = {}
+        self._delivered: dict[str, int] = {}  # per evaluation: events whose files are dropped
         self._current = evaluation_id
         self._thread: threading.Thread | None = None
         self._start(evaluation_id, EvaluationConfig.from_json(config))
@@ -99,7 +101,10 @@ class EvaluationRunner:
         :class:`RunnerFailed`.
         """
         with self._lock:
-            return self._events.get(evaluation_id or self._current, [])[seq:]
+            key = evaluation_id or self._current
+            events = self._events.get(key, [])
+            self._delivered[key] = _drop_delivered_files(events, self._delivered.get(key, 0), seq)
+            return events[seq:]
 
     def start_next(self, evaluation_id: str, config: dict[str, Any]) -> bool:
         """Run another evaluation on the kept ranks.
@@ -144,6 +149,7 @@ class EvaluationRunner:
             # The previous evaluation's final event was read before the service chose this
             # runner: its events are not needed any more.
             self._events = {evaluation_id: []}
+            self._delivered = {}
             self._current = evaluation_id
             self._thread = threading.Thread(
                 target=self._run,
@@ -220,6 +226,19 @@ class EvaluationRunner:
         return RunOutputs(
             results_json=results_json, samples=samples, stats=output.stats, replicas=replicas
         )
+
+
+def _drop_delivered_files(events: list[RunnerEvent], done: int, seq: int) -> int:
+    """Forget the lm-eval files of checkpoint events numbered ``done + 1`` to ``seq``: the
+    service stored them with its cursor ``seq`` (a watch that runs for days holds no copy of what
+    it delivered). Returns the new ``done``."""
+    upto = min(seq, len(events))
+    for index in range(done, upto):
+        event = events[index]
+        if isinstance(event, RunnerCheckpoint):
+            outputs = CheckpointOutputs(record=event.outputs.record, results_json=None)
+            events[index] = event.model_copy(update={"outputs": outputs})
+    return max(done, upto)
 
 
 def launch_runner(

@@ -232,7 +232,7 @@ def tracking_problems(config: EvaluationConfig, policy: ServerPolicy) -> list[st
     if config.sweep is not None and policy.trackers and "mlflow" not in policy.trackers:
         return [
             "tracking: a checkpoint sweep is recorded in MLflow (one run per checkpoint) and "
-            "this server has no MLflow tracker: drop \"tracking\" and read the sweep at "
+            'this server has no MLflow tracker: drop "tracking" and read the sweep at '
             "/evaluations/{id}/sweep, or ask its operator for --mlflow-tracking-uri"
         ]
     if policy.trackers:
