@@ -112,7 +112,7 @@ async function refreshList() {
 function checkCell(row, evaluation) {
   const td = row.insertCell();
   td.className = "check";
-  if (evaluation.status !== "succeeded") {
+  if (evaluation.status !== "succeeded" || isSweep(evaluation)) {  // a sweep has no one result
     state.compare.delete(evaluation.id);
     return;
   }
