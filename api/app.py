@@ -25,7 +25,16 @@ from sqlalchemy.exc import SQLAlchemyError
 from rayeval.actors.errors import ConfigError, LayoutError, RayEvalError
 from rayeval.api.auth import Authenticator
 from rayeval.api.deps import Services
-from rayeval.api.routes import compare, dashboard, evaluations, health, insights, metrics, team
+from rayeval.api.routes import (
+    compare,
+    dashboard,
+    evaluations,
+    health,
+    insights,
+    metrics,
+    sweeps,
+    team,
+)
 from rayeval.api.settings import Settings
 from rayeval.api.views import EvaluationViews, EventFeed
 from rayeval.service.errors import (
@@ -74,6 +83,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(insights.router)
     app.include_router(metrics.router)
     app.include_router(compare.router)
+    app.include_router(sweeps.router)
     app.include_router(dashboard.router)
     app.include_router(team.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")

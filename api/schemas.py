@@ -62,12 +62,19 @@ class Links(BaseModel):
     events: str
     results: str
     samples: dict[str, str] = Field(description="Per task, its samples (with log_samples).")
+    sweep: str | None = Field(
+        None, description="A checkpoint sweep's or watch's summary, per checkpoint (else null)."
+    )
 
 
 class EvaluationPublic(BaseModel):
     """One evaluation: its state, progress, timestamps, error and request."""
 
     id: str
+    kind: Literal["evaluation", "sweep", "watch"] = Field(
+        "evaluation",
+        description="One evaluation, a sweep over a list of checkpoints, or a watched directory.",
+    )
     owner: str = Field(description="The user who submitted it.")
     status: EvaluationStatus
     queue_position: int | None = Field(

@@ -32,7 +32,7 @@ from rayeval.actors.errors import ConfigError
 from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy, Timeouts
 from rayeval.actors.sharding import ShardStrategy
 from rayeval.service.config_groups import Frozen as _Frozen
-from rayeval.service.config_groups import Scheduling, TimeoutSettings
+from rayeval.service.config_groups import Scheduling, SweepSpec, TimeoutSettings
 from rayeval.service.lm_eval_options import (
     HF_MODEL_NAMES,
     HOST_ONLY_OPTIONS,
@@ -309,6 +309,7 @@ class EvaluationConfig(EngineConfig):
     )
     metadata: dict[str, Any] = Field(default_factory=dict)
     tracking: Tracking | None = Field(default=None, description=TRACKING_HELP)
+    sweep: SweepSpec | None = Field(default=None, description=SweepSpec.__doc__)
 
     # ------------------------------------------------------------------ validation
     @model_validator(mode="before")

@@ -40,6 +40,11 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("tracking",): "--tracking",
 }
 
+#: Config fields that ``rayeval run`` does not set with a flag of their own name, and their doors:
+#: a checkpoint sweep is ``--checkpoints`` (``run``, ``submit``) or a watch (``rayeval watch``,
+#: ``submit --watch``).
+OTHER_DOORS: dict[tuple[str, ...], tuple[str, ...]] = {("sweep",): ("--checkpoints",)}
+
 
 def field_path(loc: Sequence[Any]) -> tuple[str, ...]:
     """A pydantic error location as a config field path (list indices and dict keys dropped)."""

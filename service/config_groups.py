@@ -9,8 +9,9 @@ service's queue, and every wait of its run.
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from rayeval.actors.layout import Timeouts
 
@@ -91,3 +92,57 @@ class TimeoutSettings(Frozen):
 
 #: The fields of :class:`TimeoutSettings` that are the rank side's :class:`Timeouts`.
 _RANK_TIMEOUTS = {f.name for f in fields(Timeouts)}
+
+
+#: Bounds of the seconds between two looks at a watched directory.
+MIN_POLL_S, MAX_POLL_S = 0.1, 3600.0
+
+
+class SweepSpec(Frozen):
+    """The training checkpoints an evaluation runs over, on ranks started once: a fixed list (a
+    sweep) or a watched directory (a watch). ``model_args.pretrained`` names the config and
+    tokenizer; each checkpoint's results are kept apart (``GET /evaluations/{id}/sweep``)."""
+
+    checkpoints: tuple[str, ...] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=10_000,
+        description="Checkpoint directories (DCP or Hugging Face weights) or globs such as "
+        "/models/run/step-*, evaluated in this order (a glob's matches by step). The server "
+        "expands the globs when it accepts the evaluation.",
+    )
+    watch: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A training run's checkpoint directory: each complete checkpoint that is or "
+        "appears under it is evaluated once, until the evaluation is cancelled, max_checkpoints "
+        "are evaluated, or timeout_s pass without a new one.",
+    )
+    poll_s: float = Field(
+        default=30.0,
+        ge=MIN_POLL_S,
+        le=MAX_POLL_S,
+        description="A watch: seconds between two looks at the directory.",
+    )
+    max_checkpoints: StrictInt | None = Field(
+        default=None, ge=1, description="A watch: end after evaluating this many checkpoints."
+    )
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="A watch: end after this many seconds without a new checkpoint.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SweepSpec:
+        if (self.checkpoints is None) == (self.watch is None):
+            raise ValueError(
+                'name the checkpoints ("checkpoints": [...]) or the directory to watch '
+                '("watch": "..."), not both and not neither'
+            )
+        return self
+
+    @property
+    def kind(self) -> Literal["sweep", "watch"]:
+        """``sweep`` (a list of checkpoints) or ``watch`` (a directory)."""
+        return "watch" if self.watch is not None else "sweep"

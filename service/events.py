@@ -8,6 +8,8 @@ engine -> runner        :class:`Progress` (one request type, after every finishe
                         :class:`RequestWarning` (a task's requests that do not measure it) and
                         :class:`TrackerWarning` (an experiment tracker did not record the run)
 runner -> manager       :data:`RunnerEvent`: :class:`RunnerProgress`, :class:`RunnerWarning`,
+                        :class:`RunnerCheckpoint` (a sweep's, with :class:`CheckpointOutputs`),
+                        :class:`RunnerWaiting` (a watch between checkpoints),
                         :class:`RunnerSucceeded` (with :class:`RunOutputs`), :class:`RunnerFailed`;
                         numbered from 1, read with ``EvaluationRunner.events_since``
 manager -> store        :class:`EvaluationProgress`: per request type its latest
@@ -15,7 +17,7 @@ manager -> store        :class:`EvaluationProgress`: per request type its latest
 store -> clients (SSE)  :data:`StreamEvent`: :class:`StateEvent`, :class:`ProgressEvent` (a
                         ``PhaseReport`` plus overall totals), :class:`WarningEvent`,
                         :class:`TrackerWarningEvent`, :class:`TaskResultEvent`,
-                        :class:`ResultEvent`
+                        :class:`ResultEvent`, :class:`PreemptedEvent`, :class:`CheckpointEvent`
 API answers             :class:`PhaseCounts`, what ``GET /evaluations/{id}`` shows of a request type
 ======================  ===========================================================================
 
@@ -181,6 +183,38 @@ class RunnerWarning(_RunnerEvent):
     warning: RequestWarning | TrackerWarning
 
 
+class CheckpointOutputs(_Typed):
+    """One checkpoint of a sweep or watch, as it ended: its record and lm-eval's files."""
+
+    record: dict[str, Any] = Field(
+        description="Its sweep record (rayeval.service.engine.sweep_summary.CheckpointRecord)."
+    )
+    results_json: str | None = Field(
+        None, description="lm-eval's results file, verbatim (None unless it succeeded)."
+    )
+    samples: dict[str, str] = Field(
+        default_factory=dict, description="Per task, lm-eval's samples JSONL, verbatim."
+    )
+
+    @property
+    def label(self) -> str:
+        """Its unique name within the sweep."""
+        return str(self.record["label"])
+
+
+class RunnerCheckpoint(_RunnerEvent):
+    """A checkpoint of a sweep or watch ended (evaluated, skipped, refused or failed)."""
+
+    type: Literal[RunnerEventKind.CHECKPOINT] = RunnerEventKind.CHECKPOINT
+    outputs: CheckpointOutputs
+
+
+class RunnerWaiting(_RunnerEvent):
+    """A watch is alive and waiting for its next checkpoint (sent while nothing else is)."""
+
+    type: Literal[RunnerEventKind.WAITING] = RunnerEventKind.WAITING
+
+
 class RunnerSucceeded(_RunnerEvent):
     """The run ended with results (the last event of a successful run)."""
 
@@ -198,7 +232,13 @@ class RunnerFailed(_RunnerEvent):
 
 #: One event a runner keeps and ``events_since`` returns.
 RunnerEvent = Annotated[
-    RunnerProgress | RunnerWarning | RunnerSucceeded | RunnerFailed, Field(discriminator="type")
+    RunnerProgress
+    | RunnerWarning
+    | RunnerCheckpoint
+    | RunnerWaiting
+    | RunnerSucceeded
+    | RunnerFailed,
+    Field(discriminator="type"),
 ]
 #: Reads and writes lists of runner events as JSON.
 RUNNER_EVENTS: TypeAdapter[list[RunnerEvent]] = TypeAdapter(list[RunnerEvent])
@@ -328,6 +368,28 @@ class PreemptedEvent(_StreamEvent):
     done: int = Field(description="Requests it had answered when it was stopped.")
 
 
+class CheckpointEvent(_StreamEvent):
+    """A sweep's or watch's checkpoint ended; its results are at ``GET
+    /evaluations/{id}/checkpoints/{label}/results`` when it succeeded."""
+
+    KIND: ClassVar[EventKind] = EventKind.CHECKPOINT
+    label: str
+    step: int | None
+    status: str = Field(description="succeeded, skipped, refused or failed.")
+    error: str | None = None
+
+    @classmethod
+    def of_outputs(cls, outputs: CheckpointOutputs) -> CheckpointEvent:
+        """The stream's event for a checkpoint the runner reported."""
+        record = outputs.record
+        return cls(
+            label=outputs.label,
+            step=record.get("step"),
+            status=str(record["status"]),
+            error=record.get("error"),
+        )
+
+
 #: One event of an evaluation's stream.
 StreamEvent = (
     StateEvent
@@ -337,6 +399,7 @@ StreamEvent = (
     | TaskResultEvent
     | ResultEvent
     | PreemptedEvent
+    | CheckpointEvent
 )
 _STREAM_EVENTS: dict[EventKind, type[StreamEvent]] = {
     kind.KIND: kind
@@ -347,6 +410,7 @@ _STREAM_EVENTS: dict[EventKind, type[StreamEvent]] = {
         TaskResultEvent,
         ResultEvent,
         PreemptedEvent,
+        CheckpointEvent,
     )
 }
 

@@ -84,3 +84,25 @@ def read_run(path: str | Path, label: str | None = None) -> EvaluationSamples:
 def parse_samples(jsonl: str) -> list[dict[str, Any]]:
     """lm-eval's samples JSONL: one dict per document (and filter)."""
     return [json.loads(line) for line in jsonl.splitlines() if line.strip()]
+
+
+def read_lm_eval_files(output_dir: Path) -> tuple[str, dict[str, str]]:
+    """The text of the one results file lm-eval wrote under ``output_dir`` (one run's), and of
+    each task's samples file beside it (tasks without one are left out).
+
+    Raises:
+        RuntimeError: not exactly one results file there.
+    """
+    results_files = sorted(output_dir.rglob("results_*.json"))
+    if len(results_files) != 1:
+        raise RuntimeError(f"expected one lm-eval results file, found {results_files}")
+    results_file = results_files[0]
+    results_json = results_file.read_text(encoding="utf-8")
+    date_id = results_file.stem.removeprefix("results_")
+    samples = {}
+    for task in json.loads(results_json).get("configs", {}):
+        # The exact name, not a glob: one task name may be a prefix of another.
+        path = results_file.parent / f"samples_{task}_{date_id}.jsonl"
+        if path.is_file():
+            samples[task] = path.read_text(encoding="utf-8")
+    return results_json, samples

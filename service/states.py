@@ -70,13 +70,16 @@ class EventKind(StrEnum):
     TASK_RESULT = "task_result"  # one task's (or group's) metrics, when the evaluation ends
     RESULT = "result"  # lm-eval's results JSON (read from the stored results, kept once)
     PREEMPTED = "preempted"  # stopped for a more urgent evaluation; back in the queue
+    CHECKPOINT = "checkpoint"  # a sweep's or watch's checkpoint ended (its outcome, its metrics)
 
 
 class RunnerEventKind(StrEnum):
-    """What a runner actor reports to the service: progress, warnings, and the two ways a run
-    ends."""
+    """What a runner actor reports to the service: progress, warnings, a sweep's checkpoints,
+    a watch's waiting, and the two ways a run ends."""
 
     PROGRESS = "progress"
     WARNING = "warning"
+    CHECKPOINT = "checkpoint"
+    WAITING = "waiting"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

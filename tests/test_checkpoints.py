@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -414,6 +415,87 @@ def test_the_model_roots_cover_checkpoints(tmp_path: Path) -> None:
     assert any("none configured" in p for p in policy_problems(config, empty))
 
 
+@pytest.mark.unit
+def test_a_sweep_request_is_expanded_under_the_model_roots(tmp_path: Path) -> None:
+    """``sweep.checkpoints``: globs become the directories under the roots they match, by step;
+    a glob matching only outside the roots answers as one matching nothing; one list or one
+    watched directory, never both; poll bounds."""
+    from pydantic import ValidationError
+
+    from rayeval.service.config import EvaluationConfig
+    from rayeval.service.jobs.validation import ServerPolicy, expand_sweep
+
+    root, outside = tmp_path / "models", tmp_path / "elsewhere"
+    for step in ("step-20", "step-3", "step-100"):
+        (root / "run" / step).mkdir(parents=True)
+        (outside / step).mkdir(parents=True)
+    policy = ServerPolicy(model_roots=(str(root),))
+
+    def expanded(sweep: dict[str, Any]) -> tuple[Any, list[str]]:
+        args = {"pretrained": "org/model"}
+        data = {"model_args": args, "tasks": ["demo_mc"], "sweep": sweep}
+        config, problems = expand_sweep(EvaluationConfig.model_validate(data), policy)
+        return config.sweep, problems
+
+    spec, problems = expanded({"checkpoints": [str(root / "run" / "step-*")]})
+    assert problems == []
+    assert spec.checkpoints == tuple(str((root / "run" / s).resolve())
+                                     for s in ("step-3", "step-20", "step-100"))  # fmt: skip
+    named = [str(root / "run" / "step-100"), str(root / "run" / "step-3")]
+    assert expanded({"checkpoints": named})[0].checkpoints == tuple(named)  # as given
+    _, outside_glob = expanded({"checkpoints": [str(outside / "step-*")]})
+    _, nothing = expanded({"checkpoints": [str(root / "none-*")]})
+    assert len(outside_glob) == 1 and "--model-root" in outside_glob[0]
+    assert outside_glob[0].replace(str(outside / "step-*"), "X") == nothing[0].replace(
+        str(root / "none-*"), "X"
+    )
+    _, problems = expanded({"checkpoints": [str(root / "run" / "step-*"), str(outside / "step-3")]})
+    assert len(problems) == 1 and "sweep.checkpoints" in problems[0]
+    assert expanded({"watch": str(root / "run")})[1] == []
+    assert "sweep.watch" in expanded({"watch": str(outside)})[1][0]
+    for bad in ({}, {"checkpoints": ["a"], "watch": "b"}, {"watch": "b", "poll_s": 0.01},
+                {"checkpoints": []}):  # fmt: skip
+        with pytest.raises(ValidationError):
+            EvaluationConfig.model_validate(
+                {"model_args": {"pretrained": "o/m"}, "tasks": ["demo_mc"], "sweep": bad}
+            )
+
+
+@pytest.mark.unit
+def test_checkpoint_events_become_stored_checkpoints_and_stream_events() -> None:
+    """A runner's checkpoint events are kept in order with the stream's ``checkpoint`` events;
+    a watch's waiting events only move the cursor."""
+    import time
+
+    from rayeval.service.events import (
+        CheckpointEvent,
+        CheckpointOutputs,
+        EvaluationProgress,
+        RunnerCheckpoint,
+        RunnerWaiting,
+    )
+    from rayeval.service.jobs.following import digest
+
+    def checkpoint(seq: int, label: str, status: str) -> RunnerCheckpoint:
+        record = {"label": label, "step": seq, "status": status, "checkpoint": f"/r/{label}"}
+        outputs = CheckpointOutputs(
+            record=record, results_json="{}" if status == "succeeded" else None
+        )
+        return RunnerCheckpoint(seq=seq, time=time.time(), outputs=outputs)
+
+    events = [checkpoint(1, "step-1", "succeeded"), RunnerWaiting(seq=2, time=time.time()),
+              checkpoint(3, "step-2", "refused")]  # fmt: skip
+    digested = digest(EvaluationProgress(), events)
+    assert digested.cursor == 3 and digested.ended is None and not digested.moved
+    assert [c.label for c in digested.checkpoints] == ["step-1", "step-2"]
+    assert [(e.label, e.status) for e in digested.events if isinstance(e, CheckpointEvent)] == [
+        ("step-1", "succeeded"),
+        ("step-2", "refused"),
+    ]
+    waiting_only = digest(EvaluationProgress(), [RunnerWaiting(seq=4, time=time.time())])
+    assert waiting_only.cursor == 4 and waiting_only.events == [] and waiting_only.ended is None
+
+
 @pytest.mark.e2e
 def test_rest_evaluates_a_checkpoint_under_the_model_roots(
     demo: Any, run_dir: Path, tmp_path: Path
@@ -463,13 +545,174 @@ def test_rest_evaluates_a_checkpoint_under_the_model_roots(
     assert results["config"]["model_args"]["checkpoint"] == str(step.resolve())
     assert results["n-shot"] == reference["n-shot"]
 
-    def metrics(outputs: dict[str, Any]) -> dict[str, Any]:  # lm-eval's CLI always bootstraps
-        return {
-            task: {k: v for k, v in values.items() if "stderr" not in k}
-            for task, values in outputs["results"].items()
-        }
-
     assert_same_results(
-        {"results": metrics(reference), "samples": reference_samples},
-        {"results": metrics(results), "samples": samples},
+        {"results": _metrics(reference), "samples": reference_samples},
+        {"results": _metrics(results), "samples": samples},
     )
+
+
+def _metrics(outputs: dict[str, Any]) -> dict[str, Any]:
+    """A results file's metrics without stderrs (lm-eval's CLI always bootstraps)."""
+    return {
+        task: {k: v for k, v in values.items() if "stderr" not in k}
+        for task, values in outputs["results"].items()
+    }
+
+
+@pytest.fixture(scope="module")
+def sweep_server(
+    demo: Any, run_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, Path]]:
+    """A server whose model roots hold the demo model, the run and a directory to watch."""
+    from tests.test_service import ServerThread, make_settings
+
+    watched = tmp_path_factory.mktemp("watched")
+    settings = make_settings(tmp_path_factory.mktemp("data"), demo.tasks_dir)
+    roots = [str(demo.model_dir.parent), str(run_dir), str(watched)]
+    server = ServerThread(settings.model_copy(update={"model_roots": roots}))
+    server.start()
+    try:
+        yield server, watched
+    finally:
+        server.stop()
+
+
+def _sweep_body(demo: Any, sweep: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    from tests.test_service import body
+
+    args = {"pretrained": str(demo.model_dir), "dtype": "float32"}
+    one_rank = {"parallelism": {"num_replicas": 1, "shard_size": 1}}
+    return body(demo, **{"model_args": args, "tasks": TASKS, **RUN, **one_rank, "sweep": sweep,
+                         **overrides})  # fmt: skip
+
+
+@pytest.mark.e2e
+def test_rest_sweep_matches_lm_eval_hf_per_checkpoint(
+    demo: Any, run_dir: Path, references: dict[str, Any], sweep_server: tuple[Any, Path],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """``POST /evaluations`` with ``sweep.checkpoints`` (a glob the server expands under its
+    model roots): each checkpoint's results and samples served under ``/checkpoints/{label}/``
+    equal lm-eval hf's on its merged weights; ``/sweep`` lists them by step (JSON and table);
+    the event stream has one ``checkpoint`` event each. A glob outside the roots, or a sweep
+    with ``model_args.checkpoint``, is a 422 before anything is queued."""
+    from rayeval.service.result_files import parse_samples
+    from tests.test_service import finished, read_events, submit, wait_for
+
+    server, _ = sweep_server
+    step_100 = str(run_dir / "step-100")
+    with server.client() as client:
+        for refused, field in [
+            (_sweep_body(demo, {"checkpoints": [str(tmp_path / "step-*")]}), "sweep.checkpoints"),
+            (_sweep_body(demo, {"checkpoints": [step_100]}, model_args={
+                "pretrained": str(demo.model_dir), "checkpoint": step_100}),
+             "model_args.checkpoint"),
+            (_sweep_body(demo, {"checkpoints": [step_100], "watch": str(run_dir)}), "sweep"),
+        ]:  # fmt: skip
+            answer = client.post("/evaluations", json=refused)
+            assert answer.status_code == 422 and field in answer.text, answer.text
+        accepted = submit(client, _sweep_body(demo, {"checkpoints": [str(run_dir / "step-*")]}))
+        served = f"/evaluations/{accepted['id']}"
+        evaluation = wait_for(client, accepted["id"], finished, timeout_s=600)
+        sweep = client.get(f"{served}/sweep").json()
+        text = client.get(f"{served}/sweep", params={"format": "text"}).text
+        swept = {
+            record["label"]: {
+                "results": client.get(record["links"]["results"]).json(),
+                "samples": {task: parse_samples(client.get(url).text)
+                            for task, url in record["links"]["samples"].items()},
+            }
+            for record in sweep["checkpoints"]
+        }  # fmt: skip
+        summary = client.get(f"{served}/results").json()
+        compared = client.get("/compare", params={"a": accepted["id"], "b": accepted["id"]})
+        missing = client.get(f"{served}/checkpoints/step-999/results")
+    events = read_events(server.url, f"{served}/events")
+    assert accepted["kind"] == "sweep"
+    resolved = [str((run_dir / step).resolve()) for step in STEPS]
+    assert accepted["request"]["sweep"]["checkpoints"] == resolved
+    assert evaluation["status"] == "succeeded", evaluation
+    assert evaluation["links"]["sweep"] == f"{served}/sweep"
+    assert [(c["label"], c["step"], c["status"]) for c in sweep["checkpoints"]] == [
+        (step, int(step.split("-")[1]), "succeeded") for step in STEPS
+    ]
+    assert len({c["fingerprint"] for c in sweep["checkpoints"]}) == 3
+    for position, step in enumerate(STEPS):
+        ours = swept[step]
+        assert ours["results"]["config"]["model_args"]["checkpoint"] == resolved[position]
+        for task, metrics in references[step]["results"].items():
+            for key, value in metrics.items():
+                if "," in key and "stderr" not in key:
+                    assert ours["results"]["results"][task][key] == pytest.approx(value, abs=1e-4)
+        listed = sweep["checkpoints"][position]["results"]["demo_mc"]["acc,none"]
+        assert listed == ours["results"]["results"]["demo_mc"]["acc,none"]
+    # Per sample, as lm-eval's CLI writes its files: one step, on its merged weights.
+    _assert_equals_lm_eval_cli(demo, run_dir / "step-200", swept["step-200"], tmp_path)
+    assert "| Tasks" in text and "step-300" in text and "exact_match" in text
+    checkpoint_events = [e["data"] for e in events if e["event"] == "checkpoint"]
+    assert [e["label"] for e in checkpoint_events] == list(STEPS)
+    assert summary["kind"] == "rayeval-sweep" and len(summary["checkpoints"]) == 3
+    assert compared.status_code == 422 and "checkpoint sweep" in compared.text
+    assert missing.status_code == 404 and "/sweep" in missing.text
+
+
+@pytest.mark.e2e
+def test_rest_watch_evaluates_new_complete_checkpoints(
+    demo: Any, run_dir: Path, sweep_server: tuple[Any, Path]
+) -> None:
+    """``sweep.watch``: the step present at the start is evaluated, then one saved while the
+    watch runs; one whose save has no ``.metadata`` yet is not; it ends after
+    ``max_checkpoints``."""
+    from tests.test_service import finished, submit, wait_for
+
+    server, watched = sweep_server
+    shutil.copytree(run_dir / "step-100", watched / "step-100")
+    spec = {"watch": str(watched), "poll_s": 0.2, "max_checkpoints": 2}
+    with server.client() as client:
+        watching = submit(client, _sweep_body(demo, spec, tasks=["demo_mc"]))
+        served = f"/evaluations/{watching['id']}"
+        wait_for(client, watching["id"], _checkpoints_at_least(client, 1), timeout_s=600)
+        partial = watched / "step-150"
+        partial.mkdir()
+        for shard in (run_dir / "step-200").glob("*.distcp"):
+            shutil.copy(shard, partial / shard.name)  # no .metadata: still being written
+        shutil.copytree(run_dir / "step-200", watched / "step-200")
+        evaluation = wait_for(client, watching["id"], finished, timeout_s=600)
+        sweep = client.get(f"{served}/sweep").json()
+    assert watching["kind"] == "watch"
+    assert evaluation["status"] == "succeeded", evaluation
+    assert [(c["label"], c["status"]) for c in sweep["checkpoints"]] == [
+        ("step-100", "succeeded"),
+        ("step-200", "succeeded"),
+    ]
+
+
+def _assert_equals_lm_eval_cli(
+    demo: Any, checkpoint: Path, served: dict[str, Any], tmp_path: Path
+) -> None:
+    """``served`` (a results file and samples) equals ``lm_eval run --model hf`` on the
+    checkpoint's merged weights, per sample."""
+    from tests.helpers import run_lm_eval_cli
+
+    merged = merge(checkpoint, demo.model_dir, tmp_path / "merged")
+    run_lm_eval_cli(["run", "--model", "hf", "--model_args", f"pretrained={merged},dtype=float32",
+                     "--include_path", str(demo.tasks_dir), "--tasks", ",".join(TASKS),
+                     "--limit", "4", "--num_fewshot", "1", "--device", "cpu", "--batch_size", "4",
+                     "--log_samples", "--output_path", str(tmp_path / "ref")])  # fmt: skip
+    _, reference, reference_samples = read_outputs(tmp_path / "ref")
+    assert_same_results(
+        {"results": _metrics(reference), "samples": reference_samples},
+        {"results": _metrics(served["results"]), "samples": served["samples"]},
+    )
+
+
+def _checkpoints_at_least(client: Any, count: int) -> Any:
+    """A ``wait_for`` condition: the sweep has ``count`` checkpoints (or the evaluation ended)."""
+
+    def done(evaluation: dict[str, Any]) -> bool:
+        if evaluation["status"] in ("succeeded", "failed", "cancelled"):
+            return True
+        sweep = client.get(f"/evaluations/{evaluation['id']}/sweep").json()
+        return len(sweep["checkpoints"]) >= count
+
+    return done

@@ -210,3 +210,35 @@ def test_the_audit_trail_reads_newest_first(database_url: str) -> None:
     mine, count = store.audit.page(actor="alice", action=Action.SUBMIT)
     assert count == 1 and mine[0].target == "e1"
     store.close()
+
+
+@both
+def test_a_sweep_s_checkpoints_keep_their_order_and_results(database_url: str) -> None:
+    """Checkpoints are stored with the progress that carries them, listed in the order they
+    first ended; a later report replaces an earlier one, but a ``skipped`` one never replaces
+    stored results."""
+    from rayeval.service.events import CheckpointOutputs, EvaluationProgress
+
+    store = _store(database_url)
+    record = store.create({"model_args": {}}, {"CPU": 1.0})
+    store.transition(record.id, S.STARTING)
+
+    def report(label: str, status: str, results: str | None = None, **samples: str) -> Any:
+        data = {"label": label, "step": int(label[5:]), "status": status}
+        return CheckpointOutputs(record=data, results_json=results, samples=samples)
+
+    progress = EvaluationProgress()
+    store.record_progress(record.id, progress, 1, (), [report("step-2", "succeeded", "{2}", t="x")])
+    store.record_progress(record.id, progress, 2, (), [report("step-1", "failed")])
+    again = [report("step-2", "skipped"), report("step-1", "succeeded", "{1}")]
+    store.record_progress(record.id, progress, 3, (), again)
+    stored = store.sweeps.checkpoints(record.id)
+    assert [(c.record["label"], c.record["status"], c.has_results) for c in stored] == [
+        ("step-2", "succeeded", True),
+        ("step-1", "succeeded", True),
+    ]
+    assert stored[0].sample_tasks == ["t"]
+    assert store.sweeps.results_json(record.id, "step-2") == "{2}"
+    assert store.sweeps.samples_jsonl(record.id, "step-2", "t") == "x"
+    assert store.sweeps.results_json(record.id, "step-9") is None
+    assert store.sweeps.checkpoints("unknown") == []

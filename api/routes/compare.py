@@ -109,9 +109,15 @@ def evaluation_samples(
     Raises:
         EvaluationNotFoundError: unknown id, or one ``caller`` may not see.
         EvaluationStateError: the evaluation has not succeeded.
-        IncomparableError: it has no samples (submitted without ``log_samples``).
+        IncomparableError: it has no samples (submitted without ``log_samples``), or it is a
+            checkpoint sweep.
     """
     record = check_access(store.get(evaluation_id), caller)
+    if record.config.get("sweep"):
+        raise IncomparableError(
+            f"evaluation {evaluation_id} is a checkpoint sweep: compare single evaluations; its "
+            f"checkpoints' results are at /evaluations/{evaluation_id}/sweep"
+        )
     stored = store.results_json(evaluation_id)
     if record.status is not EvaluationStatus.SUCCEEDED or stored is None:
         raise EvaluationStateError(

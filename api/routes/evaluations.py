@@ -326,9 +326,10 @@ def _public(
     stats = None
     if with_stats and record.status is EvaluationStatus.SUCCEEDED:
         stats = store.stats(record.id)
-    base = _url(record.id)
+    base, request = _url(record.id), EvaluationConfig.from_json(record.config)
     return EvaluationPublic(
         id=record.id,
+        kind=request.sweep.kind if request.sweep is not None else "evaluation",
         owner=record.owner,
         status=record.status,
         queue_position=manager.queue_position(record),
@@ -339,13 +340,14 @@ def _public(
         progress=ProgressPublic.of(record.progress),
         throughput=_throughput(record),
         stats=stats,
-        request=EvaluationConfig.from_json(record.config),
+        request=request,
         links=Links.model_validate(
             {
                 "self": base,
                 "events": f"{base}/events",
                 "results": f"{base}/results",
                 "samples": {task: f"{base}/samples/{task}" for task in sample_tasks},
+                "sweep": f"{base}/sweep" if request.sweep is not None else None,
             }
         ),
     )

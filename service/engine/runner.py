@@ -99,9 +99,15 @@ def run_evaluation(
         The results, or None where lm-eval returns None.
 
     Raises:
-        ConfigError: bad model, model args or tasks.
+        ConfigError: bad model, model args or tasks; a ``sweep`` (run it with
+            :func:`rayeval.service.engine.sweep.run_sweep` or ``watch``).
         RayEvalError: any other failure, with a message naming the fix.
     """
+    if config.sweep is not None:
+        raise ConfigError(
+            "this evaluation is a checkpoint sweep: run it with rayeval.service.engine.sweep."
+            "run_sweep (or engine.watch.watch), `rayeval run --checkpoints` or the service"
+        )
     cfg = config.evaluator_config(host)
     task_manager = resolve_tasks(cfg)
     # A URL (s3://...) is checked now, staged locally for lm-eval's tracker, copied at the end.

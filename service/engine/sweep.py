@@ -292,8 +292,10 @@ class Sweep:
 
 
 def _settings_digest(config: EvaluationConfig) -> str:
-    """What, beside the weights, decides a sweep's answers: the config without the checkpoint."""
+    """What, beside the weights, decides a sweep's answers: the config without the checkpoint
+    and without the sweep's own list or watch."""
     data = config.to_json()
+    data.pop("sweep", None)
     data["model_args"] = {k: v for k, v in data["model_args"].items() if k != "checkpoint"}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -304,6 +306,7 @@ def run_sweep(
     checkpoints: Sequence[str | Path],
     on_checkpoint: Callable[[CheckpointRecord], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    on_warning: Callable[[dict[str, Any]], None] | None = None,
 ) -> SweepSummary:
     """Evaluate every checkpoint in turn on one engine; every one is checked first.
 
@@ -313,6 +316,7 @@ def run_sweep(
         checkpoints: DCP directories or HF weight directories, in evaluation order.
         on_checkpoint: Called with each checkpoint's record as it is done.
         on_progress: Called after every finished step.
+        on_warning: Called when a task has requests whose tokens do not measure it.
 
     Returns:
         The sweep's summary (also ``OUT/sweep.json`` with an output path).
@@ -323,7 +327,7 @@ def run_sweep(
     """
     paths = [Path(p) for p in checkpoints]
     names = labels(paths)
-    with Sweep(config, host, on_progress=on_progress) as sweep:
+    with Sweep(config, host, on_progress=on_progress, on_warning=on_warning) as sweep:
         sweep.check(paths)
         for path in paths:
             record = sweep.evaluate(path, names[path])

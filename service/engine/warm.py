@@ -40,6 +40,8 @@ def replica_key(config: EngineConfig | dict[str, Any]) -> str:
         "device": config.device,
         "parallelism": config.parallelism.model_dump(mode="json"),
         "collective_s": config.timeouts.collective_s,
+        # A sweep starts its own ranks and keeps none: no kept group ever serves one.
+        "sweep": getattr(config, "sweep", None) is not None,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

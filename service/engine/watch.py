@@ -8,9 +8,10 @@ there) is left for a later poll; a complete one not handled yet is skipped if it
 before with the same settings (its results file under the output path, or its fingerprint in the
 response cache), else evaluated (:class:`rayeval.service.engine.sweep.Sweep`: the ranks start at
 the first one and swap weights for the next). A checkpoint that does not fit the model is
-recorded as refused and not retried. The loop sleeps between polls for a bounded interval and
-ends after ``max_checkpoints`` evaluations, when ``should_stop`` says so, or on Ctrl-C
-(``KeyboardInterrupt`` reaches the caller, the engine released).
+recorded as refused and not retried. The loop sleeps between polls for a bounded interval (asking
+``should_stop`` every second meanwhile) and ends after ``max_checkpoints`` evaluations, when
+``should_stop`` says so, or on Ctrl-C (``KeyboardInterrupt`` reaches the caller, the engine
+released).
 """
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rayeval.actors.checkpoint_dirs import candidates, label_of, step_of
 from rayeval.actors.errors import ConfigError
 from rayeval.service.config import EvaluationConfig, HostOptions
+from rayeval.service.config_groups import MAX_POLL_S, MIN_POLL_S
 from rayeval.service.engine.sweep import Sweep
 from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary
+from rayeval.service.events import Progress
 
 logger = logging.getLogger(__name__)
 
-#: Bounds of the seconds between two polls.
-MIN_POLL_S, MAX_POLL_S = 0.1, 3600.0
+#: Longest sleep between two questions to ``should_stop`` while waiting for the next poll.
+STOP_CHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,8 @@ def watch(
     options: WatchOptions,
     on_checkpoint: Callable[[CheckpointRecord], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    on_progress: Callable[[Progress], None] | None = None,
+    on_warning: Callable[[dict[str, Any]], None] | None = None,
 ) -> SweepSummary:
     """Evaluate each new, complete checkpoint under ``root`` until stopped (module docstring).
 
@@ -76,7 +82,9 @@ def watch(
         host: Where it runs and writes (``output_path``: a directory).
         options: Polling and stopping.
         on_checkpoint: Called with each checkpoint's record (evaluated, skipped or refused).
-        should_stop: Asked between polls; True ends the watch.
+        should_stop: Asked between polls (and every second while waiting); True ends the watch.
+        on_progress: Called after every finished step.
+        on_warning: Called when a task has requests whose tokens do not measure it.
 
     Returns:
         The summary of what this watch evaluated, skipped and refused.
@@ -90,7 +98,7 @@ def watch(
     waiting: set[Path] = set()
     evaluated = 0
     idle_since = time.monotonic()
-    with Sweep(config, host) as sweep:
+    with Sweep(config, host, on_progress=on_progress, on_warning=on_warning) as sweep:
         while not should_stop():
             for found in candidates(root):
                 if found.path in handled:
@@ -114,8 +122,17 @@ def watch(
             if options.timeout_s is not None and time.monotonic() - idle_since > options.timeout_s:
                 logger.info("no new checkpoint under %s for %gs: stopping", root, options.timeout_s)
                 return sweep.summary
-            time.sleep(options.poll_s)
+            _sleep(options.poll_s, should_stop)
         return sweep.summary
+
+
+def _sleep(seconds: float, should_stop: Callable[[], bool]) -> None:
+    """Sleep ``seconds``, asking ``should_stop`` at least every :data:`STOP_CHECK_S`."""
+    until = time.monotonic() + seconds
+    while (left := until - time.monotonic()) > 0:
+        time.sleep(min(left, STOP_CHECK_S))
+        if should_stop():
+            return
 
 
 def _handle(sweep: Sweep, path: Path) -> CheckpointRecord:

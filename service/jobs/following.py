@@ -4,8 +4,9 @@ The manager follows each active evaluation by asking its runner actor for new ev
 call in flight per runner). The decisions are pure functions over typed state, as admission's are
 (:func:`rayeval.service.jobs.admission.plan`); the manager applies what they return:
 
-- :func:`digest`: a batch of runner events becomes stored progress, the stream's events and, on
-  the last one, how the run ended;
+- :func:`digest`: a batch of runner events becomes stored progress, the stream's events, a
+  sweep's finished checkpoints and, on the last one, how the run ended (a watch's waiting events
+  only say that its runner is alive);
 - :func:`unreachable`: the runner has not answered a call for longer than the server allows (it
   includes the runner actor's start), so the cluster lost it or cannot schedule it;
 - :func:`stalled`: the runner answers but reports nothing new for longer than the server's stall
@@ -26,9 +27,12 @@ from dataclasses import dataclass, field
 
 from rayeval.service.config import EvaluationConfig, TimeoutSettings
 from rayeval.service.events import (
+    CheckpointEvent,
+    CheckpointOutputs,
     EvaluationProgress,
     PhaseReport,
     ProgressEvent,
+    RunnerCheckpoint,
     RunnerEvent,
     RunnerFailed,
     RunnerProgress,
@@ -68,6 +72,8 @@ class Digest:
             moved (with totals over every request type).
         moved: Some request type moved (a starting evaluation is running).
         ended: The event that ended the run, if it is among these.
+        checkpoints: A sweep's checkpoints that ended, in order (their stream events are in
+            ``events``).
     """
 
     progress: EvaluationProgress
@@ -75,6 +81,7 @@ class Digest:
     events: list[StreamEvent] = field(default_factory=list)
     moved: bool = False
     ended: RunnerSucceeded | RunnerFailed | None = None
+    checkpoints: list[CheckpointOutputs] = field(default_factory=list)
 
 
 def digest(progress: EvaluationProgress, events: Sequence[RunnerEvent]) -> Digest:
@@ -86,17 +93,22 @@ def digest(progress: EvaluationProgress, events: Sequence[RunnerEvent]) -> Diges
     """
     latest: dict[str, PhaseReport] = {}
     warnings: list[StreamEvent] = []
+    checkpoints: list[CheckpointOutputs] = []
     ended: RunnerSucceeded | RunnerFailed | None = None
     for event in events:
         if isinstance(event, RunnerProgress):
             latest[event.progress.phase] = PhaseReport.of(event.progress, event.time)
         elif isinstance(event, RunnerWarning):
             warnings.append(warning_event(event.warning))
-        elif ended is None:
+        elif isinstance(event, RunnerCheckpoint):
+            checkpoints.append(event.outputs)
+            warnings.append(CheckpointEvent.of_outputs(event.outputs))
+        elif isinstance(event, RunnerSucceeded | RunnerFailed) and ended is None:
             ended = event
     progress = progress.with_reports(latest)
     moved = [ProgressEvent.of_phase(report, progress) for report in latest.values()]
-    return Digest(progress, events[-1].seq, [*warnings, *moved], bool(latest), ended)
+    cursor = events[-1].seq
+    return Digest(progress, cursor, [*warnings, *moved], bool(latest), ended, checkpoints)
 
 
 def task_results(results_json: str) -> list[TaskResultEvent]:

@@ -6,8 +6,8 @@ One :class:`EvaluationManager` per API process. Submissions are checked
 
 1. asks each active evaluation's runner actor for its new events without waiting for slow ones
    (at most one call per runner in flight, a round waits a fraction of a second for answers),
-   stores progress, and on the runner's final event stores lm-eval's result and sample files —
-   which that event carries — and the terminal state in one transaction;
+   stores progress (and a sweep's checkpoints as they end), and on the runner's final event
+   lm-eval's result and sample files, which it carries, and the terminal state, in one go;
 2. admits queued evaluations (:mod:`rayeval.service.jobs.scheduler`: fair share of the queue,
    warm replicas where it can, preemption of preemptible evaluations for a more urgent one).
 
@@ -27,8 +27,7 @@ Releasing an ended evaluation's actors and placement group waits for Ray, so the
 a small pool and goes on: no thread is held for long by one evaluation. A cancel releases in the
 request's own thread (bounded) and answers once Ray shows nothing left. On start, evaluations that
 were active are re-attached when their detached runner actor still exists, else marked failed.
-No torch here: runner actors (:func:`rayeval.service.jobs.runner_actor.launch_runner`) import
-torch in their own process.
+No torch here (runner actors import it in their own process).
 """
 
 from __future__ import annotations
@@ -131,8 +130,7 @@ class EvaluationManager:
         self._thread.start()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop polling (runner actors keep running and are re-attached by the next start);
-        release the kept runners."""
+        """Stop polling (runners keep running, re-attached at the next start); free kept ones."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -189,7 +187,7 @@ class EvaluationManager:
     def _queue(self, config: EvaluationConfig, owner: str) -> EvaluationRecord:
         """Check and store an evaluation of ``owner``; admission is woken."""
         config = config.with_device(pick_device(config.device))
-        check_submission(
+        config = check_submission(
             config,
             self._catalog,
             ray.cluster_resources(),
@@ -367,7 +365,9 @@ class EvaluationManager:
         digested = digest(record.progress, events)
         if digested.moved and record.status is EvaluationStatus.STARTING:
             self._store.transition(record.id, EvaluationStatus.RUNNING)
-        self._store.record_progress(record.id, digested.progress, digested.cursor, digested.events)
+        self._store.record_progress(
+            record.id, digested.progress, digested.cursor, digested.events, digested.checkpoints
+        )
         if isinstance(digested.ended, RunnerSucceeded):
             self._succeed(record, digested.ended.outputs)
         elif digested.ended is not None:

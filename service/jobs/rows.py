@@ -1,9 +1,10 @@
 """The service's database tables (SQLAlchemy), and the engine that reaches them.
 
-Seven tables: ``evaluations`` (owner, config, status, timestamps, error, progress, event counter,
+Eight tables: ``evaluations`` (owner, config, status, timestamps, error, progress, event counter,
 runner cursor), ``evaluation_events`` (each evaluation's numbered stream), ``evaluation_results``
 (lm-eval's results file and rayeval's figures, once), ``evaluation_samples`` (lm-eval's samples
-files, per task), ``users`` (role, fair-share weight, rank cap), ``api_keys`` (a hash per key,
+files, per task), ``evaluation_checkpoints`` (a sweep's checkpoints: record, results, samples),
+``users`` (role, fair-share weight, rank cap), ``api_keys`` (a hash per key,
 never the key) and ``audit_events`` (who did what, when). Only the store
 (:mod:`rayeval.service.jobs.store`, :mod:`rayeval.service.jobs.accounts`,
 :mod:`rayeval.service.jobs.audit`) reads and writes them; their schema changes only through a
@@ -110,6 +111,20 @@ class SamplesRow(Base):
     evaluation_id: Mapped[str] = mapped_column(ForeignKey("evaluations.id"), primary_key=True)
     task: Mapped[str] = mapped_column(String(255), primary_key=True)
     jsonl: Mapped[str] = mapped_column(Text)
+
+
+class CheckpointRow(Base):
+    """One checkpoint of a sweep or watch: its record (step, outcome, metrics, timings), and its
+    results and samples files (lm-eval's, verbatim; none unless it succeeded)."""
+
+    __tablename__ = "evaluation_checkpoints"
+
+    evaluation_id: Mapped[str] = mapped_column(ForeignKey("evaluations.id"), primary_key=True)
+    label: Mapped[str] = mapped_column(String(255), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer)
+    record: Mapped[dict[str, Any]] = mapped_column(JSON)
+    results_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    samples: Mapped[dict[str, str]] = mapped_column(JSON)
 
 
 class UserRow(Base):

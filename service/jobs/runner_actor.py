@@ -2,7 +2,8 @@
 
 :class:`EvaluationRunner` is a plain class; the service applies ``ray.remote`` where it creates it,
 as a named, detached actor (so it outlives an API restart and can be re-attached). Its constructor
-starts :func:`rayeval.service.engine.runner.run_evaluation` in a background thread and returns at
+starts :func:`rayeval.service.engine.runner.run_evaluation` (a checkpoint sweep or watch:
+:func:`rayeval.service.jobs.sweep_runner.run_service_sweep`) in a background thread and returns at
 once (later ones start with :meth:`EvaluationRunner.start_next`, on ranks kept loaded); the
 service polls :meth:`EvaluationRunner.events_since`, whose last event carries the outputs when the
 run succeeded (so nobody waits on a second call for them). lm-eval writes its result and sample
@@ -33,17 +34,20 @@ from rayeval.service.engine.warm import KeptReplicas
 from rayeval.service.events import (
     Progress,
     ReplicaReuse,
+    RunnerCheckpoint,
     RunnerEvent,
     RunnerFailed,
     RunnerProgress,
     RunnerStatus,
     RunnerSucceeded,
+    RunnerWaiting,
     RunnerWarning,
     RunOutputs,
     warning_of,
 )
 from rayeval.service.jobs.failures import explain
 from rayeval.service.jobs.ray_resources import group_name, runner_name
+from rayeval.service.jobs.sweep_runner import SweepReports, run_service_sweep
 from rayeval.service.trackers import Trackers
 
 logger = logging.getLogger(__name__)
@@ -175,6 +179,7 @@ class EvaluationRunner:
         self, evaluation_id: str, config: EvaluationConfig, output_dir: Path
     ) -> RunOutputs:
         from rayeval.service.engine.runner import run_evaluation
+        from rayeval.service.result_files import read_lm_eval_files
 
         def on_progress(progress: Progress) -> None:
             # Every figure of the engine's Progress: counts, rates, per-replica work, rank memory
@@ -191,6 +196,16 @@ class EvaluationRunner:
             lm_eval={"use_cache": self._response_cache} if self._response_cache else {},
             trackers=replace(self._trackers, evaluation_id=evaluation_id),
         )
+        if config.sweep is not None:
+            reports = SweepReports(
+                on_checkpoint=lambda outputs: self._emit(
+                    evaluation_id, RunnerCheckpoint, outputs=outputs
+                ),
+                on_waiting=lambda: self._emit(evaluation_id, RunnerWaiting),
+                on_progress=on_progress,
+                on_warning=on_warning,
+            )
+            return run_service_sweep(config, host, reports)
         output = run_evaluation(
             config,
             host,
@@ -200,7 +215,7 @@ class EvaluationRunner:
         )
         if output is None:
             raise RayEvalError("lm-eval returned no results for this evaluation")
-        results_json, samples = _read_lm_eval_files(output_dir)
+        results_json, samples = read_lm_eval_files(output_dir)
         replicas = ReplicaReuse(reused=self._replicas.reused, kept=self._replicas.group is not None)
         return RunOutputs(
             results_json=results_json, samples=samples, stats=output.stats, replicas=replicas
@@ -250,22 +265,3 @@ def launch_runner(
             trackers.to_json() if trackers is not None else None,
         )
     )
-
-
-def _read_lm_eval_files(output_dir: Path) -> tuple[str, dict[str, str]]:
-    """The results file and per-task samples files lm-eval wrote under ``output_dir``."""
-    import json
-
-    results_files = sorted(output_dir.rglob("results_*.json"))
-    if len(results_files) != 1:
-        raise RuntimeError(f"expected one lm-eval results file, found {results_files}")
-    results_file = results_files[0]
-    results_json = results_file.read_text(encoding="utf-8")
-    date_id = results_file.stem.removeprefix("results_")
-    samples = {}
-    for task in json.loads(results_json).get("configs", {}):
-        # The exact name, not a glob: one task name may be a prefix of another.
-        path = results_file.parent / f"samples_{task}_{date_id}.jsonl"
-        if path.is_file():
-            samples[task] = path.read_text(encoding="utf-8")
-    return results_json, samples

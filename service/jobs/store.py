@@ -9,9 +9,9 @@ concurrent cancel and completion safe; the allowed moves are
 :data:`rayeval.service.states.TRANSITIONS`. lm-eval's results are stored once, in their own
 table: the ``result`` event on the stream holds no copy (the API fills it in from the results table
 when it sends it). Event numbers (``seq``) start at 1 and increase by one per evaluation. Users and
-keys (:attr:`EvaluationStore.accounts`) and the audit trail (:attr:`EvaluationStore.audit`) share
-the database. The schema is created and migrated by :mod:`rayeval.service.jobs.migrations`. No
-torch here.
+keys (:attr:`EvaluationStore.accounts`), the audit trail (:attr:`EvaluationStore.audit`) and a
+sweep's checkpoints (:attr:`EvaluationStore.sweeps`) share the database. The schema is created and
+migrated by :mod:`rayeval.service.jobs.migrations`. No torch here.
 """
 
 from __future__ import annotations
@@ -28,7 +28,13 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session, sessionmaker
 
 from rayeval.service.errors import unknown_evaluation
-from rayeval.service.events import EvaluationProgress, PreemptedEvent, ResultEvent, StateEvent
+from rayeval.service.events import (
+    CheckpointOutputs,
+    EvaluationProgress,
+    PreemptedEvent,
+    ResultEvent,
+    StateEvent,
+)
 from rayeval.service.jobs import migrations
 from rayeval.service.jobs.accounts import Accounts
 from rayeval.service.jobs.audit import AuditTrail
@@ -47,6 +53,7 @@ from rayeval.service.jobs.rows import (
     SamplesRow,
     make_engine,
 )
+from rayeval.service.jobs.sweep_results import SweepResults, store_checkpoints
 from rayeval.service.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
 
 #: The records the store hands out are defined beside it; importers may name them from here.
@@ -70,6 +77,7 @@ class EvaluationStore:
         self._listeners: list[Callable[[str], None]] = []
         self.audit = AuditTrail(self._sessions)
         self.accounts = Accounts(self._sessions, self.audit)
+        self.sweeps = SweepResults(self._sessions)
 
     # -------------------------------------------------------------------- changes
     def version(self, evaluation_id: str) -> int:
@@ -176,8 +184,10 @@ class EvaluationStore:
         progress: EvaluationProgress | Mapping[str, Any],
         runner_cursor: int,
         events: Sequence[NewEvent] = (),
+        checkpoints: Sequence[CheckpointOutputs] = (),
     ) -> bool:
-        """Store new progress and the runner cursor of an active evaluation, with its events.
+        """Store new progress and the runner cursor of an active evaluation, with its events
+        and a sweep's checkpoints that ended (:mod:`rayeval.service.jobs.sweep_results`).
 
         Args:
             progress: The evaluation's progress (or its JSON form).
@@ -194,6 +204,7 @@ class EvaluationStore:
                 runner_cursor=runner_cursor,
             ):
                 return False
+            store_checkpoints(session, evaluation_id, checkpoints)
             _append_events(session, evaluation_id, events)
             return True
 

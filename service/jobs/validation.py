@@ -6,7 +6,8 @@ what only the server can judge, so that what is accepted with 202 can run:
 - its policy (:class:`ServerPolicy`): no code from a request's model repository unless the
   operator allows it; model args and generation settings from an allowlist; local models and
   tokenizers (and training checkpoints, ``model_args.checkpoint``) only under the operator's model
-  roots, with one answer for a path that is missing and one that is forbidden (no file oracle);
+  roots, with one answer for a path that is missing and one that is forbidden (no file oracle),
+  and so are a sweep's checkpoints (``sweep``: its globs expanded here, under the roots only);
   tracking only where the server has a tracker;
 - task names (never paths) that its catalog knows, in ``tasks`` and in ``samples``;
 - options lm-eval accepts together, and a layout the cluster can ever hold;
@@ -22,6 +23,7 @@ Every problem is collected into one message. No torch here.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rayeval.actors.checkpoint_dirs import by_step
 from rayeval.actors.errors import ConfigError, LayoutError
 from rayeval.actors.profiles import ModelShape
 from rayeval.actors.sharding import ShardStrategy, refusal, strategy
@@ -52,6 +55,9 @@ REQUEST_MODEL_ARGS = ENCODER_MODEL_ARGS | {
     "trust_remote_code",
     "checkpoint",
 }
+
+#: Most checkpoints one sweep may name (after its globs are expanded).
+MAX_SWEEP_CHECKPOINTS = 10_000
 
 #: Generation settings a request may set, each with a check of its value.
 _NUMBER = (int, float)
@@ -100,7 +106,7 @@ def check_submission(
     task_index_wait_s: float,
     policy: ServerPolicy = ServerPolicy(),
     node_totals: Sequence[Mapping[str, float]] = (),
-) -> None:
+) -> EvaluationConfig:
     """Refuse an evaluation that could not run here, naming every problem at once.
 
     Args:
@@ -112,13 +118,17 @@ def check_submission(
         node_totals: Each live node's total resources (for ``shard_strategy tp``: a node must
             hold a whole replica); empty: not checked.
 
+    Returns:
+        The evaluation as it is queued: a sweep's checkpoint globs expanded (:func:`expand_sweep`).
+
     Raises:
         ConfigError: bad model, tasks or options.
         LayoutError: the layout can never fit the cluster (requested vs available), when it
             is the only problem.
         ServiceNotReadyError: the task index is not ready yet and nothing else is wrong.
     """
-    problems = policy_problems(config, policy) + task_problems(config)
+    config, problems = expand_sweep(config, policy)
+    problems += policy_problems(config, policy) + task_problems(config)
     problems += tracking_problems(config, policy)
     if not problems:  # a model path is read only once the policy allows it (no file oracle)
         problems += strategy_problems(config, node_totals) + chat_template_problems(config)
@@ -146,6 +156,7 @@ def check_submission(
         problems.append(str(exc))
     if problems:
         raise ConfigError("; ".join(problems))
+    return config
 
 
 def strategy_problems(
@@ -297,20 +308,71 @@ def _model_source_problems(
     ]
 
 
-def _checkpoint_problems(value: Any, policy: ServerPolicy) -> list[str]:
+def _checkpoint_problems(
+    value: Any, policy: ServerPolicy, where: str = "model_args.checkpoint"
+) -> list[str]:
     """A training checkpoint named by a request: a directory under a model root (a missing one
     and one outside the roots get the same answer; whether it is a usable checkpoint is checked
     when the evaluation starts, before any rank computes)."""
-    if isinstance(value, str) and value:
-        found = Path(value).expanduser().resolve()
-        roots = [Path(root).expanduser().resolve() for root in policy.model_roots]
-        if found.is_dir() and any(found == root or root in found.parents for root in roots):
-            return []
+    if isinstance(value, str) and value and _directory_under_roots(Path(value), policy):
+        return []
     return [
-        f"model_args.checkpoint: {value!r} is not a checkpoint directory under this server's "
+        f"{where}: {value!r} is not a checkpoint directory under this server's "
         f"model roots ({', '.join(policy.model_roots) or 'none configured'}): save it under "
         "one, or the server operator adds its folder with --model-root"
     ]
+
+
+def _directory_under_roots(path: Path, policy: ServerPolicy) -> bool:
+    found = path.expanduser().resolve()
+    roots = [Path(root).expanduser().resolve() for root in policy.model_roots]
+    return found.is_dir() and any(found == root or root in found.parents for root in roots)
+
+
+def expand_sweep(
+    config: EvaluationConfig, policy: ServerPolicy
+) -> tuple[EvaluationConfig, list[str]]:
+    """A sweep's checkpoints as the server runs them, and what its policy refuses of them.
+
+    Each glob of ``sweep.checkpoints`` becomes the directories under the model roots it
+    matches, by step (a glob matching none there gets the same answer as a path outside them);
+    every named directory and a watched one must be under a model root.
+
+    Returns:
+        The config with the checkpoints expanded (unchanged if it is not a sweep), and the
+        problems.
+    """
+    spec = config.sweep
+    if spec is None:
+        return config, []
+    problems = []
+    if "checkpoint" in config.model_args:
+        problems.append(
+            "model_args.checkpoint: a sweep names its checkpoints in sweep.checkpoints or "
+            "sweep.watch: drop model_args.checkpoint"
+        )
+    if spec.watch is not None:
+        return config, problems + _checkpoint_problems(spec.watch, policy, "sweep.watch")
+    expanded: list[str] = []
+    for item in spec.checkpoints or ():
+        if glob.has_magic(item):
+            found = [Path(p) for p in glob.glob(item)]
+            matches = by_step([p for p in found if _directory_under_roots(p, policy)])
+            if not matches:
+                problems += _checkpoint_problems(item, policy, "sweep.checkpoints")
+            expanded += [str(p.resolve()) for p in matches]
+        else:
+            problems += _checkpoint_problems(item, policy, "sweep.checkpoints")
+            expanded.append(str(Path(item).expanduser().resolve()))
+    checkpoints = tuple(dict.fromkeys(expanded))
+    if len(checkpoints) > MAX_SWEEP_CHECKPOINTS:
+        problems.append(
+            f"sweep.checkpoints: {len(checkpoints)} checkpoints, at most "
+            f"{MAX_SWEEP_CHECKPOINTS}: split the sweep"
+        )
+    return config.model_copy(
+        update={"sweep": spec.model_copy(update={"checkpoints": checkpoints})}
+    ), problems
 
 
 def _is_int(value: Any) -> bool:
