@@ -427,7 +427,8 @@ function drawCurve(plot, curve, position, colour) {
   const pad = yMax > yMin ? (yMax - yMin) * 0.08 : Math.max(Math.abs(yMax) * 0.05, 0.05);
   yMin -= pad;
   yMax += pad;
-  const X = (record) => left + position.get(record.label) * (W - left - right);
+  const inset = 12;  // keeps the first and last points off the axes
+  const X = (record) => left + inset + position.get(record.label) * (W - left - right - 2 * inset);
   const Y = (y) => H - bottom - ((y - yMin) / (yMax - yMin)) * (H - top - bottom);
   svg(plot, "text", { x: 6, y: 16, class: "title" }, name);
   if (typeof curve.better === "boolean") {
