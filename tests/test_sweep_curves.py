@@ -36,7 +36,7 @@ from tests.test_service import (
     wait_for,
 )
 
-STEPS = {"step-100": 0.3, "step-200": 0.1, "step-300": 0.0}  # noise scale per step
+STEPS = {"step-100": 0.6, "step-200": 0.25, "step-300": 0.0}  # noise scale per step
 SUBMITTED = ["step-300", "step-100", "step-200"]  # evaluation order: not the steps' order
 TASKS = ["demo_mc", "demo_cloze"]
 #: The k-th checkpoint aggregated creates ``called-k`` beside this file, then waits for ``open-k``.
@@ -138,7 +138,15 @@ def test_dashboard_draws_a_sweep_as_curves(
             _check_curves(page, sweep)
             _check_a_point_and_a_row(page, client, sweep)
             if os.environ.get("RAYEVAL_SCREENSHOT"):  # how docs/sweep_curves.png is made
-                page.locator("#sweep").screenshot(path=os.environ["RAYEVAL_SCREENSHOT"])
+                box = page.locator("#sweep").bounding_box()
+                margin = 16
+                clip = {
+                    "x": box["x"] - margin,
+                    "y": box["y"] - margin,
+                    "width": box["width"] + 2 * margin,
+                    "height": box["height"] + 2 * margin,
+                }
+                page.screenshot(path=os.environ["RAYEVAL_SCREENSHOT"], clip=clip)
             assert errors == []
         finally:
             browser.close()
