@@ -150,6 +150,8 @@ def test_dashboard_draws_a_sweep_as_curves(
             assert errors == []
         finally:
             browser.close()
+            for k in range(1, len(SUBMITTED) + 1):  # a failed check must not leave it waiting
+                (gated_tasks / f"open-{k}").touch()
 
 
 def _points_shown(page: Any) -> list[str]:
@@ -211,13 +213,14 @@ def _check_curves(page: Any, sweep: dict[str, Any]) -> None:
         )
         dots = plot.locator("circle.point").evaluate_all(
             "dots => dots.map(d => [d.dataset.label, Number(d.dataset.value),"
-            " Number(d.getAttribute('cx')), d.dataset.stderr])"
+            " Number(d.getAttribute('cx')), d.dataset.stderr, Number(d.getAttribute('cy'))])"
         )
+        _check_heights(dots)
         assert [label for label, *_ in dots] == list(STEPS)  # step order
-        xs = [x for _, _, x, _ in dots]
+        xs = [dot[2] for dot in dots]
         assert xs == sorted(xs) and len(set(xs)) == len(xs)
         stderrs = []
-        for label, value, _, stderr in dots:
+        for label, value, _, stderr, _ in dots:
             results = by_label[label]["results"][task]
             assert value == results[f"{metric},{filter_}"]  # exact: JS prints doubles round-trip
             stderrs.append(results.get(f"{metric}_stderr,{filter_}"))
@@ -229,6 +232,7 @@ def _check_curves(page: Any, sweep: dict[str, Any]) -> None:
         if all(isinstance(s, float) for s in stderrs):
             assert bands.count() == 1
             assert bands.get_attribute("data-labels") == " ".join(STEPS)
+            _check_band(bands.get_attribute("points") or "", dots)
             banded += 1
         else:
             assert bands.count() == 0, (task, metric, stderrs)
@@ -243,6 +247,27 @@ def _check_curves(page: Any, sweep: dict[str, Any]) -> None:
         "rows => rows.map(r => [r.dataset.label, r.dataset.status])"
     )
     assert rows == [[label, "succeeded"] for label in STEPS]
+
+
+def _check_heights(dots: list[Any]) -> None:
+    """A higher value is drawn higher (a smaller y), an equal one at the same height."""
+    for _, value, _, _, y in dots:
+        for _, other, _, _, other_y in dots:
+            if value > other:
+                assert y < other_y
+            elif value == other:
+                assert y == pytest.approx(other_y)
+
+
+def _check_band(polygon: str, dots: list[Any]) -> None:
+    """The band runs through each point, ``value ± stderr``: as far above it as below."""
+    corners = [tuple(map(float, corner.split(","))) for corner in polygon.split()]
+    upper, lower = corners[: len(dots)], corners[len(dots) :][::-1]
+    for (_, _, x, stderr, y), (ux, uy), (lx, ly) in zip(dots, upper, lower, strict=True):
+        assert ux == lx == pytest.approx(x, abs=0.06)
+        if float(stderr) > 0:
+            assert uy < y < ly
+        assert y - uy == pytest.approx(ly - y, abs=0.15)
 
 
 def _check_a_point_and_a_row(page: Any, client: httpx.Client, sweep: dict[str, Any]) -> None:
