@@ -377,7 +377,9 @@ function sweepCurves(plotted) {
 }
 
 function drawSweep(sweep) {
-  const ordered = byStep(sweep.checkpoints);
+  // A step is a number or null (a name without one); anything else counts as null.
+  const ordered = byStep(sweep.checkpoints.map((record) =>
+    Object.assign({}, record, { step: finite(record.step) ? record.step : null })));
   const plotted = ordered.filter((record) => record.status === "succeeded");
   // x: proportional to the step when every plotted checkpoint has its own; else evenly spaced
   // in step order (labelled by step, or by label for a checkpoint without one).
