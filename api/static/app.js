@@ -1,7 +1,8 @@
 // rayeval dashboard: lists evaluations, shows one's live progress (ETA per request type, a
-// throughput plot drawn as inline SVG) and final metrics, and compares finished evaluations side
-// by side and, pair by pair, document by document (GET /compare), by polling the REST API. Plain JavaScript, no build step, nothing fetched from
-// elsewhere. Data is only ever inserted as text.
+// throughput plot drawn as inline SVG) and final metrics, a checkpoint sweep as curves of each
+// metric against the training step, and compares finished evaluations side by side and, pair by
+// pair, document by document (GET /compare), by polling the REST API. Plain JavaScript, no build
+// step, nothing fetched from elsewhere. Data is only ever inserted as text.
 "use strict";
 
 const LIST_EVERY_MS = 2000;
@@ -15,6 +16,7 @@ const state = {
   settledFor: null,  // the selected evaluation ended and everything about it is shown
   compare: new Set(),  // ids ticked for comparison
   timeline: { id: null, after: 0, points: [] },
+  sweep: { id: null, text: null, chosen: null },  // the sweep drawn (its JSON) and the checkpoint shown
 };
 const SVG = "http://www.w3.org/2000/svg";
 const COLOURS = ["#2f6fde", "#d9480f", "#127a3a", "#7048e8", "#c2255c"];
@@ -93,7 +95,7 @@ async function refreshList() {
     cell(row, evaluation.id, "mono");
     cell(row, evaluation.owner, "owner");
     cell(row, evaluation.status, "badge " + evaluation.status);
-    cell(row, modelName(evaluation.request));
+    cell(row, modelName(evaluation.request) + (isSweep(evaluation) ? " · " + evaluation.kind : ""));
     cell(row, evaluation.request.tasks.join(", "));
     const layout = evaluation.request.parallelism;
     cell(row, layout.num_replicas + "×" + layout.shard_size);
@@ -110,7 +112,7 @@ async function refreshList() {
 function checkCell(row, evaluation) {
   const td = row.insertCell();
   td.className = "check";
-  if (evaluation.status !== "succeeded") {
+  if (evaluation.status !== "succeeded" || isSweep(evaluation)) {  // a sweep has no one result
     state.compare.delete(evaluation.id);
     return;
   }
@@ -201,13 +203,19 @@ async function refreshDetail() {
   }
   await refreshPlot(evaluation);
 
-  if (evaluation.status === "succeeded" && state.resultsShownFor !== evaluation.id) {
+  const sweep = isSweep(evaluation);
+  $("sweep").hidden = !sweep;
+  if (sweep) {
+    await refreshSweep(evaluation);  // its checkpoints' results are shown there, one at a time
+    $("results").hidden = true;
+  } else if (evaluation.status === "succeeded" && state.resultsShownFor !== evaluation.id) {
     await showResults(evaluation);
   } else if (evaluation.status !== "succeeded") {
     $("results").hidden = true;
   }
-  if (TERMINAL.has(evaluation.status)
-      && (evaluation.status !== "succeeded" || state.resultsShownFor === evaluation.id)) {
+  // A sweep read after its end is final (refreshSweep above ran after the status was terminal).
+  if (TERMINAL.has(evaluation.status) && (sweep || evaluation.status !== "succeeded"
+      || state.resultsShownFor === evaluation.id)) {
     state.settledFor = evaluation.id;
   }
 }
@@ -313,6 +321,224 @@ function drawPlot(plot, points) {
     svg(plot, "rect", { x: W - right + 12, y: top + 4 + i * 18, width: 10, height: 10, fill: colour });
     svg(plot, "text", { x: W - right + 26, y: top + 13 + i * 18 }, line.type);
   });
+}
+
+// ------------------------------------------------------------------- checkpoint sweep
+// A sweep (or watch) evaluates one model's training checkpoints: per task and metric, the value
+// against the checkpoint's training step (a band of value ± stderr where lm-eval gives a numeric
+// stderr), redrawn as checkpoints finish; a point or a table row opens that checkpoint's results.
+function isSweep(evaluation) {
+  return (evaluation.kind === "sweep" || evaluation.kind === "watch")
+    && Boolean(evaluation.links && evaluation.links.sweep);
+}
+
+async function refreshSweep(evaluation) {
+  const text = await (await api(evaluation.links.sweep)).text();
+  if (state.selected !== evaluation.id) return;  // another one was selected meanwhile
+  const same = state.sweep.id === evaluation.id;
+  if (same && state.sweep.text === text) return;  // nothing new: keep the page as it is
+  state.sweep = { id: evaluation.id, text, chosen: same ? state.sweep.chosen : null };
+  if (!same) $("checkpoint").hidden = true;
+  drawSweep(JSON.parse(text));
+}
+
+// Stepped checkpoints by step, then those without a step by label.
+function byStep(records) {
+  return records.slice().sort((a, b) => {
+    if ((a.step === null) !== (b.step === null)) return a.step === null ? 1 : -1;
+    if (a.step !== null && a.step !== b.step) return a.step - b.step;
+    return a.label < b.label ? -1 : a.label > b.label ? 1 : 0;
+  });
+}
+
+function finite(value) { return typeof value === "number" && Number.isFinite(value); }
+
+// One curve per task, metric and filter with a number at some succeeded checkpoint, in the
+// order they first appear.
+function sweepCurves(plotted) {
+  const curves = new Map();
+  for (const record of plotted) {
+    for (const [task, metrics] of Object.entries(record.results || {})) {
+      for (const [key, value] of Object.entries(metrics)) {
+        if (key === "alias" || !key.includes(",") || key.includes("_stderr,")) continue;
+        if (!finite(value)) continue;
+        const [metric, filter] = key.split(",");
+        const id = [task, metric, filter || ""].join("|");
+        if (!curves.has(id)) {
+          const better = ((record.higher_is_better || {})[task] || {})[metric];
+          curves.set(id, { task, metric, filter: filter || "", better, points: [] });
+        }
+        const stderr = metrics[metric + "_stderr," + (filter || "")];
+        curves.get(id).points.push({ record, value, stderr: finite(stderr) ? stderr : null });
+      }
+    }
+  }
+  return [...curves.values()];
+}
+
+function drawSweep(sweep) {
+  // A step is a number or null (a name without one); anything else counts as null.
+  const ordered = byStep(sweep.checkpoints.map((record) =>
+    Object.assign({}, record, { step: finite(record.step) ? record.step : null })));
+  const plotted = ordered.filter((record) => record.status === "succeeded");
+  // x: proportional to the step when every plotted checkpoint has its own; else evenly spaced
+  // in step order (labelled by step, or by label for a checkpoint without one).
+  const steps = plotted.map((record) => record.step);
+  const proportional = plotted.length > 1 && steps.every((s) => s !== null)
+    && new Set(steps).size === steps.length;
+  const lo = proportional ? steps[0] : 0;
+  const span = proportional ? steps[steps.length - 1] - lo : Math.max(plotted.length - 1, 1);
+  const position = new Map(plotted.map((record, i) => [record.label,
+    plotted.length === 1 ? 0.5 : ((proportional ? record.step : i) - lo) / span]));
+  const box = $("sweep-curves");
+  box.replaceChildren();
+  box.dataset.scale = proportional ? "step" : "ordinal";
+  sweepCurves(plotted).forEach((curve, i) => {
+    const plot = document.createElementNS(SVG, "svg");
+    plot.setAttribute("class", "curve");
+    Object.assign(plot.dataset, { task: curve.task, metric: curve.metric, filter: curve.filter });
+    box.appendChild(plot);
+    drawCurve(plot, curve, position, COLOURS[i % COLOURS.length]);
+  });
+  $("sweep-empty").hidden = plotted.length > 0;
+  $("sweep-count").textContent = "(" + plotted.length + " of " + ordered.length
+    + " checkpoints plotted)";
+  sweepTable(ordered);
+  markChosen();
+}
+
+function tick(value) {
+  const rounded = Number(value.toPrecision(3));
+  return Math.abs(rounded) >= 1e5 || (rounded !== 0 && Math.abs(rounded) < 1e-3)
+    ? rounded.toExponential(1) : String(rounded);
+}
+
+function drawCurve(plot, curve, position, colour) {
+  const W = 360, H = 210, left = 50, right = 16, top = 30, bottom = 34;
+  plot.setAttribute("viewBox", "0 0 " + W + " " + H);
+  plot.setAttribute("width", W);
+  plot.setAttribute("height", H);
+  plot.setAttribute("role", "img");
+  const name = curve.task + " · " + curve.metric
+    + (curve.filter && curve.filter !== "none" ? " (" + curve.filter + ")" : "");
+  plot.setAttribute("aria-label", name + " by training step");
+  const points = curve.points;
+  const lows = points.map((p) => p.value - (p.stderr || 0));
+  const highs = points.map((p) => p.value + (p.stderr || 0));
+  let yMin = Math.min(...lows), yMax = Math.max(...highs);
+  const pad = yMax > yMin ? (yMax - yMin) * 0.08 : Math.max(Math.abs(yMax) * 0.05, 0.05);
+  yMin -= pad;
+  yMax += pad;
+  const inset = 12;  // keeps the first and last points off the axes
+  const X = (record) => left + inset + position.get(record.label) * (W - left - right - 2 * inset);
+  const Y = (y) => H - bottom - ((y - yMin) / (yMax - yMin)) * (H - top - bottom);
+  svg(plot, "text", { x: 6, y: 16, class: "title" }, name);
+  if (typeof curve.better === "boolean") {
+    svg(plot, "text", { x: W - 6, y: 16, "text-anchor": "end" },
+        curve.better ? "higher is better" : "lower is better");
+  }
+  svg(plot, "line", { x1: left, y1: H - bottom, x2: W - right, y2: H - bottom, stroke: "#98a2b3" });
+  svg(plot, "line", { x1: left, y1: top, x2: left, y2: H - bottom, stroke: "#98a2b3" });
+  for (const fraction of [0, 0.5, 1]) {
+    const y = yMin + pad + (yMax - yMin - 2 * pad) * fraction;
+    svg(plot, "text", { x: left - 6, y: Y(y) + 4, "text-anchor": "end" }, tick(y));
+  }
+  const every = Math.ceil(points.length / 8);  // at most 8 step labels under the axis
+  points.forEach((p, i) => {
+    if (i % every && i !== points.length - 1) return;
+    svg(plot, "text", { x: X(p.record), y: H - bottom + 15, "text-anchor": "middle" },
+        p.record.step === null ? p.record.label : String(p.record.step));
+  });
+  svg(plot, "text", { x: (left + W - right) / 2, y: H - 4, "text-anchor": "middle" }, "step");
+  for (const run of stderrRuns(points)) {
+    const labels = run.map((p) => p.record.label).join(" ");
+    if (run.length === 1) {
+      const [p] = run;
+      svg(plot, "line", { x1: X(p.record), y1: Y(p.value - p.stderr), x2: X(p.record),
+        y2: Y(p.value + p.stderr), stroke: colour, "stroke-opacity": 0.35, "stroke-width": 6,
+        class: "band", "data-labels": labels });
+      continue;
+    }
+    const upper = run.map((p) => X(p.record).toFixed(1) + "," + Y(p.value + p.stderr).toFixed(1));
+    const lower = run.map((p) => X(p.record).toFixed(1) + "," + Y(p.value - p.stderr).toFixed(1));
+    svg(plot, "polygon", { points: upper.concat(lower.reverse()).join(" "), fill: colour,
+      "fill-opacity": 0.18, stroke: "none", class: "band", "data-labels": labels });
+  }
+  svg(plot, "polyline", {
+    points: points.map((p) => X(p.record).toFixed(1) + "," + Y(p.value).toFixed(1)).join(" "),
+    fill: "none", stroke: colour, "stroke-width": 2, class: "series",
+  });
+  for (const p of points) {
+    const dot = svg(plot, "circle", { cx: X(p.record), cy: Y(p.value), r: 4.5, fill: colour,
+      class: "point", "data-label": p.record.label, "data-step": String(p.record.step),
+      "data-value": String(p.value), "data-stderr": p.stderr === null ? "" : String(p.stderr) });
+    svg(dot, "title", {}, p.record.label + (p.record.step === null ? "" : " (step "
+      + p.record.step + ")") + ": " + number(p.value, 4)
+      + (p.stderr === null ? "" : " ± " + number(p.stderr, 4)));
+    dot.addEventListener("click", () => chooseCheckpoint(p.record));
+  }
+}
+
+// Consecutive points that have a stderr (a point without one breaks the band).
+function stderrRuns(points) {
+  const runs = [];
+  let run = [];
+  for (const p of points) {
+    if (p.stderr === null) {
+      if (run.length) runs.push(run);
+      run = [];
+    } else {
+      run.push(p);
+    }
+  }
+  if (run.length) runs.push(run);
+  return runs;
+}
+
+function sweepTable(ordered) {
+  const body = $("sweep-table").tBodies[0];
+  body.replaceChildren();
+  for (const record of ordered) {
+    const row = body.insertRow();
+    row.dataset.label = record.label;
+    row.dataset.status = record.status;
+    cell(row, record.label, "mono");
+    cell(row, record.step === null ? "" : String(record.step));
+    cell(row, record.status, "badge " + record.status);
+    const total = (record.seconds || {}).total;
+    cell(row, finite(total) ? number(total, 1) : "");
+    cell(row, record.error || "", "error");
+    if (record.status === "succeeded" && record.links) {
+      row.classList.add("openable");
+      row.addEventListener("click", () => chooseCheckpoint(record));
+    }
+  }
+}
+
+function chooseCheckpoint(record) {
+  showCheckpoint(record).catch((error) => say(error.message));
+}
+
+function markChosen() {
+  const chosen = state.sweep.chosen;
+  for (const node of $("sweep").querySelectorAll("circle.point, #sweep-table tbody tr")) {
+    node.classList.toggle("chosen", chosen !== null && node.dataset.label === chosen);
+  }
+}
+
+// One checkpoint's lm-eval results file, rendered as a normal evaluation's metrics are.
+async function showCheckpoint(record) {
+  state.sweep.chosen = record.label;
+  markChosen();
+  const results = await (await api(record.links.results)).json();
+  if (state.sweep.chosen !== record.label) return;  // another one was chosen meanwhile
+  $("checkpoint").dataset.label = record.label;
+  $("checkpoint-label").textContent = record.label
+    + (record.step === null ? "" : " (step " + record.step + ")");
+  $("checkpoint-results-link").href = record.links.results;
+  fillMetrics($("checkpoint-metrics").tBodies[0], results);
+  fillSamplesLinks($("checkpoint-samples"), record.links.samples);
+  $("checkpoint").hidden = false;
 }
 
 // ----------------------------------------------------------------------- comparison
@@ -561,7 +787,15 @@ function pValue(p) {
 
 async function showResults(evaluation) {
   const results = await (await api(evaluation.links.results)).json();
-  const body = $("metrics").tBodies[0];
+  fillMetrics($("metrics").tBodies[0], results);
+  $("results-link").href = evaluation.links.results;
+  fillSamplesLinks($("samples-links"), evaluation.links.samples);
+  $("results").hidden = false;
+  state.resultsShownFor = evaluation.id;
+}
+
+// lm-eval's metrics ("metric,filter" keys of `results` and `groups`), one row each with its stderr.
+function fillMetrics(body, results) {
   body.replaceChildren();
   const sections = Object.assign({}, results.results || {}, results.groups || {});
   for (const [task, metrics] of Object.entries(sections)) {
@@ -571,27 +805,27 @@ async function showResults(evaluation) {
       const row = body.insertRow();
       row.dataset.task = task;
       row.dataset.metric = metric;
+      row.dataset.filter = filter || "";
       cell(row, task);
       cell(row, metric);
       cell(row, filter || "");
       cell(row, number(value, 4), "value");
       const stderr = metrics[metric + "_stderr," + (filter || "")];
-      cell(row, stderr === undefined ? "" : number(stderr, 4));
+      cell(row, stderr === undefined ? "" : number(stderr, 4), "stderr");
     }
   }
-  $("results-link").href = evaluation.links.results;
-  const links = $("samples-links");
+}
+
+function fillSamplesLinks(links, samples) {
   links.replaceChildren();
-  const tasks = Object.keys(evaluation.links.samples);
+  const tasks = Object.keys(samples || {});
   if (tasks.length) links.append("Samples (JSONL): ");
   tasks.forEach((task, i) => {
     const a = document.createElement("a");
-    a.href = evaluation.links.samples[task];
+    a.href = samples[task];
     a.textContent = task;
     links.append(a, i + 1 < tasks.length ? ", " : "");
   });
-  $("results").hidden = false;
-  state.resultsShownFor = evaluation.id;
 }
 
 async function cancelSelected() {
