@@ -147,3 +147,21 @@ def _assert_same_response(ref: Any, ours: Any, where: str, exact: bool) -> None:
             assert abs(ref - ours) <= LOGPROB_TOL, f"{where}: logprob {ref} vs {ours}"
     else:
         assert ref == ours, f"{where}: {ref!r} != {ours!r}"
+
+
+def gated_tasks_dir(tasks_dir: Path, out: Path, gate: str) -> Path:
+    """A copy of the demo tasks in ``out`` whose ``demo_mc`` ``acc_norm`` is aggregated by
+    ``gate`` (the source of a module defining ``mean_when_open(items)``): a test holds an
+    evaluation at its metrics until it lets it go."""
+    import shutil
+
+    import yaml
+
+    shutil.copytree(tasks_dir, out, dirs_exist_ok=True)
+    (out / "gate.py").write_text(gate)
+    config = yaml.safe_load((out / "demo_mc.yaml").read_text())
+    (metric,) = [m for m in config["metric_list"] if m["metric"] == "acc_norm"]
+    metric["aggregation"] = "GATE"
+    text = yaml.safe_dump(config).replace("GATE", "!function gate.mean_when_open")
+    (out / "demo_mc.yaml").write_text(text)
+    return out

@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -64,17 +63,9 @@ def mean_when_open(items):
 @pytest.fixture(scope="module")
 def gated_tasks(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo tasks, ``demo_mc``'s ``acc_norm`` aggregated by :data:`GATE`."""
-    import yaml
+    from tests.helpers import gated_tasks_dir
 
-    tasks = tmp_path_factory.mktemp("gated-tasks")
-    shutil.copytree(demo.tasks_dir, tasks, dirs_exist_ok=True)
-    (tasks / "gate.py").write_text(GATE)
-    config = yaml.safe_load((tasks / "demo_mc.yaml").read_text())
-    (metric,) = [m for m in config["metric_list"] if m["metric"] == "acc_norm"]
-    metric["aggregation"] = "GATE"
-    text = yaml.safe_dump(config).replace("GATE", "!function gate.mean_when_open")
-    (tasks / "demo_mc.yaml").write_text(text)
-    return tasks
+    return gated_tasks_dir(demo.tasks_dir, tmp_path_factory.mktemp("gated-tasks"), GATE)
 
 
 @pytest.fixture(scope="module")
