@@ -33,7 +33,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from rayeval.actors.batches import ModelSpec
 from rayeval.actors.checkpoints import resolve_dtype
 from rayeval.actors.errors import ConfigError
-from rayeval.service.engine.planner import GenerateRequest
+from rayeval.service.engine.generation_planner import GenerateRequest
 from rayeval.service.lm_eval_options import ENCODER_MODEL_ARGS
 
 logger = logging.getLogger(__name__)

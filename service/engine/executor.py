@@ -35,16 +35,15 @@ from rayeval.service.engine.dispatch import (
     check_exactly_once,
     run_steps,
 )
-from rayeval.service.engine.phases import PhaseStats, PhaseTracker, StartUp
-from rayeval.service.engine.planner import (
+from rayeval.service.engine.generation_planner import (
     GenerateRequest,
     SlotBudget,
-    TokenBudget,
     plan_generate,
     plan_generate_groups,
-    plan_score,
     request_seeds,
 )
+from rayeval.service.engine.phases import PhaseStats, PhaseTracker, StartUp
+from rayeval.service.engine.planner import TokenBudget, plan_score
 from rayeval.service.engine.response_cache import ResponseCache, generate_key, score_key
 from rayeval.service.engine.streamed import PartLedger, PlannedPart, Planner, ScorePart, plan_part
 from rayeval.service.events import Progress, RankMemory
