@@ -371,7 +371,7 @@ class Executor:
         make: Callable[[int, int], GeneratePart],
         settings: Sequence[tuple[int | None, dict[str, Any]]],
         disable_tqdm: bool,
-    ) -> list[Sequence[int]]:
+    ) -> list[Any]:
         """:meth:`generate` for ``total`` requests that ``make(start, stop)`` tokenises part by
         part (``settings``: every distinct (max_length, kwargs) among them, which decide the
         batching): planned on a background thread while the replicas compute the parts before

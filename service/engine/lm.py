@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -378,7 +378,7 @@ class RayEvalLM(TemplateLM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         prompts = Prompts(self._encoder, requests)  # lm-eval's tokenisation and decoding
-        generated: Sequence[Sequence[int]]
+        generated: list[Any]
         if len(requests) > GENERATE_PART:  # tokenised and planned in parts
             bounds = even_bounds(len(requests), GENERATE_PART)
             generated = self._executor.generate_parts(

@@ -104,12 +104,16 @@ class Prompts:
             distinct.setdefault(key, (max_length, kwargs))
         return list(distinct.values())
 
-    def decode(self, generated: Sequence[Sequence[int]]) -> list[str]:
-        """lm-eval's answer text of each request's generated token ids (all made first)."""
-        return [
-            decode_generation(self._encoder, tokens, self._untils[index] or ())
-            for index, tokens in enumerate(generated)
-        ]
+    def decode(self, generated: list[Any]) -> list[str]:
+        """lm-eval's answer text of each request's generated token ids (all made first); each
+        request's ids are dropped from ``generated`` once decoded, so a million answers are not
+        held twice."""
+        texts = []
+        for index, tokens in enumerate(generated):
+            assert tokens is not None
+            texts.append(decode_generation(self._encoder, tokens, self._untils[index] or ()))
+            generated[index] = None
+        return texts
 
 
 def plan_generate_part(
