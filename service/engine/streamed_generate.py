@@ -9,17 +9,21 @@ time as before) and planned by the same rules as a whole request type
 cut by the budget alone), so a request's group depends only on its part and the budget, never
 on R, G or timing. A request type of at most one part is planned whole, as before.
 
-Why this stays exact: a part changes only which requests share a group or micro-batch, as a
-smaller budget does, and an answer never depends on its companions. Greedy decoding in a
-continuous-batching group is per row (a row's slot, padding and stop do not change another
-row's tokens: the property that already makes groups layout-independent), and static
-micro-batches are held to lm-eval's per-sample answers at any budget (tested at several batch
-sizes). Sampled requests draw from their own generators seeded from the evaluation's seed, the
-request's tokens and settings and how many identical requests came before it
-(:class:`~rayeval.service.engine.generation_planner.Seeder`); the planning thread makes the
-parts one after the other, in lm-eval's order, with one ``Seeder``, so that count runs across
-parts and every request gets the seed the whole request type would give it. Which batching a
-request type uses is decided once, from every request's settings, before the first part.
+Why this stays exact: a part changes only which requests share a group or micro-batch, as a smaller
+budget or fewer slots do, never a request's own tokens, settings or seed. Continuous batching gives
+each row lm-eval's answer whichever rows share its steps (rows stop on their own; greedy answers are
+held to lm-eval's per sample at any slot count and group make-up, tests/test_continuous.py), so a
+part changes no greedy answer. Static micro-batches are lm-eval's own ``generate`` calls over the
+rows the budget puts together: a part moves rows between them exactly as a budget does (where
+lm-eval's answer itself depends on its batch, an explicit ``max_length`` counted from the padded
+width, neither reproduces lm-eval's batches, parts or not). Sampled requests draw from their own
+generators, seeded from the evaluation's seed, the request's tokens and settings and how many
+identical requests came before it (:class:`~rayeval.service.engine.generation_planner.Seeder`),
+never from the part: the planning thread makes the parts one after the other, in lm-eval's order,
+with one ``Seeder``, so that count runs across parts and every request gets the seed the whole
+request type would give it. Which batching a request type uses is decided once, from every request's
+settings, before the first part. A request too large for the KV-cache budget is refused when its
+part is planned: in parts, that can be after the parts before it ran (planned whole, before any).
 """
 
 from __future__ import annotations
