@@ -3,8 +3,9 @@
 It starts a Ray with 12 logical CPUs and runs synthetic MMLU-style loglikelihood requests and
 generation requests through ``RayEvalLM`` on simulated ranks (``benchmarks/sim_rank.py``: real
 rank actors in the real placement group, a modelled step instead of a model), in several layouts:
-R = 8, 1 and 3; R = 8 with the loglikelihood requests planned in small parts; static generation;
-and R = 8 with one replica's rank killed mid-run. It writes every answer, the engine's figures
+R = 8, 1 and 3; R = 8 with the loglikelihood and generation requests planned in small parts;
+R = 3 with generation in parts (continuous and static batching); static generation; and R = 8
+with one replica's rank killed mid-run. It writes every answer, the engine's figures
 and the ranks' call counts as JSON for the tests to assert on. It runs in its own process because
 a process joins only one Ray cluster, and the test session's has 4 CPUs.
 """
@@ -29,6 +30,8 @@ GENERATIONS = 160
 BUDGET_TOKENS = 600
 #: Parts of this many requests in the ``R8-parts`` run.
 PART = 256
+#: Parts of this many generation requests in the ``*-parts`` runs (GENERATIONS make 7).
+GEN_PART = 24
 COST = StepCost(token_s=5e-6, decode_step_s=2e-4)
 
 
@@ -106,7 +109,10 @@ def main(argv: list[str]) -> int:
         "R8-lost": _run(model, 8, mc, gen, kill=True),
     }
     lm_module.SCORE_PART = PART  # the streamed path, in parts of PART requests
-    runs["R8-parts"] = _run(model, 8, mc, [])
+    lm_module.GENERATE_PART = GEN_PART  # generation streamed in parts of GEN_PART requests
+    runs["R8-parts"] = _run(model, 8, mc, gen)
+    runs["R3-parts"] = _run(model, 3, [], gen)
+    runs["R3-parts-static"] = _run(model, 3, [], gen, continuous_batching=False)
     report = {"expected": _expected(model, mc), "runs": runs}
     Path(args.report).write_text(json.dumps(report))
     ray.shutdown()

@@ -146,7 +146,7 @@ def test_auto_budgets_per_device_and_request_type() -> None:
     """``auto``: CPU ranks score in micro-batches of at most 2048 padded tokens, GPUs in 8192;
     generation keeps 8192 everywhere; ``max_batch_tokens`` and an integer batch size win."""
     from rayeval.actors.layout import DeviceKind
-    from rayeval.service.engine.executor import budget as _budget
+    from rayeval.service.engine.budgets import budget as _budget
 
     auto = EngineConfig.from_kwargs("org/model")
     assert _budget(auto, score_on=DeviceKind.CPU).max_tokens == 2048

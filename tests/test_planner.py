@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rayeval.actors.errors import ConfigError
-from rayeval.service.engine.planner import (
-    GenerateRequest,
-    TokenBudget,
-    model_input,
-    plan_generate,
-    plan_score,
-)
+from rayeval.service.engine.generation_planner import GenerateRequest, plan_generate
+from rayeval.service.engine.planner import TokenBudget, model_input, plan_score
 
 pytestmark = pytest.mark.unit
 
@@ -73,7 +68,11 @@ def test_plan_generate_groups_by_settings_and_counts_generation_room() -> None:
 
 
 def test_continuous_batching_groups_are_planned_without_the_layout() -> None:
-    from rayeval.service.engine.planner import SlotBudget, plan_generate_groups, request_seeds
+    from rayeval.service.engine.generation_planner import (
+        SlotBudget,
+        plan_generate_groups,
+        request_seeds,
+    )
 
     requests = [GenerateRequest((1,) * n, 4, ("\n",)) for n in (3, 9, 5, 9, 1)]
     seeds = request_seeds(requests, 1234)

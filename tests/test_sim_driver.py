@@ -3,10 +3,12 @@
 The simulated rank (``benchmarks/sim_rank.py``) is the real rank actor's interface with a modelled
 step; every answer is a function of its own request, so the tests can say, per request, whether
 the driver delivered its answer exactly once and to the right request, whatever the layout
-(R = 8, 1, 3), with a plan streamed in parts, and with a replica lost mid-run. The cluster runs in
+(R = 8, 1, 3), with a plan streamed in parts (loglikelihood and generation), and with a replica
+lost mid-run. The cluster runs in
 a subprocess (``tests/sim_driver_cluster.py``): it needs 12 logical CPUs, the session's Ray has 4.
 The other tests: lm-eval's own tokenisation against the driver's bulk one, part boundaries, the
-dispatcher's call sizes, and a real model scored in parts against lm-eval's ``hf``.
+dispatcher's call sizes, sampling seeds across parts, and a real model scored and generating in
+parts against lm-eval's ``hf``.
 """
 
 from __future__ import annotations
@@ -91,6 +93,26 @@ def test_generations_do_not_depend_on_the_layout_or_batching(sim_report: dict[st
     assert runs["R8-static"]["stats"]["generate_until"]["batching"] == "static"
     static = runs["R8-static"]["stats"]["generate_until"]["micro_batches"]
     assert runs["R8-static"]["calls"] == runs["R3-static"]["calls"] == static
+
+
+@pytest.mark.e2e
+def test_generations_in_parts_come_once_and_do_not_depend_on_the_layout(
+    sim_report: dict[str, Any],
+) -> None:
+    runs = sim_report["runs"]
+    reference = runs["R1"]["generate_until"]
+    for name, batching in (("R8-parts", "continuous"), ("R3-parts", "continuous"),
+                           ("R3-parts-static", "static")):  # fmt: skip
+        assert runs[name]["generate_until"] == reference, f"{name}: an answer went astray"
+        figures = runs[name]["stats"]["generate_until"]
+        assert figures["batching"] == batching and figures["requests"] == len(reference)
+    groups = {
+        runs[name]["stats"]["generate_until"]["micro_batches"] for name in ("R8-parts", "R3-parts")
+    }
+    # Seven parts of at most 24 requests: a group each (32 requests fit one), not one plan's 5.
+    assert groups == {7} != {runs["R8"]["stats"]["generate_until"]["micro_batches"]}
+    static = runs["R3-parts-static"]["stats"]["generate_until"]["micro_batches"]
+    assert runs["R3-parts-static"]["calls"] == static
 
 
 @pytest.mark.e2e
@@ -228,3 +250,109 @@ def test_scores_planned_in_parts_match_lm_eval_hf(
     assert time.monotonic() - started < 300
     assert figures["requests"] > 8 * 3, "the requests should make several parts"
     assert_same_results(reference, ours)
+
+
+@pytest.mark.unit
+def test_sampling_seeds_and_groups_in_parts_are_those_of_the_whole_part_by_part() -> None:
+    """A Seeder that saw the parts before gives a part's sampled requests the seeds the whole
+    request type gives them (repeats straddle the cut); a part is grouped as any request set."""
+    from rayeval.service.engine.generation_planner import (
+        GenerateRequest,
+        Seeder,
+        SlotBudget,
+        plan_generate_groups,
+        request_seeds,
+    )
+    from rayeval.service.engine.planner import TokenBudget
+    from rayeval.service.engine.streamed import even_bounds
+    from rayeval.service.engine.streamed_generate import GeneratePart, plan_generate_part
+
+    sampled = {"do_sample": True, "temperature": 1.0}
+    requests = [
+        GenerateRequest((1, 2, 3), 4, ("\n",), kwargs=sampled if i % 3 else {})
+        for i in range(5)
+    ] + [GenerateRequest((9, 8), 4, ("\n",), kwargs=sampled)] * 4  # fmt: skip
+    assert list(even_bounds(len(requests), 4)) == [(0, 4), (4, 8), (8, 9)]
+    seeder, budget = Seeder(7), SlotBudget(slots=1, kv_tokens=64)
+    names = [f"doc {i}" for i in range(len(requests))]
+    seeds = []
+    for start, stop in even_bounds(len(requests), 4):
+        part = GeneratePart(start, requests[start:stop], names[start:stop])
+        planned = plan_generate_part(part, None, TokenBudget(), budget, seeder)
+        alone = plan_generate_groups(part.requests, budget, request_seeds(part.requests, 7))
+        assert [len(g.requests) for g in planned.micro_batches] == [
+            len(g.requests) for g in alone.groups
+        ]
+        assert list(planned.computed) == list(range(start, stop))
+        by_place = {
+            place: index for index, place in zip(planned.computed, planned.places, strict=True)
+        }
+        for group_index, group in enumerate(planned.micro_batches):
+            for position, slot in enumerate(group.requests):
+                seeds.append((by_place[(group_index, position)], slot.seed))
+    assert [seed for _, seed in sorted(seeds)] == request_seeds(requests, 7)
+    assert len({seed for _, seed in seeds if seed is not None}) == 7  # repeats differ
+
+
+GEN_TASKS = ["demo_gen_short", "demo_gen_long"]  # 35 requests, two stop settings
+GEN_RUN = {"num_fewshot": 1, "bootstrap_iters": 0}
+
+
+def _generate(demo: Any, task_manager: Any, replicas: int, **kwargs: Any) -> tuple[Any, Any]:
+    """One evaluation of GEN_TASKS with three slots (groups of 12); results and figures."""
+    from rayeval.service.engine.lm import RayEvalLM
+
+    run = {**GEN_RUN, **kwargs.pop("run", {})}
+    with RayEvalLM(
+        pretrained=str(demo.model_dir),
+        num_replicas=replicas,
+        dtype="float32",
+        batch_size=3,
+        **kwargs,
+    ) as lm:
+        results = evaluate(lm, task_manager, GEN_TASKS, **run)
+        return results, lm.stats["generate_until"].report()
+
+
+@pytest.mark.e2e
+def test_generations_planned_in_parts_match_lm_eval_hf(
+    demo: Any,
+    task_manager: Any,
+    ray_session: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """A real model: generate_until requests tokenised and planned in parts of 8 (a part's
+    requests cross from one task's stop strings to the other's) while the replicas compute,
+    answers as lm-eval's hf backend gives them; a second engine on the same response cache
+    computes none of them and answers the same."""
+    import rayeval.service.engine.lm as lm_module
+
+    reference = hf_reference(demo.model_dir, task_manager, GEN_TASKS, **GEN_RUN)
+    monkeypatch.setattr(lm_module, "GENERATE_PART", 8)
+    cache = str(tmp_path / "cache")
+    ours, figures = _generate(demo, task_manager, 2, use_cache=cache)
+    again, rerun = _generate(demo, task_manager, 2, use_cache=cache)
+    assert figures["batching"] == "continuous" and figures["requests"] == 35
+    assert figures["micro_batches"] >= 5, "35 requests in parts of 8 make at least 5 groups"
+    assert_same_results(reference, ours)
+    assert rerun["cached"] == 35 and rerun["micro_batches"] == 0
+    assert_same_results(ours, again, exact=True)
+
+
+@pytest.mark.e2e
+def test_sampled_generations_in_parts_are_those_of_the_whole(
+    demo: Any, task_manager: Any, ray_session: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each sampled request's generator is seeded as in one plan of the whole request type: the
+    same answers in parts of 8 on two replicas as whole on one."""
+    import rayeval.service.engine.lm as lm_module
+
+    sampled = {"gen_kwargs": "do_sample=True,temperature=1.0,top_k=20"}
+    whole, figures = _generate(demo, task_manager, 1, run=sampled)
+    monkeypatch.setattr(lm_module, "GENERATE_PART", 8)
+    parts, in_parts = _generate(demo, task_manager, 2, run=sampled)
+    assert figures["micro_batches"] < in_parts["micro_batches"], "no parts were made"
+    assert_same_results(whole, parts, exact=True)
+    answers = [s["resps"][0][0] for s in parts["samples"]["demo_gen_long"]]
+    assert len(set(answers)) > 1, "every request drew the same answer"

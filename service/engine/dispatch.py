@@ -187,6 +187,7 @@ class Dispatcher:
             if not self._filled[i]:
                 raise RayEvalError(f"micro-batch {i} was dropped before it came back")
             self._micro_batches[i] = self._results[i] = None  # type: ignore[call-overload]
+            self._answers.pop(i, None)
 
     def run(
         self,

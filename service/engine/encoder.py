@@ -33,7 +33,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from rayeval.actors.batches import ModelSpec
 from rayeval.actors.checkpoints import resolve_dtype
 from rayeval.actors.errors import ConfigError
-from rayeval.service.engine.planner import GenerateRequest
+from rayeval.service.engine.generation_planner import GenerateRequest
 from rayeval.service.lm_eval_options import ENCODER_MODEL_ARGS
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,7 @@ def generate_request(
     kwargs = normalize_gen_kwargs(gen_kwargs, encoder.max_gen_toks)
     until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
     max_gen_toks = kwargs.pop("max_gen_toks")
+    max_length = kwargs.pop("max_length", None)
     max_ctx_len = encoder.max_length - max_gen_toks
     if max_ctx_len <= 0:
         raise ConfigError(
@@ -164,9 +165,18 @@ def generate_request(
         context=_shared_ids(encoder)(ids[-max_ctx_len:]),
         max_gen_toks=max_gen_toks,
         until=tuple(until),
-        max_length=kwargs.pop("max_length", None),
+        max_length=max_length,
         kwargs=kwargs,
     )
+
+
+def generation_settings(encoder: HFLM, gen_kwargs: dict[str, Any]) -> tuple[int | None, Any]:
+    """(max_length, the remaining generation kwargs) of a generate_until request, as
+    :func:`generate_request` makes them, without tokenising its context."""
+    kwargs = normalize_gen_kwargs(gen_kwargs, encoder.max_gen_toks)
+    for name in ("until", "max_gen_toks"):
+        kwargs.pop(name, None)
+    return kwargs.pop("max_length", None), kwargs
 
 
 def rolling_windows(encoder: HFLM, strings: Sequence[str]) -> tuple[list[Any], list[int]]:

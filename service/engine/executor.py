@@ -18,16 +18,12 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
-from rayeval.actors.batches import MicroBatch, ScoreMicroBatch
+from rayeval.actors.batches import GenerateGroup, GenerateMicroBatch, MicroBatch, ScoreMicroBatch
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, Timeouts
-from rayeval.service.config import (
-    DEFAULT_CPU_SCORE_BATCH_TOKENS,
-    DEFAULT_MAX_BATCH_ROWS,
-    DEFAULT_MAX_BATCH_TOKENS,
-    EngineConfig,
-)
+from rayeval.service.config import EngineConfig
+from rayeval.service.engine.budgets import budget, slot_budget
 from rayeval.service.engine.dispatch import (
     Dispatcher,
     PieceDone,
@@ -35,18 +31,19 @@ from rayeval.service.engine.dispatch import (
     check_exactly_once,
     run_steps,
 )
-from rayeval.service.engine.phases import PhaseStats, PhaseTracker, StartUp
-from rayeval.service.engine.planner import (
+from rayeval.service.engine.generation_planner import (
     GenerateRequest,
+    Seeder,
     SlotBudget,
-    TokenBudget,
     plan_generate,
     plan_generate_groups,
-    plan_score,
-    request_seeds,
 )
+from rayeval.service.engine.phases import PhaseStats, PhaseTracker, StartUp
+from rayeval.service.engine.planner import plan_score
 from rayeval.service.engine.response_cache import ResponseCache, generate_key, score_key
-from rayeval.service.engine.streamed import PartLedger, PlannedPart, Planner, ScorePart, plan_part
+from rayeval.service.engine.streamed import Planner, run_parts
+from rayeval.service.engine.streamed_generate import GeneratePart, plan_generate_part
+from rayeval.service.engine.streamed_score import ScorePart, plan_part
 from rayeval.service.events import Progress, RankMemory
 
 logger = logging.getLogger(__name__)
@@ -173,7 +170,7 @@ class Executor:
         cached, todo = self._cached(keys, "generate_until")
         pending = [requests[i] for i in todo]
         pending_keys = [keys[i] for i in todo]
-        reason = self._static_reason(pending)
+        reason = self._static_reason([(r.max_length, r.kwargs) for r in pending])
         phase = self.stats.setdefault("generate_until", PhaseStats())
         phase.batching = "continuous" if reason is None else "static"
         if reason is None:
@@ -186,15 +183,16 @@ class Executor:
         generated = dict(cached) | dict(zip(todo, outputs, strict=True))
         return [list(generated[i]) for i in range(len(requests))]
 
-    def _static_reason(self, requests: Sequence[GenerateRequest]) -> str | None:
-        """Why these requests cannot use continuous batching (None: they can)."""
-        if self._static_only is not None or not requests:
+    def _static_reason(self, settings: Sequence[tuple[int | None, dict[str, Any]]]) -> str | None:
+        """Why requests with these (max_length, kwargs) cannot use continuous batching (None:
+        they can)."""
+        if self._static_only is not None or not settings:
             return self._static_only
-        if any(request.max_length is not None for request in requests):
+        if any(max_length is not None for max_length, _ in settings):
             return "a request sets max_length (lm-eval counts it from a batch's padded width)"
         from rayeval.actors.continuous import unsupported
 
-        for kwargs in {json.dumps(r.kwargs, sort_keys=True, default=str) for r in requests}:
+        for kwargs in {json.dumps(kwargs, sort_keys=True, default=str) for _, kwargs in settings}:
             reason = unsupported(self._shell, json.loads(kwargs))
             if reason is not None:
                 return reason
@@ -224,8 +222,13 @@ class Executor:
     ) -> list[list[int]]:
         """Continuous batching: groups streamed back request by request."""
         start = self._start_up()
-        seeds = request_seeds(requests, self._seed)
-        plan = plan_generate_groups(requests, self._slot_budget(), seeds, names)
+        seeds = Seeder(self._seed).seeds(requests)
+        plan = plan_generate_groups(
+            requests,
+            self._slot_budget(),
+            seeds,
+            names,
+        )
         key_at = dict(zip(plan.locations, keys, strict=True)) if self._cache is not None else {}
         cache = self._cache
 
@@ -247,35 +250,7 @@ class Executor:
         return [list(outputs[group][position]) for group, position in plan.locations]
 
     def _slot_budget(self) -> SlotBudget:
-        """The continuous-batching engine's slots and KV-cache budget, from the configuration
-        (and on GPUs the device's memory: the same for every layout of one cluster)."""
-        config = self._config
-        slots = config.batch_size if isinstance(config.batch_size, int) else None
-        slots = slots or config.max_batch_size or DEFAULT_MAX_BATCH_ROWS
-        if config.kv_cache_tokens:
-            return SlotBudget(slots, config.kv_cache_tokens, "--kv_cache_tokens")
-        if config.max_batch_tokens:
-            return SlotBudget(slots, config.max_batch_tokens, "--max_batch_tokens")
-        derived = self._kv_tokens_from_memory()
-        return SlotBudget(slots, derived or DEFAULT_MAX_BATCH_TOKENS, "--kv_cache_tokens")
-
-    def _kv_tokens_from_memory(self) -> int | None:
-        """On GPUs: the KV-cache positions half the device memory left beside the whole model
-        holds (the whole model, whatever G: the budget must not depend on the layout)."""
-        if self._device is not DeviceKind.CUDA or self._group is None or self._shell is None:
-            return None
-        reports = self._group.wait_ready()
-        totals = [float(r["device_total_mib"]) for r in reports if r.get("device_total_mib")]
-        if not totals or len(totals) < len(reports):
-            return None
-        from rayeval.actors.profiles import ModelShape
-
-        itemsize = self._shell.dtype.itemsize
-        per_token = ModelShape(self._shell.config).kv_bytes_per_token(itemsize)
-        free = min(totals) * 2**20 * 0.9 - self._shell.num_parameters() * itemsize
-        if per_token <= 0 or free <= 0:
-            return None
-        return max(1, int(free * 0.5 // per_token))
+        return slot_budget(self._config, self._device, self._group, self._shell)
 
     def _cached(self, keys: Sequence[Any], phase: str) -> tuple[dict[int, Any], list[int]]:
         """Answers the response cache has (position -> answer), and the positions to compute."""
@@ -379,37 +354,6 @@ class Executor:
         """:meth:`score` for ``total`` loglikelihood requests that ``make(start, stop)`` tokenises
         part by part: planned on a background thread while the replicas compute the parts
         before (:mod:`rayeval.service.engine.streamed`)."""
-        phase = "loglikelihood"
-        tracker = self._tracker(phase, Counter(), disable_tqdm, expected=total)
-        assert self._group is not None
-        dispatcher = Dispatcher(self._group, [], self._timeouts.step_s, kind=ScoreMicroBatch)
-
-        def finish(planned: PlannedPart) -> None:
-            first, count = planned.first, len(planned.micro_batches)
-            results = dispatcher.results(range(first, first + count))
-            check_exactly_once(planned.micro_batches, results)
-            for index, (mb, row, target) in zip(planned.computed, planned.plan.where, strict=True):
-                ledger.answers[index] = results[mb][row][target]
-            dispatcher.forget(range(first, first + count))
-
-        def feed(wait_s: float) -> bool:
-            try:
-                planned = planner.take(wait_s)
-            except StopIteration:
-                return False
-            if planned is not None:
-                self.stats[phase].cached += len(planned.cached)
-                self.stats[phase].micro_batches += len(planned.micro_batches)
-                ledger.add(planned, dispatcher.add(planned.micro_batches))
-                tracker.expect(planned.counts(), len(planned.part.fixed) + len(planned.cached))
-            return True
-
-        def on_step(step: StepDone) -> None:
-            tracker.step(step)
-            for micro_batch, result in zip(step.micro_batches, step.results, strict=True):
-                ledger.back(micro_batch, result)
-
-        ledger = PartLedger(total, finish)
         plan = partial(
             plan_part,
             cache=self._cache,
@@ -418,31 +362,49 @@ class Executor:
             max_length=max_length,
         )
         planner = Planner(bounds, make, plan)
-        planner.start()
-        try:
-            dispatcher.run(on_step, feed=feed)
-        finally:
-            planner.stop()
-            tracker.close()
-        return ledger.check()
+        return self._run_parts("loglikelihood", total, planner, ScoreMicroBatch, disable_tqdm)
 
-
-def budget(config: EngineConfig, score_on: DeviceKind | None = None) -> TokenBudget:
-    """Micro-batch limits: a token budget with ``auto``, lm-eval's rows per batch otherwise.
-
-    ``score_on``: the budget of scoring micro-batches on ranks of that device. CPU ranks score
-    with a smaller default token budget than GPUs: a CPU forward over 1-2k tokens runs faster
-    per token than one over 4-8k, whose activations outgrow the caches (measured in
-    docs/performance.md), and narrower micro-batches pad less. Generation keeps the larger
-    budget on every device: each decode step costs a forward of one token per row, and under
-    FSDP one all-gather of every weight for the whole micro-batch, so wider is faster.
-    """
-    if isinstance(config.batch_size, str):  # "auto" or "auto:N" (validated by the config)
-        default = DEFAULT_MAX_BATCH_TOKENS
-        if score_on is DeviceKind.CPU:
-            default = DEFAULT_CPU_SCORE_BATCH_TOKENS
-        return TokenBudget(
-            max_tokens=config.max_batch_tokens or default,
-            max_rows=config.max_batch_size or DEFAULT_MAX_BATCH_ROWS,
+    def generate_parts(
+        self,
+        total: int,
+        bounds: Iterator[tuple[int, int]],
+        make: Callable[[int, int], GeneratePart],
+        settings: Sequence[tuple[int | None, dict[str, Any]]],
+        disable_tqdm: bool,
+    ) -> list[Any]:
+        """:meth:`generate` for ``total`` requests that ``make(start, stop)`` tokenises part by
+        part (``settings``: every distinct (max_length, kwargs) among them, which decide the
+        batching): planned on a background thread while the replicas compute the parts before
+        (:mod:`rayeval.service.engine.streamed_generate`)."""
+        reason = self._static_reason(settings)
+        phase = self.stats.setdefault("generate_until", PhaseStats())
+        phase.batching = "continuous" if reason is None else "static"
+        if reason is not None:
+            logger.info("generate_until runs in static batches: %s", reason)
+        start = self._start_up()
+        plan = partial(
+            plan_generate_part,
+            cache=self._cache,
+            budget=self._generate_budget,
+            slots=self._slot_budget() if reason is None else None,
+            seeder=Seeder(self._seed),
         )
-    return TokenBudget(max_tokens=config.max_batch_tokens or 2**62, max_rows=config.batch_size)
+        kind = GenerateGroup if reason is None else GenerateMicroBatch
+        planner = Planner(bounds, make, plan)
+        return self._run_parts("generate_until", total, planner, kind, disable_tqdm, start)
+
+    def _run_parts(
+        self,
+        phase: str,
+        total: int,
+        planner: Planner,
+        kind: type[MicroBatch],
+        disable_tqdm: bool,
+        start: StartUp | None = None,
+    ) -> list[Any]:
+        """Compute ``total`` requests of ``phase`` that ``planner`` plans in parts of ``kind``."""
+        tracker = self._tracker(phase, Counter(), disable_tqdm, start, expected=total)
+        assert self._group is not None
+        dispatcher = Dispatcher(self._group, [], self._timeouts.step_s, kind=kind)
+        streamed = kind is GenerateGroup
+        return run_parts(dispatcher, planner, tracker, self.stats[phase], total, streamed)

@@ -40,18 +40,13 @@ from rayeval.service.engine.checks import (
     check_empty_context_pairs,
 )
 from rayeval.service.engine.cluster import connect, pick_device
-from rayeval.service.engine.encoder import (
-    build_encoder,
-    decode_generation,
-    generate_request,
-    model_sha,
-    model_spec,
-    rolling_windows,
-)
+from rayeval.service.engine.encoder import build_encoder, model_sha, model_spec, rolling_windows
 from rayeval.service.engine.executor import Executor
 from rayeval.service.engine.phases import PhaseStats
 from rayeval.service.engine.response_cache import open_cache
-from rayeval.service.engine.streamed import SCORE_PART, make_part, part_bounds
+from rayeval.service.engine.streamed import GENERATE_PART, SCORE_PART, even_bounds, part_bounds
+from rayeval.service.engine.streamed_generate import Prompts
+from rayeval.service.engine.streamed_score import make_part
 from rayeval.service.engine.warm import KeptReplicas, replica_key
 from rayeval.service.events import Progress
 from rayeval.service.private_apis import check_private_apis
@@ -382,17 +377,18 @@ class RayEvalLM(TemplateLM):
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        eos = self._encoder.tok_decode(self.eot_token_id, skip_special_tokens=False)
-        prepared = [
-            generate_request(self._encoder, context, gen_kwargs, eos)
-            for context, gen_kwargs in (r.args for r in requests)
-        ]
-        names = [f"task {r.task_name} doc {r.doc_id}" for r in requests]
-        generated = self._executor.generate(prepared, disable_tqdm, names)
-        texts = []
-        for index, (request, prepared_request) in enumerate(zip(requests, prepared, strict=True)):
-            text = decode_generation(self._encoder, generated[index], prepared_request.until)
-            texts.append(text)
+        prompts = Prompts(self._encoder, requests)  # lm-eval's tokenisation and decoding
+        generated: list[Any]
+        if len(requests) > GENERATE_PART:  # tokenised and planned in parts
+            bounds = even_bounds(len(requests), GENERATE_PART)
+            generated = self._executor.generate_parts(
+                len(requests), bounds, prompts.make, prompts.settings(), disable_tqdm
+            )
+        else:
+            part = prompts.make(0, len(requests))
+            generated = self._executor.generate(part.requests, disable_tqdm, part.names)
+        texts = prompts.decode(generated)
+        for request, text in zip(requests, texts, strict=True):
             self.cache_hook.add_partial("generate_until", request.args, text)
         return texts
 

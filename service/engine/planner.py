@@ -12,24 +12,19 @@ choices of one question, questions behind the same few-shot examples) are packed
 tree per row, the shared tokens fed to the model once (:func:`pack_prefixes`). Each request's
 input is still exactly lm-eval's (left truncation included), so where truncation cuts into a
 shared context the inputs simply stop sharing and go their own way.
+
+Generation requests are planned by the same rules in
+:mod:`rayeval.service.engine.generation_planner`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from rayeval.actors.batches import (
-    GenerateGroup,
-    GenerateMicroBatch,
-    ScoreMicroBatch,
-    ScoreRow,
-    SlotRequest,
-)
+from rayeval.actors.batches import ScoreMicroBatch, ScoreRow
 from rayeval.actors.errors import ConfigError
 
 
@@ -96,43 +91,6 @@ class ScorePlan:
     def locations(self) -> list[ScoreLocation]:
         """Per request, where its answer lands, as objects (:attr:`where` holds them)."""
         return [ScoreLocation(*place) for place in self.where]
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """One generate_until request, already tokenised and truncated by the driver."""
-
-    context: tuple[int, ...]
-    max_gen_toks: int
-    until: tuple[str, ...]
-    max_length: int | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def settings(self) -> dict[str, Any]:
-        """Every generation setting of the request (what its answer depends on besides the
-        context)."""
-        return {
-            "max_gen_toks": self.max_gen_toks,
-            "until": list(self.until),
-            "max_length": self.max_length,
-            "kwargs": self.kwargs,
-        }
-
-    def config_key(self) -> str:
-        """Requests with equal keys may share a ``generate`` call (lm-eval groups by gen_kwargs)."""
-        return json.dumps(
-            [self.max_gen_toks, self.until, self.max_length, self.kwargs],
-            sort_keys=True,
-            default=str,
-        )
-
-
-@dataclass(frozen=True)
-class GeneratePlan:
-    """Micro-batches to generate and, per request, (micro-batch, position in it)."""
-
-    micro_batches: list[GenerateMicroBatch]
-    locations: list[tuple[int, int]]
 
 
 def model_input(
@@ -209,7 +167,7 @@ def plan_score(
     # choices, another the questions behind shared few-shot examples): cut before padding
     # would fill more than a quarter of a micro-batch.
     fill = PACKED_MIN_FILL if share_prefixes else 0.0
-    for chunk in _cut(ordered, budget, width=lambda p: len(p.row.tokens), min_fill=fill):
+    for chunk in cut_by_budget(ordered, budget, width=lambda p: len(p.row.tokens), min_fill=fill):
         for position, item in enumerate(chunk):
             for tokens, offset in item.offsets.items():
                 row_at[tokens] = (len(micro_batches), position, offset)
@@ -301,138 +259,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def plan_generate(requests: Sequence[GenerateRequest], budget: TokenBudget) -> GeneratePlan:
-    """Group generate requests by their generation settings, sort by length, cut by budget."""
-    groups: dict[str, list[int]] = {}
-    for index, request in enumerate(requests):
-        groups.setdefault(request.config_key(), []).append(index)
-
-    micro_batches: list[GenerateMicroBatch] = []
-    locations: list[tuple[int, int]] = [(-1, -1)] * len(requests)
-    for indices in groups.values():
-        indices.sort(key=lambda i: (-len(requests[i].context), requests[i].context))
-        first = requests[indices[0]]
-        for chunk in _cut(
-            indices,
-            budget,
-            width=lambda i, room=first.max_gen_toks: len(requests[i].context) + room,
-        ):
-            for position, index in enumerate(chunk):
-                locations[index] = (len(micro_batches), position)
-            micro_batches.append(
-                GenerateMicroBatch(
-                    contexts=tuple(requests[i].context for i in chunk),
-                    max_gen_toks=first.max_gen_toks,
-                    until=first.until,
-                    max_length=first.max_length,
-                    kwargs=dict(first.kwargs),
-                )
-            )
-    return GeneratePlan(micro_batches, locations)
-
-
-#: A continuous-batching group holds this many requests per slot: enough that refilled slots stay
-#: busy for most of the group, few enough that replicas share the work.
-REQUESTS_PER_SLOT = 4
-
-
-@dataclass(frozen=True)
-class SlotBudget:
-    """How a rank's continuous-batching engine may hold requests.
-
-    Args:
-        slots: Most rows decoded together.
-        kv_tokens: Most KV-cache positions held together (a request holds its context plus
-            its ``max_gen_toks``).
-        setting: The option that sets ``kv_tokens``, for error messages.
-    """
-
-    slots: int
-    kv_tokens: int
-    setting: str = "--max_batch_tokens"
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """Groups to generate with continuous batching and, per request, (group, position in it)."""
-
-    groups: list[GenerateGroup]
-    locations: list[tuple[int, int]]
-
-
-def plan_generate_groups(
-    requests: Sequence[GenerateRequest],
-    budget: SlotBudget,
-    seeds: Sequence[int | None],
-    names: Sequence[str] | None = None,
-) -> GroupPlan:
-    """Group generate requests by their settings, sort each longest first, and cut them into
-    groups of ``slots x REQUESTS_PER_SLOT`` requests (never depending on the layout).
-
-    Args:
-        requests: Tokenised requests, in lm-eval's order.
-        budget: The engine's slots and KV-cache budget.
-        seeds: Per request, its sampling seed (None: greedy).
-        names: Per request, how to name it in an error (task and document).
-
-    Raises:
-        ConfigError: a request needs more KV-cache positions than the budget holds.
-    """
-    for index, request in enumerate(requests):
-        need = len(request.context) + request.max_gen_toks
-        if need > budget.kv_tokens:
-            name = names[index] if names else f"request {index}"
-            raise ConfigError(
-                f"{name} needs {need} KV-cache positions ({len(request.context)} context tokens "
-                f"+ max_gen_toks {request.max_gen_toks}), more than the budget of "
-                f"{budget.kv_tokens}: raise {budget.setting}, or lower max_gen_toks"
-            )
-    by_settings: dict[str, list[int]] = {}
-    for index, request in enumerate(requests):
-        key = json.dumps([request.max_length, request.kwargs], sort_keys=True, default=str)
-        by_settings.setdefault(key, []).append(index)
-    groups: list[GenerateGroup] = []
-    locations: list[tuple[int, int]] = [(-1, -1)] * len(requests)
-    size = budget.slots * REQUESTS_PER_SLOT
-    for indices in by_settings.values():
-        indices.sort(key=lambda i: (-len(requests[i].context), requests[i].context))
-        for start in range(0, len(indices), size):
-            chunk = indices[start : start + size]
-            for position, index in enumerate(chunk):
-                locations[index] = (len(groups), position)
-            groups.append(
-                GenerateGroup(
-                    requests=tuple(_slot_request(requests[i], seeds[i]) for i in chunk),
-                    slots=budget.slots,
-                    kv_tokens=budget.kv_tokens,
-                    kwargs=dict(requests[chunk[0]].kwargs),
-                )
-            )
-    return GroupPlan(groups, locations)
-
-
-def _slot_request(request: GenerateRequest, seed: int | None) -> SlotRequest:
-    return SlotRequest(request.context, request.max_gen_toks, request.until, seed)
-
-
-def request_seeds(requests: Sequence[GenerateRequest], seed: int) -> list[int | None]:
-    """Per request, the seed of its own sampling generator (None for a greedy request): a hash
-    of the evaluation's seed, the request's tokens and settings, and how many identical requests
-    came before it (lm-eval's repeats), so a sampled answer is the same in every layout."""
-    seen: dict[str, int] = {}
-    seeds: list[int | None] = []
-    for request in requests:
-        if not request.kwargs.get("do_sample"):
-            seeds.append(None)
-            continue
-        identity = json.dumps([request.context, request.settings()], sort_keys=True, default=str)
-        occurrence = seen[identity] = seen.get(identity, -1) + 1
-        digest = hashlib.sha256(json.dumps([seed, identity, occurrence]).encode()).digest()
-        seeds.append(int.from_bytes(digest[:8], "little") >> 1)
-    return seeds
-
-
-def _cut(
+def cut_by_budget(
     items: Sequence[Any], budget: TokenBudget, width: Any, min_fill: float = 0.0
 ) -> list[list[Any]]:
     """Cut length-sorted items (longest first) into chunks whose padded size fits the budget.

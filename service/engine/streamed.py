@@ -1,18 +1,20 @@
-"""Scoring many loglikelihood requests in parts, so the replicas start after one part's work.
+"""Running a large request type in parts, so the replicas start after one part's work.
 
 Tokenising, checking and planning a million requests takes the driver minutes and gigabytes
-before its first micro-batch could leave. Here a background thread does them part by part
-(:data:`SCORE_PART` requests at a time, at most :data:`AHEAD` parts ahead) while the dispatcher
-computes the parts before (:meth:`rayeval.service.engine.dispatch.Dispatcher.add`); a finished
-part's answers are read out and its micro-batches dropped, so the driver holds the parts in
-flight, not the whole plan.
+before its first micro-batch could leave. Here a background thread (:class:`Planner`) makes and
+plans the parts one after the other, at most :data:`AHEAD` ahead of the dispatcher, while the
+dispatcher computes the parts before (:meth:`rayeval.service.engine.dispatch.Dispatcher.add`); a
+finished part's answers are read out and its micro-batches dropped (:class:`PartLedger`), so the
+driver holds the parts in flight, not the whole plan. :func:`run_parts` wires them together for
+any request type; what a part is and how it is planned is the request type's own:
+loglikelihood in :mod:`rayeval.service.engine.streamed_score`, generation in
+:mod:`rayeval.service.engine.streamed_generate`.
 
-A part is a fixed run of requests in lm-eval's order, cut only where the context string changes
-(a question's choices stay together, as lm-eval's checks and shared-prefix packing need), and
-planned exactly as :func:`rayeval.service.engine.planner.plan_score` plans any request set. Which
-micro-batch a request lands in therefore depends on its part and the budget, never on R, G or
-timing: results stay layout-independent. A request type of at most :data:`SCORE_PART` requests
-is one part, planned as before.
+A part is a fixed run of requests in lm-eval's order, planned exactly as any request set of that
+type is planned, from its requests and the budget alone. Which micro-batch (or continuous-
+batching group) a request lands in therefore depends on its part and the budget, never on R, G
+or timing: results stay layout-independent. A request type of at most one part is not run here
+at all: it is planned whole, as before.
 """
 
 from __future__ import annotations
@@ -21,19 +23,19 @@ import bisect
 import queue
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rayeval.actors.batches import ScoreMicroBatch
 from rayeval.actors.errors import ResultIntegrityError
-from rayeval.service.engine.checks import Inspection
-from rayeval.service.engine.encoder import encode_pairs
-from rayeval.service.engine.planner import ScorePlan, TokenBudget, plan_score
-from rayeval.service.engine.response_cache import ResponseCache, score_key
+from rayeval.service.engine.dispatch import Dispatcher, PieceDone, StepDone, check_exactly_once
+from rayeval.service.engine.phases import PhaseStats, PhaseTracker
 
-#: Requests tokenised, checked and planned together.
+#: Loglikelihood requests tokenised, checked and planned together.
 SCORE_PART = 65536
+#: Generation requests tokenised and planned together: a prompt costs the driver about as much
+#: to tokenise as a loglikelihood request, but a part's groups reach the replicas sooner.
+GENERATE_PART = 16384
 #: Parts planned ahead of the dispatcher (bounds the driver's memory).
 AHEAD = 2
 #: Longest wait for the planning thread to take or give a part before looking again.
@@ -41,73 +43,46 @@ _POLL_S = 0.5
 
 
 @dataclass
-class ScorePart:
-    """One part's requests, tokenised and checked (made by the LM, planned here).
-
-    Attributes:
-        start: Index of its first request in the whole request type.
-        pairs: The (context, continuation) tokens of the requests to compute.
-        todo: Their indices in the whole request type.
-        fixed: Answers given without a model call, by index in the whole request type.
-    """
-
-    start: int
-    pairs: list[tuple[Sequence[int], Sequence[int]]]
-    todo: list[int]
-    fixed: dict[int, tuple[float, bool]]
-
-
-def make_part(
-    encoder: Any,
-    pairs: Sequence[tuple[str, str]],
-    origins: Sequence[tuple[str, Any]],
-    inspect: Callable[[list[Any], Sequence[tuple[str, Any]], list[bool]], Inspection],
-    start: int,
-    stop: int,
-) -> ScorePart:
-    """Requests ``start:stop`` of lm-eval's loglikelihood ``pairs``, tokenised as lm-eval does
-    (:func:`rayeval.service.engine.encoder.encode_pairs`) and checked by ``inspect``."""
-    strings = pairs[start:stop]
-    encoded = encode_pairs(encoder, strings)
-    inspection = inspect(encoded.requests(strings), origins[start:stop], encoded.merged)
-    todo = [i for i in range(len(strings)) if i not in inspection.answers]
-    return ScorePart(
-        start=start,
-        pairs=[encoded.pairs[i] for i in todo],
-        todo=[start + i for i in todo],
-        fixed={start + i: answer for i, answer in inspection.answers.items()},
-    )
-
-
-@dataclass
 class PlannedPart:
-    """A part with its plan, the response cache's answers and where it sits in the dispatcher.
+    """A part's plan, the answers it needed no model call for, and its place in the dispatcher.
 
     Attributes:
-        part: The part.
-        plan: Micro-batches of the requests the cache did not answer.
-        computed: Their indices in the whole request type, in plan order.
-        cached: The cache's answers, by index in the whole request type.
-        store: Stores a finished micro-batch's answers (None without a cache).
+        micro_batches: What the replicas compute (micro-batches or continuous-batching groups).
+        computed: Per computed request, in plan order, its index in the whole request type.
+        places: Per computed request, where its answer is in the part's results: the part's
+            micro-batch first, then the indices inside that micro-batch's result (iterable
+            more than once).
+        given: Answers without a model call (checks, response cache), by index in the whole
+            request type.
+        cached: How many of ``given`` the response cache gave.
+        store: Stores a finished micro-batch's answers (its index in the part, its result).
+        store_piece: Stores a streamed piece's answers (group in the part, its finished).
         first: The dispatcher's index of its first micro-batch.
         left: Its micro-batches not back yet.
     """
 
-    part: ScorePart
-    plan: ScorePlan
-    computed: list[int]
-    cached: dict[int, Any]
-    store: Callable[[int, Any], None] | None
+    micro_batches: Sequence[Any]
+    computed: Sequence[int]
+    places: Iterable[tuple[int, ...]]
+    given: dict[int, Any]
+    cached: int = 0
+    store: Callable[[int, Any], None] | None = None
+    store_piece: Callable[[int, Sequence[tuple[int, Any]]], None] | None = None
     first: int = 0
     left: int = 0
 
     def counts(self) -> Counter[int]:
         """Requests per micro-batch, by the dispatcher's index."""
-        return Counter(self.first + micro_batch for micro_batch, _, _ in self.plan.where)
+        return Counter(self.first + place[0] for place in self.places)
 
-    @property
-    def micro_batches(self) -> list[ScoreMicroBatch]:
-        return self.plan.micro_batches
+    def read(self, results: Sequence[Any]) -> Iterator[tuple[int, Any]]:
+        """(index in the whole request type, answer) of each computed request, from the part's
+        results."""
+        for index, place in zip(self.computed, self.places, strict=True):
+            answer = results[place[0]]
+            for inner in place[1:]:
+                answer = answer[inner]
+            yield index, answer
 
 
 def part_bounds(contexts: Sequence[str], size: int = SCORE_PART) -> Iterator[tuple[int, int]]:
@@ -122,11 +97,18 @@ def part_bounds(contexts: Sequence[str], size: int = SCORE_PART) -> Iterator[tup
         start = stop
 
 
+def even_bounds(total: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, stop) of each part: ``size`` requests (the last one fewer)."""
+    return ((start, min(start + size, total)) for start in range(0, total, size))
+
+
 _END = object()
 
 
 class Planner(threading.Thread):
-    """Makes and plans the parts in the background, :data:`AHEAD` at most waiting.
+    """Makes and plans the parts in the background, :data:`AHEAD` at most waiting, in order
+    (a planner that keeps state from part to part, such as the sampling seeds' repeat counts,
+    sees the requests in lm-eval's order).
 
     Args:
         bounds: Each part's (start, stop).
@@ -137,10 +119,10 @@ class Planner(threading.Thread):
     def __init__(
         self,
         bounds: Iterator[tuple[int, int]],
-        make: Callable[[int, int], ScorePart],
-        plan: Callable[[ScorePart], PlannedPart],
+        make: Callable[[int, int], Any],
+        plan: Callable[[Any], PlannedPart],
     ) -> None:
-        super().__init__(name="rayeval-score-planner", daemon=True)
+        super().__init__(name="rayeval-part-planner", daemon=True)
         self._bounds, self._make, self._plan = bounds, make, plan
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=AHEAD)
         self._stopped = threading.Event()
@@ -202,7 +184,7 @@ class PartLedger:
     def add(self, planned: PlannedPart, first: int) -> None:
         """A part whose micro-batches start at the dispatcher's index ``first``."""
         planned.first, planned.left = first, len(planned.micro_batches)
-        for index, answer in (planned.part.fixed | planned.cached).items():
+        for index, answer in planned.given.items():
             self.answers[index] = answer
         if planned.left == 0:
             self._finish(planned)
@@ -210,8 +192,7 @@ class PartLedger:
         self._starts.append(first)
         self._parts.append(planned)
 
-    def back(self, micro_batch: int, result: Any) -> None:
-        """One micro-batch came back (the dispatcher's index)."""
+    def _part(self, micro_batch: int) -> tuple[int, PlannedPart]:
         at = bisect.bisect_right(self._starts, micro_batch) - 1
         planned = self._parts[at]
         if planned is None:
@@ -219,12 +200,25 @@ class PartLedger:
                 f"micro-batch {micro_batch} came back after its part was finished (a request "
                 "id is duplicated: please report this bug)"
             )
+        return at, planned
+
+    def back(self, micro_batch: int, result: Any) -> None:
+        """One micro-batch came back (the dispatcher's index)."""
+        at, planned = self._part(micro_batch)
         if planned.store is not None:
             planned.store(micro_batch - planned.first, result)
         planned.left -= 1
         if planned.left == 0:
             self._finish(planned)
             self._parts[at] = None
+
+    def piece(self, micro_batch: int, finished: Sequence[tuple[int, Any]]) -> None:
+        """Some requests of a streamed group finished (the dispatcher's index of the group)."""
+        if not finished:
+            return
+        _, planned = self._part(micro_batch)
+        if planned.store_piece is not None:
+            planned.store_piece(micro_batch - planned.first, finished)
 
     def check(self) -> list[Any]:
         """Every request's answer, once all parts finished.
@@ -241,31 +235,57 @@ class PartLedger:
         return self.answers
 
 
-def plan_part(
-    part: ScorePart,
-    cache: ResponseCache | None,
-    budget: TokenBudget,
-    share_prefixes: bool,
-    max_length: int,
-) -> PlannedPart:
-    """Look a part's requests up in the response cache and plan the rest (as
-    :meth:`rayeval.service.engine.executor.Executor.score` does for a whole request type)."""
-    todo: Sequence[int] = range(len(part.pairs))
-    keys: list[Any] = []
-    found: dict[int, Any] = {}
-    if cache is not None:
-        keys = [cache.digest(score_key(c, k, max_length)) for c, k in part.pairs]
-        found = cache.get_many(keys)
-        todo = [i for i in range(len(keys)) if i not in found]
-    plan = plan_score([part.pairs[i] for i in todo], max_length, budget, share_prefixes)
-    store = None
-    if cache is not None:
-        where = zip(todo, plan.where, strict=True)
-        store = cache.storer([(keys[i], mb, (row, target)) for i, (mb, row, target) in where])
-    return PlannedPart(
-        part=part,
-        plan=plan,
-        computed=[part.todo[i] for i in todo],
-        cached={part.todo[i]: answer for i, answer in found.items()},
-        store=store,
-    )
+def run_parts(
+    dispatcher: Dispatcher,
+    planner: Planner,
+    tracker: PhaseTracker,
+    stats: PhaseStats,
+    total: int,
+    streamed: bool,
+) -> list[Any]:
+    """Every answer, in order, of the ``total`` requests that ``planner`` (not started yet)
+    plans in parts: each part joins ``dispatcher`` (made empty, of the parts' kind) once taken;
+    each finished part's answers are read out (every micro-batch exactly once) and its
+    micro-batches dropped. ``streamed``: the parts are continuous-batching groups, whose
+    answers arrive in pieces; ``tracker`` expects ``total`` requests.
+    """
+
+    def finish(planned: PlannedPart) -> None:
+        indices = range(planned.first, planned.first + len(planned.micro_batches))
+        results = dispatcher.results(indices)
+        check_exactly_once(planned.micro_batches, results)
+        for index, answer in planned.read(results):
+            ledger.answers[index] = answer
+        dispatcher.forget(indices)
+
+    def feed(wait_s: float) -> bool:
+        try:
+            planned = planner.take(wait_s)
+        except StopIteration:
+            return False
+        if planned is not None:
+            stats.cached += planned.cached
+            stats.micro_batches += len(planned.micro_batches)
+            ledger.add(planned, dispatcher.add(planned.micro_batches))
+            tracker.expect(planned.counts(), len(planned.given))
+        return True
+
+    def on_step(step: StepDone) -> None:
+        if not streamed:  # streamed groups reported their pieces already
+            tracker.step(step)
+        for micro_batch, result in zip(step.micro_batches, step.results, strict=True):
+            ledger.back(micro_batch, result)
+
+    def on_piece(piece: PieceDone) -> None:
+        tracker.piece(piece)
+        if piece.micro_batch is not None:
+            ledger.piece(piece.micro_batch, piece.finished)
+
+    ledger = PartLedger(total, finish)
+    planner.start()
+    try:
+        dispatcher.run(on_step, on_piece if streamed else None, feed=feed)
+    finally:
+        planner.stop()
+        tracker.close()
+    return ledger.check()

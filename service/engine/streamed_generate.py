@@ -1,0 +1,164 @@
+"""Generation in parts (:mod:`rayeval.service.engine.streamed`): what a part is, how it is
+planned, and lm-eval's generate_until requests tokenised and decoded around it.
+
+A request type of more than :data:`~rayeval.service.engine.streamed.GENERATE_PART` requests is
+cut into parts of that many, in the order lm-eval hands them to the LM; each part is tokenised
+on the planning thread (:func:`rayeval.service.engine.encoder.generate_request`, one prompt at a
+time as before) and planned by the same rules as a whole request type
+(:mod:`rayeval.service.engine.generation_planner`: grouped by settings, sorted longest first,
+cut by the budget alone), so a request's group depends only on its part and the budget, never
+on R, G or timing. A request type of at most one part is planned whole, as before.
+
+Why this stays exact: a part changes only which requests share a group or micro-batch, as a smaller
+budget or fewer slots do, never a request's own tokens, settings or seed. Continuous batching gives
+each row lm-eval's answer whichever rows share its steps (rows stop on their own; greedy answers are
+held to lm-eval's per sample at any slot count and group make-up, tests/test_continuous.py), so a
+part changes no greedy answer. Static micro-batches are lm-eval's own ``generate`` calls over the
+rows the budget puts together: a part moves rows between them exactly as a budget does (where
+lm-eval's answer itself depends on its batch, an explicit ``max_length`` counted from the padded
+width, neither reproduces lm-eval's batches, parts or not). Sampled requests draw from their own
+generators, seeded from the evaluation's seed, the request's tokens and settings and how many
+identical requests came before it (:class:`~rayeval.service.engine.generation_planner.Seeder`),
+never from the part: the planning thread makes the parts one after the other, in lm-eval's order,
+with one ``Seeder``, so that count runs across parts and every request gets the seed the whole
+request type would give it. Which batching a request type uses is decided once, from every request's
+settings, before the first part. A request too large for the KV-cache budget is refused when its
+part is planned: in parts, that can be after the parts before it ran (planned whole, before any).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rayeval.service.engine.encoder import (
+    decode_generation,
+    generate_request,
+    generation_settings,
+)
+from rayeval.service.engine.generation_planner import (
+    GenerateRequest,
+    Seeder,
+    SlotBudget,
+    plan_generate,
+    plan_generate_groups,
+)
+from rayeval.service.engine.planner import TokenBudget
+from rayeval.service.engine.response_cache import ResponseCache, generate_key
+from rayeval.service.engine.streamed import PlannedPart
+
+
+@dataclass
+class GeneratePart:
+    """One part's requests, tokenised.
+
+    Attributes:
+        start: Index of its first request in the whole request type.
+        requests: The tokenised requests, in lm-eval's order.
+        names: Per request, how an error names it (task and document).
+    """
+
+    start: int
+    requests: list[GenerateRequest]
+    names: list[str]
+
+
+class Prompts:
+    """lm-eval's generate_until ``Instance``s: tokenised part by part, and their answers decoded.
+
+    Args:
+        encoder: lm-eval's HF backend over the meta model (its tokenizer and rules).
+        instances: The request type's requests, in lm-eval's order.
+    """
+
+    def __init__(self, encoder: Any, instances: Sequence[Any]) -> None:
+        self._encoder = encoder
+        self._instances = instances
+        self._eos = encoder.tok_decode(encoder.eot_token_id, skip_special_tokens=False)
+        #: Per request, its stop strings (one tuple shared by equal ones), once tokenised.
+        self._untils: list[tuple[str, ...] | None] = [None] * len(instances)
+        self._shared: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+    def make(self, start: int, stop: int) -> GeneratePart:
+        """Requests ``start:stop``, tokenised as lm-eval's HF ``generate_until`` does."""
+        instances = self._instances[start:stop]
+        requests = [
+            generate_request(self._encoder, context, gen_kwargs, self._eos)
+            for context, gen_kwargs in (instance.args for instance in instances)
+        ]
+        for index, request in enumerate(requests, start):
+            self._untils[index] = self._shared.setdefault(request.until, request.until)
+        names = [f"task {r.task_name} doc {r.doc_id}" for r in instances]
+        return GeneratePart(start=start, requests=requests, names=names)
+
+    def settings(self) -> list[tuple[int | None, dict[str, Any]]]:
+        """Each distinct (max_length, generation kwargs) of the requests, without tokenising
+        (equal gen_kwargs in a row, as one task's are, are read once)."""
+        distinct: dict[str, tuple[int | None, dict[str, Any]]] = {}
+        previous: Any = None
+        for instance in self._instances:
+            gen_kwargs = instance.args[1]
+            if gen_kwargs is previous or gen_kwargs == previous:
+                continue
+            previous = gen_kwargs
+            max_length, kwargs = generation_settings(self._encoder, gen_kwargs)
+            key = json.dumps([max_length, kwargs], sort_keys=True, default=str)
+            distinct.setdefault(key, (max_length, kwargs))
+        return list(distinct.values())
+
+    def decode(self, generated: list[Any]) -> list[str]:
+        """lm-eval's answer text of each request's generated token ids (all made first); each
+        request's ids are dropped from ``generated`` once decoded, so a million answers are not
+        held twice."""
+        texts = []
+        for index, tokens in enumerate(generated):
+            assert tokens is not None
+            texts.append(decode_generation(self._encoder, tokens, self._untils[index] or ()))
+            generated[index] = None
+        return texts
+
+
+def plan_generate_part(
+    part: GeneratePart,
+    cache: ResponseCache | None,
+    budget: TokenBudget,
+    slots: SlotBudget | None,
+    seeder: Seeder,
+) -> PlannedPart:
+    """Look a part's requests up in the response cache and plan the rest: continuous-batching
+    groups with ``slots`` (their sampling seeds from ``seeder``, which has seen every part
+    before), static micro-batches without (as :meth:`rayeval.service.engine.executor.Executor.
+    generate` plans a whole request type)."""
+    requests = part.requests
+    keys: list[Any] = [None] * len(requests)
+    found: dict[int, Any] = {}
+    if cache is not None:  # sampled requests have no key: never cached
+        keys = [cache.digest(generate_key(r.context, r.settings())) for r in requests]
+        found = cache.get_many(keys)
+    todo = [i for i in range(len(requests)) if i not in found]
+    pending = [requests[i] for i in todo]
+    given = {part.start + i: answer for i, answer in found.items()}
+    computed = [part.start + i for i in todo]
+    if slots is None:
+        plan = plan_generate(pending, budget)
+        store = None
+        if cache is not None:
+            located = zip(todo, plan.locations, strict=True)
+            store = cache.storer([(keys[i], mb, (position,)) for i, (mb, position) in located])
+        return PlannedPart(plan.micro_batches, computed, plan.locations, given, len(found), store)
+    names = [part.names[i] for i in todo]
+    groups = plan_generate_groups(pending, slots, seeder.seeds(pending), names)
+    store_piece = None
+    if cache is not None:
+        key_at = dict(zip(groups.locations, (keys[i] for i in todo), strict=True))
+
+        def store_piece(group: int, finished: Sequence[tuple[int, Any]]) -> None:
+            cache.put_many(
+                (key_at[(group, position)], list(tokens)) for position, tokens in finished
+            )
+
+    return PlannedPart(
+        groups.groups, computed, groups.locations, given, len(found), store_piece=store_piece
+    )

@@ -1,0 +1,90 @@
+"""Loglikelihood in parts (:mod:`rayeval.service.engine.streamed`): what a part is and how it
+is planned.
+
+A part is :data:`~rayeval.service.engine.streamed.SCORE_PART` requests in lm-eval's order, cut
+only where the context string changes (a question's choices stay together, as lm-eval's checks
+and shared-prefix packing need), tokenised as lm-eval does, checked, and planned exactly as
+:func:`rayeval.service.engine.planner.plan_score` plans any request set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rayeval.service.engine.checks import Inspection
+from rayeval.service.engine.encoder import encode_pairs
+from rayeval.service.engine.planner import TokenBudget, plan_score
+from rayeval.service.engine.response_cache import ResponseCache, score_key
+from rayeval.service.engine.streamed import PlannedPart
+
+
+@dataclass
+class ScorePart:
+    """One part's requests, tokenised and checked (made by the LM, planned here).
+
+    Attributes:
+        start: Index of its first request in the whole request type.
+        pairs: The (context, continuation) tokens of the requests to compute.
+        todo: Their indices in the whole request type.
+        fixed: Answers given without a model call, by index in the whole request type.
+    """
+
+    start: int
+    pairs: list[tuple[Sequence[int], Sequence[int]]]
+    todo: list[int]
+    fixed: dict[int, tuple[float, bool]]
+
+
+def make_part(
+    encoder: Any,
+    pairs: Sequence[tuple[str, str]],
+    origins: Sequence[tuple[str, Any]],
+    inspect: Callable[[list[Any], Sequence[tuple[str, Any]], list[bool]], Inspection],
+    start: int,
+    stop: int,
+) -> ScorePart:
+    """Requests ``start:stop`` of lm-eval's loglikelihood ``pairs``, tokenised as lm-eval does
+    (:func:`rayeval.service.engine.encoder.encode_pairs`) and checked by ``inspect``."""
+    strings = pairs[start:stop]
+    encoded = encode_pairs(encoder, strings)
+    inspection = inspect(encoded.requests(strings), origins[start:stop], encoded.merged)
+    todo = [i for i in range(len(strings)) if i not in inspection.answers]
+    return ScorePart(
+        start=start,
+        pairs=[encoded.pairs[i] for i in todo],
+        todo=[start + i for i in todo],
+        fixed={start + i: answer for i, answer in inspection.answers.items()},
+    )
+
+
+def plan_part(
+    part: ScorePart,
+    cache: ResponseCache | None,
+    budget: TokenBudget,
+    share_prefixes: bool,
+    max_length: int,
+) -> PlannedPart:
+    """Look a part's requests up in the response cache and plan the rest (as
+    :meth:`rayeval.service.engine.executor.Executor.score` does for a whole request type)."""
+    todo: Sequence[int] = range(len(part.pairs))
+    keys: list[Any] = []
+    found: dict[int, Any] = {}
+    if cache is not None:
+        keys = [cache.digest(score_key(c, k, max_length)) for c, k in part.pairs]
+        found = cache.get_many(keys)
+        todo = [i for i in range(len(keys)) if i not in found]
+    plan = plan_score([part.pairs[i] for i in todo], max_length, budget, share_prefixes)
+    store = None
+    if cache is not None:
+        where = zip(todo, plan.where, strict=True)
+        store = cache.storer([(keys[i], mb, (row, target)) for i, (mb, row, target) in where])
+    return PlannedPart(
+        micro_batches=plan.micro_batches,
+        computed=[part.todo[i] for i in todo],
+        places=plan.where,
+        given=part.fixed | {part.todo[i]: answer for i, answer in found.items()},
+        cached=len(found),
+        store=store,
+    )
