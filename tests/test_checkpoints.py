@@ -669,21 +669,23 @@ def test_rest_sweep_matches_lm_eval_hf_per_checkpoint(
 
 @pytest.mark.e2e
 def test_rest_watch_evaluates_new_complete_checkpoints(
-    demo: Any, run_dir: Path, sweep_server: tuple[Any, Path]
+    demo: Any, run_dir: Path, sweep_server: tuple[Any, Path], small_checkpoints: dict[str, Path]
 ) -> None:
-    """``sweep.watch``: the step present at the start is evaluated, then one saved while the
-    watch runs; one whose save has no ``.metadata`` yet is not; it ends after
-    ``max_checkpoints``. A second watch of the same run with the same settings skips both (the
-    server's response cache knows them) and, cancelled, keeps what it recorded."""
+    """``sweep.watch``: a step that does not fit the model is recorded as refused (with why),
+    the step present at the start is evaluated, then one saved while the watch runs; one whose
+    save has no ``.metadata`` yet is not; it ends after ``max_checkpoints`` evaluations. A second
+    watch of the same run with the same settings skips the evaluated steps (the server's response
+    cache knows them) and, cancelled, keeps what it recorded."""
     from tests.test_service import finished, submit, wait_for
 
     server, watched = sweep_server
+    shutil.copytree(small_checkpoints["shape"], watched / "step-50")
     shutil.copytree(run_dir / "step-100", watched / "step-100")
     spec = {"watch": str(watched), "poll_s": 0.2, "max_checkpoints": 2}
     with server.client() as client:
         watching = submit(client, _sweep_body(demo, spec, tasks=["demo_mc"]))
         served = f"/evaluations/{watching['id']}"
-        wait_for(client, watching["id"], _checkpoints_at_least(client, 1), timeout_s=600)
+        wait_for(client, watching["id"], _checkpoints_at_least(client, 2), timeout_s=600)
         partial = watched / "step-150"
         partial.mkdir()
         for shard in (run_dir / "step-200").glob("*.distcp"):
@@ -693,20 +695,24 @@ def test_rest_watch_evaluates_new_complete_checkpoints(
         sweep = client.get(f"{served}/sweep").json()
         spec = {"watch": str(watched), "poll_s": 0.2}
         again = submit(client, _sweep_body(demo, spec, tasks=["demo_mc"]))
-        wait_for(client, again["id"], _checkpoints_at_least(client, 2), timeout_s=300)
+        wait_for(client, again["id"], _checkpoints_at_least(client, 3), timeout_s=300)
         cancelled = client.delete(f"/evaluations/{again['id']}").json()
         kept = client.get(f"/evaluations/{again['id']}/sweep").json()
     assert cancelled["status"] == "cancelled", cancelled
     assert [(c["label"], c["status"]) for c in kept["checkpoints"]] == [
+        ("step-50", "refused"),
         ("step-100", "skipped"),
         ("step-200", "skipped"),
     ]
     assert watching["kind"] == "watch"
     assert evaluation["status"] == "succeeded", evaluation
     assert [(c["label"], c["status"]) for c in sweep["checkpoints"]] == [
+        ("step-50", "refused"),
         ("step-100", "succeeded"),
         ("step-200", "succeeded"),
     ]
+    refusal = sweep["checkpoints"][0]["error"]
+    assert "model.norm.weight has shape (65,)" in refusal and "links" not in sweep["checkpoints"][0]
 
 
 def _assert_equals_lm_eval_cli(
