@@ -4,12 +4,15 @@
 --output_path``) write ``OUT/<model>/results_<date>.json`` and, per task,
 ``samples_<task>_<date>.jsonl`` beside it. :func:`read_run` finds one run's files from ``OUT``,
 ``OUT/<model>`` or the results file itself, and reads them as a comparison reads an evaluation
-(:class:`rayeval.service.comparison.EvaluationSamples`). No torch here.
+(:class:`rayeval.service.comparison.EvaluationSamples`); :func:`read_lm_eval_files` and
+:func:`write_lm_eval_files` read and write one run's files as text. No torch here.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +109,19 @@ def read_lm_eval_files(output_dir: Path) -> tuple[str, dict[str, str]]:
         if path.is_file():
             samples[task] = path.read_text(encoding="utf-8")
     return results_json, samples
+
+
+def write_lm_eval_files(out: Path, results_json: str, samples: Mapping[str, str]) -> Path:
+    """``out/<model>/results_<date>.json`` and, per task, ``samples_<task>_<date>.jsonl`` beside
+    it, as lm-eval names them, holding ``results_json`` and ``samples`` verbatim (what
+    :func:`read_lm_eval_files` reads back); returns the results file."""
+    results = json.loads(results_json)
+    name = results.get("model_name_sanitized") or str(results["model_name"]).replace("/", "__")
+    directory = out / name
+    directory.mkdir(parents=True, exist_ok=True)
+    date_id = datetime.now().isoformat().replace(":", "-")
+    results_file = directory / f"results_{date_id}.json"
+    results_file.write_text(results_json, encoding="utf-8")
+    for task, jsonl in samples.items():
+        (directory / f"samples_{task}_{date_id}.jsonl").write_text(jsonl, encoding="utf-8")
+    return results_file

@@ -14,7 +14,6 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from rayeval.api.cli.remote_sweeps import (
 )
 from rayeval.api.client import RayEvalClient, ServiceError
 from rayeval.service.events import PhaseCounts
+from rayeval.service.result_files import write_lm_eval_files
 
 #: A request type's bar: the server's rates (tqdm's own would time this client's polls).
 _BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} req [{elapsed}{postfix}]"
@@ -284,26 +284,13 @@ def _results(
     if "groups" in results:
         print(make_table(results, "groups"))
     if output_path:
-        written = _write_lm_eval_files(client, evaluation_id, results, text, Path(output_path))
+        samples = {
+            task: client.samples_text(evaluation_id, task)
+            for task in client.get(evaluation_id)["links"]["samples"]
+        }
+        written = write_lm_eval_files(Path(output_path), text, samples)
         print(f"wrote {written}")
     return 0
-
-
-def _write_lm_eval_files(
-    client: RayEvalClient, evaluation_id: str, results: dict[str, Any], text: str, out: Path
-) -> Path:
-    """``OUT/<model>/results_<date>.json`` and ``samples_<task>_<date>.jsonl``, as lm-eval names
-    them, holding the server's files verbatim."""
-    name = results.get("model_name_sanitized") or str(results["model_name"]).replace("/", "__")
-    directory = out / name
-    directory.mkdir(parents=True, exist_ok=True)
-    date_id = datetime.now().isoformat().replace(":", "-")
-    results_file = directory / f"results_{date_id}.json"
-    results_file.write_text(text, encoding="utf-8")
-    for task in client.get(evaluation_id)["links"]["samples"]:
-        samples = client.samples_text(evaluation_id, task)
-        (directory / f"samples_{task}_{date_id}.jsonl").write_text(samples, encoding="utf-8")
-    return results_file
 
 
 def _line(evaluation: dict[str, Any]) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -119,22 +118,16 @@ def sweep_results(
 def write_sweep_files(client: RayEvalClient, summary: dict[str, Any], out: Path) -> Path:
     """Each checkpoint's lm-eval files under ``out/<label>/<model>/`` and ``out/sweep.json``, as
     ``rayeval run --checkpoints`` writes them; returns the summary file."""
-    date_id = datetime.now().isoformat().replace(":", "-")
+    from rayeval.service.result_files import write_lm_eval_files
+
     records = []
     for record in summary["checkpoints"]:
         links = record.pop("links", None)
         if links is not None:
+            samples = {task: client.text(url) for task, url in links["samples"].items()}
             text = client.text(links["results"])
-            results = json.loads(text)
-            model = results.get("model_name_sanitized") or str(results["model_name"])
-            directory = out / record["label"] / model.replace("/", "__")
-            directory.mkdir(parents=True, exist_ok=True)
-            results_file = directory / f"results_{date_id}.json"
-            results_file.write_text(text, encoding="utf-8")
+            results_file = write_lm_eval_files(out / record["label"], text, samples)
             record["results_file"] = str(results_file.relative_to(out))
-            for task, url in links["samples"].items():
-                samples_file = directory / f"samples_{task}_{date_id}.jsonl"
-                samples_file.write_text(client.text(url), encoding="utf-8")
         records.append(record)
     path = out / "sweep.json"
     path.write_text(json.dumps({**summary, "checkpoints": records}, indent=2), encoding="utf-8")

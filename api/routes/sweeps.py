@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from rayeval.api.deps import CallerDep, StoreDep, require_token
 from rayeval.api.schemas import EVALUATION_ERRORS
 from rayeval.service.config import EvaluationConfig
-from rayeval.service.engine.sweep_summary import KIND, CheckpointRecord, SweepSummary, table
+from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary, table
 from rayeval.service.errors import EvaluationNotFoundError
 from rayeval.service.jobs.accounts import check_access
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
@@ -60,7 +60,7 @@ def get_sweep(
     stored = store.sweeps.checkpoints(evaluation_id)
     if format == "text":
         return Response(content=table(_summary(record, stored)) + "\n", media_type="text/plain")
-    data: dict[str, Any] = {"kind": KIND, **_summary(record, []).to_json()}
+    data = _summary(record, []).to_json()  # its kind, model and tasks
     data["checkpoints"] = [_with_links(evaluation_id, checkpoint) for checkpoint in stored]
     return Response(content=_json(data), media_type="application/json")
 

@@ -170,18 +170,24 @@ class Executor:
         cached, todo = self._cached(keys, "generate_until")
         pending = [requests[i] for i in todo]
         pending_keys = [keys[i] for i in todo]
-        reason = self._static_reason([(r.max_length, r.kwargs) for r in pending])
-        phase = self.stats.setdefault("generate_until", PhaseStats())
-        phase.batching = "continuous" if reason is None else "static"
+        reason = self._batching([(r.max_length, r.kwargs) for r in pending])
         if reason is None:
             pending_names = [names[i] for i in todo] if names else None
             outputs = self._generate_continuous(pending, pending_keys, pending_names, disable_tqdm)
         else:
-            if pending:
-                logger.info("generate_until runs in static batches: %s", reason)
             outputs = self._generate_static(pending, pending_keys, disable_tqdm)
         generated = dict(cached) | dict(zip(todo, outputs, strict=True))
         return [list(generated[i]) for i in range(len(requests))]
+
+    def _batching(self, settings: Sequence[tuple[int | None, dict[str, Any]]]) -> str | None:
+        """Why requests with these (max_length, kwargs) take static batches (None: continuous
+        batching), recorded in the phase's figures and logged."""
+        reason = self._static_reason(settings)
+        phase = self.stats.setdefault("generate_until", PhaseStats())
+        phase.batching = "continuous" if reason is None else "static"
+        if reason is not None and settings:
+            logger.info("generate_until runs in static batches: %s", reason)
+        return reason
 
     def _static_reason(self, settings: Sequence[tuple[int | None, dict[str, Any]]]) -> str | None:
         """Why requests with these (max_length, kwargs) cannot use continuous batching (None:
@@ -223,21 +229,15 @@ class Executor:
         """Continuous batching: groups streamed back request by request."""
         start = self._start_up()
         seeds = Seeder(self._seed).seeds(requests)
-        plan = plan_generate_groups(
-            requests,
-            self._slot_budget(),
-            seeds,
-            names,
-        )
-        key_at = dict(zip(plan.locations, keys, strict=True)) if self._cache is not None else {}
-        cache = self._cache
+        plan = plan_generate_groups(requests, self._slot_budget(), seeds, names)
+        store_piece = None
+        if self._cache is not None:
+            located = zip(keys, plan.locations, strict=True)
+            store_piece = self._cache.piece_storer([(k, g, p) for k, (g, p) in located])
 
         def store(piece: PieceDone) -> None:
-            if cache is not None and piece.micro_batch is not None:
-                cache.put_many(
-                    (key_at[(piece.micro_batch, position)], list(tokens))
-                    for position, tokens in piece.finished
-                )
+            if store_piece is not None and piece.micro_batch is not None:
+                store_piece(piece.micro_batch, piece.finished)
 
         outputs = self._run(
             plan.groups,
@@ -376,11 +376,7 @@ class Executor:
         part (``settings``: every distinct (max_length, kwargs) among them, which decide the
         batching): planned on a background thread while the replicas compute the parts before
         (:mod:`rayeval.service.engine.streamed_generate`)."""
-        reason = self._static_reason(settings)
-        phase = self.stats.setdefault("generate_until", PhaseStats())
-        phase.batching = "continuous" if reason is None else "static"
-        if reason is not None:
-            logger.info("generate_until runs in static batches: %s", reason)
+        reason = self._batching(settings)
         start = self._start_up()
         plan = partial(
             plan_generate_part,

@@ -204,6 +204,27 @@ class ResponseCache:
 
         return store
 
+    def piece_storer(
+        self, located: Sequence[tuple[Any, int, int]]
+    ) -> Callable[[int, Sequence[tuple[int, Any]]], None]:
+        """A callback that stores the answers of a continuous-batching group's finished
+        requests as they stream back, in one transaction per piece.
+
+        Args:
+            located: Per computed request: its key, its group, and its position in the group.
+
+        Returns:
+            ``store(group, finished)``, ``finished`` being (position, token ids) pairs.
+        """
+        key_at = {(group, position): key for key, group, position in located}
+
+        def store(group: int, finished: Sequence[tuple[int, Any]]) -> None:
+            self.put_many(
+                (key_at[(group, position)], list(tokens)) for position, tokens in finished
+            )
+
+        return store
+
     def digest(self, request: Any) -> Digest | None:
         """The key of ``request`` as this cache stores it (None stays None); every method
         taking requests takes digests too."""

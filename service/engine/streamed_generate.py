@@ -152,13 +152,8 @@ def plan_generate_part(
     groups = plan_generate_groups(pending, slots, seeder.seeds(pending), names)
     store_piece = None
     if cache is not None:
-        key_at = dict(zip(groups.locations, (keys[i] for i in todo), strict=True))
-
-        def store_piece(group: int, finished: Sequence[tuple[int, Any]]) -> None:
-            cache.put_many(
-                (key_at[(group, position)], list(tokens)) for position, tokens in finished
-            )
-
+        located = zip(todo, groups.locations, strict=True)
+        store_piece = cache.piece_storer([(keys[i], g, position) for i, (g, position) in located])
     return PlannedPart(
         groups.groups, computed, groups.locations, given, len(found), store_piece=store_piece
     )
