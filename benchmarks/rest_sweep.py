@@ -57,10 +57,11 @@ def _follow(base: str, evaluation_id: str, started: float, timeout_s: float = 36
     seen: dict[str, float] = {}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        state = httpx.get(f"{base}/evaluations/{evaluation_id}", timeout=60).json()
+        # Read after the state: an ended sweep's last checkpoint is listed by then.
         sweep = httpx.get(f"{base}/evaluations/{evaluation_id}/sweep", timeout=60).json()
         for record in sweep["checkpoints"]:
             seen.setdefault(record["label"], time.monotonic() - started)
-        state = httpx.get(f"{base}/evaluations/{evaluation_id}", timeout=60).json()
         if state["status"] in ("succeeded", "failed", "cancelled"):
             if state["status"] != "succeeded":
                 raise SystemExit(f"REST sweep {state['status']}: {state['error']}")
