@@ -48,6 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max_gen_toks", type=int, default=256)
     parser.add_argument("--slots", type=int, default=64, help="continuous-batching slots")
     parser.add_argument("--use_cache", default=None, help="response cache path prefix")
+    parser.add_argument(
+        "--tokenizer_workers",
+        type=int,
+        default=None,
+        help="tokeniser actors for request types of several parts (default: the product's, "
+        "one per free CPU; 0: the driver alone)",
+    )
     parser.add_argument("--num_cpus", type=int, default=None, help="logical CPUs of Ray")
     parser.add_argument("--json", default=None, help="append this run's figures here")
     parser.add_argument("--grid", action="store_true", help="the whole table (driver_grid.py)")
@@ -89,6 +96,8 @@ def make_lm(args: argparse.Namespace, probe: DriverProbe, replicas: Any = None) 
         options |= {"max_batch_size": args.slots, "kv_cache_tokens": 1 << 20}
     if args.use_cache:
         options["use_cache"] = args.use_cache
+    if args.tokenizer_workers is not None:
+        options["tokenizer_workers"] = args.tokenizer_workers
     lm = RayEvalLM(
         pretrained=str(bench_model(ROOT / ".rayeval")),
         on_progress=probe,
@@ -135,6 +144,9 @@ def measure(lm: Any, requests: list[Any], args: argparse.Namespace, probe: Drive
         "cpu_per_micro_batch_ms": (last.cpu - first.cpu) / steps_between * 1e3,
         "ranks_cpu_per_micro_batch_ms": ranks / max(1, stats.micro_batches) * 1e3,
         "progress_reports": probe.reports,
+        "tokenizer_workers": args.tokenizer_workers,
+        "tokenised_by_actors": stats.tokenised_by_actors,
+        "driver_cpu_per_request_us": (end.cpu - start.cpu) / max(1, len(requests)) * 1e6,
         "load_average": (load_before + os.getloadavg()[0]) / 2,
     }
 
@@ -153,6 +165,8 @@ def report(figures: dict[str, Any]) -> str:
             f"{f['cpu_before_first_s']:.2f} s of it before the first results, "
             f"{f['cpu_per_micro_batch_ms']:.3f} ms per micro-batch while dispatching; "
             f"the ranks' CPU {f['ranks_cpu_per_micro_batch_ms']:.3f} ms per micro-batch",
+            f"driver CPU per request {f['driver_cpu_per_request_us']:.1f} us; "
+            f"{f['tokenised_by_actors']:,} requests tokenised by actors",
             f"replica utilisation: min {f['replica_utilisation_min']:.3f}",
             f"replica utilisation: {f['replica_utilisation']:.3f}",
         ]
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         from driver_grid import run_grid
 
         return run_grid(args)
-    start_ray(args.num_cpus or args.replicas + 2)
+    start_ray(args.num_cpus or args.replicas + max(2, args.tokenizer_workers or 0))
     started = time.monotonic()
     requests = build_requests(args)
     print(

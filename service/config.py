@@ -157,6 +157,15 @@ class EngineConfig(_Frozen):
         "max_batch_tokens if set, else on GPUs what half the memory left beside the model holds, "
         f"else {DEFAULT_MAX_BATCH_TOKENS}.",
     )
+    tokenizer_workers: int | None = Field(
+        default=None,
+        ge=0,
+        le=1024,
+        description="Ray actors (one CPU each, spread over the nodes) that tokenise a request "
+        "type of more than one part (over 65,536 loglikelihood or 16,384 generate_until "
+        "requests) while the driver plans and dispatches, with the tokens the driver would "
+        "make; default: one per CPU free in the cluster, at most 16; 0: the driver alone.",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="What a rank holds; auto: GPUs when the cluster has any."
     )

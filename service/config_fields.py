@@ -28,6 +28,7 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("share_prefixes",): "--share_prefixes",
     ("continuous_batching",): "--continuous_batching",
     ("kv_cache_tokens",): "--kv_cache_tokens",
+    ("tokenizer_workers",): "--tokenizer_workers",
     ("timeouts", "placement_s"): "--placement_timeout",
     ("timeouts", "load_s"): "--load_timeout",
     ("timeouts", "step_s"): "--step_timeout",

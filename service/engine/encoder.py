@@ -162,12 +162,19 @@ def generate_request(
         special = {"add_special_tokens": encoder.add_bos_token}
     ids = tokenizer(context, truncation=encoder.truncation, **special)["input_ids"]
     return GenerateRequest(
-        context=_shared_ids(encoder)(ids[-max_ctx_len:]),
+        context=shared_ids(encoder)(ids[-max_ctx_len:]),
         max_gen_toks=max_gen_toks,
         until=tuple(until),
         max_length=max_length,
         kwargs=kwargs,
     )
+
+
+def generate_requests(
+    encoder: HFLM, args: Sequence[tuple[str, dict[str, Any]]], eos: str
+) -> list[GenerateRequest]:
+    """:func:`generate_request` of each (context, gen_kwargs) (what a tokeniser actor runs)."""
+    return [generate_request(encoder, context, gen_kwargs, eos) for context, gen_kwargs in args]
 
 
 def generation_settings(encoder: HFLM, gen_kwargs: dict[str, Any]) -> tuple[int | None, Any]:
@@ -256,7 +263,7 @@ def encode_pairs(encoder: HFLM, requests: Sequence[tuple[str, str]]) -> EncodedP
     is encoded once (the choices of a question share it), strings are encoded in batches
     (:func:`tok_encode_many`), and the joint encodings are dropped once used.
     """
-    shared = _shared_ids(encoder)
+    shared = shared_ids(encoder)
     pairs: list[Any] = [None] * len(requests)
     merged = [False] * len(requests)
     contexts: dict[str, tuple[int, ...]] = {}
@@ -318,8 +325,9 @@ def _empty_context_pair(
     return shared(cont[:1]), shared(cont[1:])
 
 
-def _shared_ids(encoder: HFLM) -> _Interner:
-    """The encoder's :class:`_Interner` (made once per encoder)."""
+def shared_ids(encoder: HFLM) -> _Interner:
+    """The encoder's :class:`_Interner` (made once per encoder): token ids made elsewhere (a
+    tokeniser actor's) become the driver's shared ones through it."""
     interner = _INTERNERS.get(encoder)
     if interner is None:
         interner = _INTERNERS[encoder] = _Interner(encoder)

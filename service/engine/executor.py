@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -41,9 +41,10 @@ from rayeval.service.engine.generation_planner import (
 from rayeval.service.engine.phases import PhaseStats, PhaseTracker, StartUp
 from rayeval.service.engine.planner import plan_score
 from rayeval.service.engine.response_cache import ResponseCache, generate_key, score_key
-from rayeval.service.engine.streamed import Planner, run_parts
-from rayeval.service.engine.streamed_generate import GeneratePart, plan_generate_part
-from rayeval.service.engine.streamed_score import ScorePart, plan_part
+from rayeval.service.engine.streamed import PlannedPart, Planner, run_parts
+from rayeval.service.engine.streamed_generate import plan_generate_part
+from rayeval.service.engine.streamed_score import plan_part
+from rayeval.service.engine.tokenisers import PartTokens, TokeniserPool, made_parts
 from rayeval.service.events import Progress, RankMemory
 
 logger = logging.getLogger(__name__)
@@ -346,14 +347,14 @@ class Executor:
     def score_parts(
         self,
         total: int,
-        bounds: Iterator[tuple[int, int]],
-        make: Callable[[int, int], ScorePart],
+        bounds: Iterable[tuple[int, int]],
+        tokens: PartTokens,
         max_length: int,
         disable_tqdm: bool,
     ) -> list[tuple[float, bool]]:
-        """:meth:`score` for ``total`` loglikelihood requests that ``make(start, stop)`` tokenises
-        part by part: planned on a background thread while the replicas compute the parts
-        before (:mod:`rayeval.service.engine.streamed`)."""
+        """:meth:`score` for ``total`` loglikelihood requests in parts of ``bounds``, which
+        ``tokens`` makes (on tokeniser actors where it can): planned on a background thread
+        while the replicas compute the parts before (:mod:`rayeval.service.engine.streamed`)."""
         plan = partial(
             plan_part,
             cache=self._cache,
@@ -361,46 +362,60 @@ class Executor:
             share_prefixes=self._share_prefixes,
             max_length=max_length,
         )
-        planner = Planner(bounds, make, plan)
-        return self._run_parts("loglikelihood", total, planner, ScoreMicroBatch, disable_tqdm)
+        with self._tokenisers(tokens) as pool:
+            parts = made_parts(bounds, tokens, pool)
+            return self._run_parts(
+                "loglikelihood", total, parts, plan, ScoreMicroBatch, pool, disable_tqdm
+            )
 
     def generate_parts(
         self,
         total: int,
-        bounds: Iterator[tuple[int, int]],
-        make: Callable[[int, int], GeneratePart],
+        bounds: Iterable[tuple[int, int]],
+        tokens: PartTokens,
         settings: Sequence[tuple[int | None, dict[str, Any]]],
         disable_tqdm: bool,
     ) -> list[Any]:
-        """:meth:`generate` for ``total`` requests that ``make(start, stop)`` tokenises part by
-        part (``settings``: every distinct (max_length, kwargs) among them, which decide the
-        batching): planned on a background thread while the replicas compute the parts before
-        (:mod:`rayeval.service.engine.streamed_generate`)."""
-        reason = self._batching(settings)
-        start = self._start_up()
-        plan = partial(
-            plan_generate_part,
-            cache=self._cache,
-            budget=self._generate_budget,
-            slots=self._slot_budget() if reason is None else None,
-            seeder=Seeder(self._seed),
-        )
-        kind = GenerateGroup if reason is None else GenerateMicroBatch
-        planner = Planner(bounds, make, plan)
-        return self._run_parts("generate_until", total, planner, kind, disable_tqdm, start)
+        """:meth:`generate` for ``total`` requests in parts of ``bounds``, which ``tokens`` makes
+        (on tokeniser actors where it can; ``settings``: every distinct (max_length, kwargs)
+        among them, which decide the batching): planned on a background thread while the
+        replicas compute the parts before (:mod:`rayeval.service.engine.streamed_generate`)."""
+        with self._tokenisers(tokens) as pool:  # they start while the ranks do
+            reason = self._batching(settings)
+            start = self._start_up()
+            plan = partial(
+                plan_generate_part,
+                cache=self._cache,
+                budget=self._generate_budget,
+                slots=self._slot_budget() if reason is None else None,
+                seeder=Seeder(self._seed),
+            )
+            kind = GenerateGroup if reason is None else GenerateMicroBatch
+            parts = made_parts(bounds, tokens, pool)
+            return self._run_parts(
+                "generate_until", total, parts, plan, kind, pool, disable_tqdm, start
+            )
+
+    def _tokenisers(self, tokens: PartTokens) -> TokeniserPool:
+        return TokeniserPool(tokens.encoder, self._config.tokenizer_workers)
 
     def _run_parts(
         self,
         phase: str,
         total: int,
-        planner: Planner,
+        parts: Iterable[Any],
+        plan: Callable[[Any], PlannedPart],
         kind: type[MicroBatch],
+        pool: TokeniserPool,
         disable_tqdm: bool,
         start: StartUp | None = None,
     ) -> list[Any]:
-        """Compute ``total`` requests of ``phase`` that ``planner`` plans in parts of ``kind``."""
+        """Compute ``total`` requests of ``phase`` in ``parts``, planned by ``plan`` into
+        ``kind``, and record how many ``pool`` tokenised."""
         tracker = self._tracker(phase, Counter(), disable_tqdm, start, expected=total)
         assert self._group is not None
         dispatcher = Dispatcher(self._group, [], self._timeouts.step_s, kind=kind)
-        streamed = kind is GenerateGroup
-        return run_parts(dispatcher, planner, tracker, self.stats[phase], total, streamed)
+        stats, streamed = self.stats[phase], kind is GenerateGroup
+        answers = run_parts(dispatcher, Planner(parts, plan), tracker, stats, total, streamed)
+        stats.tokenised_by_actors += pool.tokenised
+        return answers

@@ -21,7 +21,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from lm_eval.api.model import TemplateLM
@@ -46,7 +45,7 @@ from rayeval.service.engine.phases import PhaseStats
 from rayeval.service.engine.response_cache import open_cache
 from rayeval.service.engine.streamed import GENERATE_PART, SCORE_PART, even_bounds, part_bounds
 from rayeval.service.engine.streamed_generate import Prompts
-from rayeval.service.engine.streamed_score import make_part
+from rayeval.service.engine.streamed_score import score_tokens
 from rayeval.service.engine.warm import KeptReplicas, replica_key
 from rayeval.service.events import Progress
 from rayeval.service.private_apis import check_private_apis
@@ -324,15 +323,15 @@ class RayEvalLM(TemplateLM):
         origins = Origins(requests)
         pairs = [r.args for r in requests]
         check_empty_context_pairs(pairs, origins, self.tok_encode)
-        # TemplateLM's tokenisation, in bulk, and the checks (engine.streamed.make_part).
-        make = partial(make_part, self._encoder, pairs, origins, self._checks())
-        if len(pairs) > SCORE_PART:  # tokenised, checked and planned in parts
+        # TemplateLM's tokenisation, in bulk, and the checks (engine.streamed_score).
+        tokens = score_tokens(self._encoder, pairs, origins, self._checks())
+        if len(pairs) > SCORE_PART:  # tokenised (by actors), checked and planned in parts
             bounds = part_bounds([context for context, _ in pairs], SCORE_PART)
             answers = self._executor.score_parts(
-                len(pairs), bounds, make, self.max_length, disable_tqdm
+                len(pairs), bounds, tokens, self.max_length, disable_tqdm
             )
             return self._hooked(pairs, answers)
-        part = make(0, len(pairs))
+        part = tokens.make(0, len(pairs), None)
         scored = iter(
             self._executor.score(part.pairs, self.max_length, "loglikelihood", disable_tqdm)
         )
@@ -379,10 +378,10 @@ class RayEvalLM(TemplateLM):
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         prompts = Prompts(self._encoder, requests)  # lm-eval's tokenisation and decoding
         generated: list[Any]
-        if len(requests) > GENERATE_PART:  # tokenised and planned in parts
+        if len(requests) > GENERATE_PART:  # tokenised (by actors) and planned in parts
             bounds = even_bounds(len(requests), GENERATE_PART)
             generated = self._executor.generate_parts(
-                len(requests), bounds, prompts.make, prompts.settings(), disable_tqdm
+                len(requests), bounds, prompts.tokens(), prompts.settings(), disable_tqdm
             )
         else:
             part = prompts.make(0, len(requests))

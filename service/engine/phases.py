@@ -42,6 +42,8 @@ class PhaseStats:
     replica_tokens: dict[int, int] = field(default_factory=dict)
     #: How generate_until requests were batched: "continuous" or "static" (None: not generated).
     batching: str | None = None
+    #: Requests tokenised by tokeniser actors (:mod:`rayeval.service.engine.tokenisers`).
+    tokenised_by_actors: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -71,6 +73,7 @@ class PhaseStats:
             "real_token_fraction": self.real_token_fraction,
             "replica_utilisation": self.replica_utilisation,
             **({"batching": self.batching} if self.batching else {}),
+            **({"tokenised_by_actors": n} if (n := self.tokenised_by_actors) else {}),
         }
 
 

@@ -2,10 +2,12 @@
 
 Tokenising, checking and planning a million requests takes the driver minutes and gigabytes
 before its first micro-batch could leave. Here a background thread (:class:`Planner`) makes and
-plans the parts one after the other, at most :data:`AHEAD` ahead of the dispatcher, while the
-dispatcher computes the parts before (:meth:`rayeval.service.engine.dispatch.Dispatcher.add`); a
-finished part's answers are read out and its micro-batches dropped (:class:`PartLedger`), so the
-driver holds the parts in flight, not the whole plan. :func:`run_parts` wires them together for
+plans the parts one after the other (their tokens made ahead by tokeniser actors where the
+cluster has free CPUs: :mod:`rayeval.service.engine.tokenisers`), at most :data:`AHEAD` ahead of
+the dispatcher, while the dispatcher computes the parts before
+(:meth:`rayeval.service.engine.dispatch.Dispatcher.add`); a finished part's answers are read out
+and its micro-batches dropped (:class:`PartLedger`), so the driver holds the parts in flight, not
+the whole plan. :func:`run_parts` wires them together for
 any request type; what a part is and how it is planned is the request type's own:
 loglikelihood in :mod:`rayeval.service.engine.streamed_score`, generation in
 :mod:`rayeval.service.engine.streamed_generate`.
@@ -111,26 +113,21 @@ class Planner(threading.Thread):
     sees the requests in lm-eval's order).
 
     Args:
-        bounds: Each part's (start, stop).
-        make: Tokenises and checks one part.
+        parts: Each part, tokenised and checked, in order (made lazily, on this thread:
+            :func:`rayeval.service.engine.tokenisers.made_parts`).
         plan: Plans one part (and looks it up in the response cache).
     """
 
-    def __init__(
-        self,
-        bounds: Iterator[tuple[int, int]],
-        make: Callable[[int, int], Any],
-        plan: Callable[[Any], PlannedPart],
-    ) -> None:
+    def __init__(self, parts: Iterable[Any], plan: Callable[[Any], PlannedPart]) -> None:
         super().__init__(name="rayeval-part-planner", daemon=True)
-        self._bounds, self._make, self._plan = bounds, make, plan
+        self._parts, self._plan = parts, plan
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=AHEAD)
         self._stopped = threading.Event()
 
     def run(self) -> None:
         try:
-            for start, stop in self._bounds:
-                if not self._give(self._plan(self._make(start, stop))):
+            for part in self._parts:
+                if not self._give(self._plan(part)):
                     return
             self._give(_END)
         except BaseException as exc:  # handed to the driver's thread, raised there

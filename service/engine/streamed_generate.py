@@ -3,8 +3,9 @@ planned, and lm-eval's generate_until requests tokenised and decoded around it.
 
 A request type of more than :data:`~rayeval.service.engine.streamed.GENERATE_PART` requests is
 cut into parts of that many, in the order lm-eval hands them to the LM; each part is tokenised
-on the planning thread (:func:`rayeval.service.engine.encoder.generate_request`, one prompt at a
-time as before) and planned by the same rules as a whole request type
+(:func:`rayeval.service.engine.encoder.generate_request`, one prompt at a time as before; by
+tokeniser actors where the cluster has free CPUs, :mod:`rayeval.service.engine.tokenisers`, the
+first part on the planning thread) and planned by the same rules as a whole request type
 (:mod:`rayeval.service.engine.generation_planner`: grouped by settings, sorted longest first,
 cut by the budget alone), so a request's group depends only on its part and the budget, never
 on R, G or timing. A request type of at most one part is planned whole, as before.
@@ -30,13 +31,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rayeval.service.engine.encoder import (
     decode_generation,
-    generate_request,
+    generate_requests,
     generation_settings,
+    shared_ids,
 )
 from rayeval.service.engine.generation_planner import (
     GenerateRequest,
@@ -48,6 +50,7 @@ from rayeval.service.engine.generation_planner import (
 from rayeval.service.engine.planner import TokenBudget
 from rayeval.service.engine.response_cache import ResponseCache, generate_key
 from rayeval.service.engine.streamed import PlannedPart
+from rayeval.service.engine.tokenisers import PartTokens, even_chunks
 
 
 @dataclass
@@ -81,17 +84,40 @@ class Prompts:
         self._untils: list[tuple[str, ...] | None] = [None] * len(instances)
         self._shared: dict[tuple[str, ...], tuple[str, ...]] = {}
 
-    def make(self, start: int, stop: int) -> GeneratePart:
-        """Requests ``start:stop``, tokenised as lm-eval's HF ``generate_until`` does."""
+    def make(
+        self, start: int, stop: int, requests: list[GenerateRequest] | None = None
+    ) -> GeneratePart:
+        """Requests ``start:stop``, tokenised as lm-eval's HF ``generate_until`` does
+        (``requests``: already, by tokeniser actors)."""
         instances = self._instances[start:stop]
-        requests = [
-            generate_request(self._encoder, context, gen_kwargs, self._eos)
-            for context, gen_kwargs in (instance.args for instance in instances)
-        ]
+        if requests is None:
+            requests = generate_requests(self._encoder, [r.args for r in instances], self._eos)
         for index, request in enumerate(requests, start):
             self._untils[index] = self._shared.setdefault(request.until, request.until)
         names = [f"task {r.task_name} doc {r.doc_id}" for r in instances]
         return GeneratePart(start=start, requests=requests, names=names)
+
+    def tokens(self) -> PartTokens:
+        """How the parts are tokenised on tokeniser actors and made
+        (:func:`rayeval.service.engine.tokenisers.made_parts`)."""
+        shared = shared_ids(self._encoder)
+
+        def join(results: list[list[GenerateRequest]]) -> list[GenerateRequest]:
+            return [
+                replace(request, context=shared(request.context))
+                for requests in results
+                for request in requests
+            ]
+
+        return PartTokens(
+            function=generate_requests,
+            args=lambda start, stop: ([r.args for r in self._instances[start:stop]], self._eos),
+            chunks=even_chunks,
+            join=join,
+            first=lambda requests: requests[0],
+            make=self.make,
+            encoder=self._encoder,
+        )
 
     def settings(self) -> list[tuple[int | None, dict[str, Any]]]:
         """Each distinct (max_length, generation kwargs) of the requests, without tokenising

@@ -3,21 +3,24 @@ is planned.
 
 A part is :data:`~rayeval.service.engine.streamed.SCORE_PART` requests in lm-eval's order, cut
 only where the context string changes (a question's choices stay together, as lm-eval's checks
-and shared-prefix packing need), tokenised as lm-eval does, checked, and planned exactly as
+and shared-prefix packing need), tokenised as lm-eval does (by tokeniser actors where the cluster
+has free CPUs, :mod:`rayeval.service.engine.tokenisers`), checked, and planned exactly as
 :func:`rayeval.service.engine.planner.plan_score` plans any request set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from rayeval.service.engine.checks import Inspection
-from rayeval.service.engine.encoder import encode_pairs
+from rayeval.service.engine.encoder import EncodedPairs, encode_pairs, shared_ids
 from rayeval.service.engine.planner import TokenBudget, plan_score
 from rayeval.service.engine.response_cache import ResponseCache, score_key
-from rayeval.service.engine.streamed import PlannedPart
+from rayeval.service.engine.streamed import PlannedPart, part_bounds
+from rayeval.service.engine.tokenisers import PartTokens
 
 
 @dataclass
@@ -44,11 +47,14 @@ def make_part(
     inspect: Callable[[list[Any], Sequence[tuple[str, Any]], list[bool]], Inspection],
     start: int,
     stop: int,
+    encoded: EncodedPairs | None = None,
 ) -> ScorePart:
     """Requests ``start:stop`` of lm-eval's loglikelihood ``pairs``, tokenised as lm-eval does
-    (:func:`rayeval.service.engine.encoder.encode_pairs`) and checked by ``inspect``."""
+    (:func:`rayeval.service.engine.encoder.encode_pairs`; ``encoded``: already, by tokeniser
+    actors) and checked by ``inspect``."""
     strings = pairs[start:stop]
-    encoded = encode_pairs(encoder, strings)
+    if encoded is None:
+        encoded = encode_pairs(encoder, strings)
     inspection = inspect(encoded.requests(strings), origins[start:stop], encoded.merged)
     todo = [i for i in range(len(strings)) if i not in inspection.answers]
     return ScorePart(
@@ -56,6 +62,46 @@ def make_part(
         pairs=[encoded.pairs[i] for i in todo],
         todo=[start + i for i in todo],
         fixed={start + i: answer for i, answer in inspection.answers.items()},
+    )
+
+
+def score_tokens(
+    encoder: Any,
+    pairs: Sequence[tuple[str, str]],
+    origins: Sequence[tuple[str, Any]],
+    inspect: Callable[[list[Any], Sequence[tuple[str, Any]], list[bool]], Inspection],
+) -> PartTokens:
+    """How loglikelihood parts are tokenised on tokeniser actors and made
+    (:func:`rayeval.service.engine.tokenisers.made_parts`): a part is cut into chunks where the
+    context string changes, as parts are, so one context is encoded once and shared."""
+    shared = shared_ids(encoder)
+
+    def chunks(start: int, stop: int, n: int) -> Iterator[tuple[int, int]]:
+        contexts = [context for context, _ in pairs[start:stop]]
+        size = max(1, -(-(stop - start) // max(1, n)))
+        return ((start + a, start + b) for a, b in part_bounds(contexts, size))
+
+    def join(results: list[EncodedPairs]) -> EncodedPairs:
+        joined: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        merged: list[bool] = []
+        for encoded in results:
+            contexts: dict[int, tuple[int, ...]] = {}  # a chunk's shared contexts stay shared
+            for context, continuation in encoded.pairs:
+                own = contexts.get(id(context))
+                if own is None:
+                    own = contexts[id(context)] = shared(context)
+                joined.append((own, shared(continuation)))
+            merged += encoded.merged
+        return EncodedPairs(joined, merged)
+
+    return PartTokens(
+        function=encode_pairs,
+        args=lambda start, stop: (pairs[start:stop],),
+        chunks=chunks,
+        join=join,
+        first=lambda encoded: (encoded.pairs[0], encoded.merged[0]),
+        make=partial(make_part, encoder, pairs, origins, inspect),
+        encoder=encoder,
     )
 
 

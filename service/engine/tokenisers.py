@@ -1,0 +1,221 @@
+"""Tokeniser actors: a request type's parts tokenised across the cluster's free CPUs.
+
+The driver's tokeniser does ~10,000 requests a second on one core; 64 replicas consume tens of
+thousands. For a request type of more than one part (:mod:`rayeval.service.engine.streamed`),
+:func:`made_parts` hands each part's tokenising, cut into chunks, to a :class:`TokeniserPool` of
+Ray actors (one CPU each, spread over the nodes) holding a pickled copy of the driver's own
+encoder (lm-eval's ``HFLM`` over the weightless model: every rule is the same object's), while
+the planning thread makes the first part itself and plans the parts whose tokens are back. The
+driver keeps what must see the requests in order or in one place: lm-eval's checks, the shared
+token ids (:func:`rayeval.service.engine.encoder.shared_ids`), the sampling seeds, the plan.
+
+Exactness: a chunk's tokens are those the driver would make (the same encoder, pickled), and each
+chunk's first request is tokenised on the driver too and compared; a chunk that differs, fails or
+times out ends the pool, and the driver tokenises the rest itself (with a warning). The parts,
+and so the plan, are the same whoever tokenised them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rayeval.service.engine.streamed import AHEAD
+
+logger = logging.getLogger(__name__)
+
+#: Tokeniser actors at most when the setting is automatic.
+AUTO_MAX = 16
+#: Longest wait for one chunk's tokens (an actor's start-up included) before the driver
+#: tokenises the rest itself.
+CHUNK_TIMEOUT_S = 120.0
+
+
+class Tokeniser:
+    """A tokeniser actor: the driver's encoder, and the functions it is asked to apply."""
+
+    def __init__(self, encoder: Any) -> None:
+        self._encoder = encoder
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(encoder, *args)`` (a module-level function of the encoder)."""
+        return function(self._encoder, *args)
+
+
+def pool_size(setting: int | None) -> int:
+    """Tokeniser actors for ``setting`` (None: one per CPU free in the cluster, at most
+    :data:`AUTO_MAX`; a number: that many)."""
+    if setting is not None:
+        return setting
+    import ray
+
+    return min(AUTO_MAX, math.floor(ray.available_resources().get("CPU", 0.0)))
+
+
+class TokeniserPool:
+    """Tokeniser actors over a copy of the driver's encoder, for one request type of several
+    parts: started at once (they load while the driver makes the first part), closed with
+    :meth:`close` or ``with`` (their CPUs are the cluster's again).
+
+    Args:
+        encoder: The driver's encoder (pickled to each actor).
+        setting: ``tokenizer_workers``: how many actors (:func:`pool_size`; 0: none).
+    """
+
+    def __init__(self, encoder: Any, setting: int | None) -> None:
+        self.size = size = pool_size(setting)
+        #: Requests whose tokens the actors made (and the driver used).
+        self.tokenised = 0
+        self._actors: list[Any] = []
+        self._turn = 0
+        if size <= 0:
+            return
+        import ray
+
+        from rayeval.actors.process import rank_environment
+
+        env = rank_environment() | {"TOKENIZERS_PARALLELISM": "false"}  # one CPU each
+        try:
+            shared = ray.put(encoder)
+        except Exception as exc:  # a tokenizer that does not pickle (custom code)
+            logger.warning(
+                "the tokenizer cannot be sent to tokeniser actors (%s): the driver tokenises alone",
+                exc,
+            )
+            self.size = 0
+            return
+        remote: Any = ray.remote(Tokeniser)
+        self._actors = [
+            remote.options(
+                num_cpus=1, max_restarts=0, scheduling_strategy="SPREAD",
+                runtime_env={"env_vars": env},
+            ).remote(shared)
+            for _ in range(size)
+        ]  # fmt: skip
+        logger.info("%d tokeniser actors started", size)
+
+    @property
+    def working(self) -> bool:
+        return bool(self._actors)
+
+    def submit(self, function: Callable[..., Any], *args: Any) -> Any:
+        """A ref to ``function(encoder, *args)`` on the next actor in turn."""
+        actor = self._actors[self._turn % len(self._actors)]
+        self._turn += 1
+        return actor.run.remote(function, *args)
+
+    def gather(self, refs: list[Any]) -> list[Any] | None:
+        """The results of ``refs``, in order; None (the pool closed) if one failed or took
+        longer than :data:`CHUNK_TIMEOUT_S`."""
+        import ray
+
+        try:
+            return [ray.get(ref, timeout=CHUNK_TIMEOUT_S) for ref in refs]
+        except Exception as exc:
+            self.fail(f"{type(exc).__name__}: {exc}")
+            return None
+
+    def fail(self, why: str) -> None:
+        """Close the pool: the driver tokenises the rest itself."""
+        logger.warning("tokeniser actors stopped (%s): the driver tokenises the rest", why)
+        self.close()
+
+    def close(self) -> None:
+        import ray
+
+        actors, self._actors = self._actors, []
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+
+    def __enter__(self) -> TokeniserPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class PartTokens:
+    """How a request type's parts are tokenised and made (its own module gives one).
+
+    Attributes:
+        function: Tokenises requests: ``function(encoder, *args(start, stop))``, on an actor
+            or on the driver; a module-level function, so that it pickles by name.
+        args: Its arguments for requests ``start:stop``.
+        chunks: Cuts requests ``start:stop`` into ``n`` chunks (a cut never splits what one
+            call must see together).
+        join: The chunks' tokens, in order, as the tokens of their part (their token ids
+            made the driver's shared ones).
+        first: The first request's tokens, to compare (of the function's result).
+        make: Makes the part ``start:stop`` from its tokens (None: it tokenises them itself).
+        encoder: The driver's encoder.
+    """
+
+    function: Callable[..., Any]
+    args: Callable[[int, int], tuple[Any, ...]]
+    chunks: Callable[[int, int, int], Iterable[tuple[int, int]]]
+    join: Callable[[list[Any]], Any]
+    first: Callable[[Any], Any]
+    make: Callable[[int, int, Any], Any]
+    encoder: Any
+
+
+def made_parts(
+    bounds: Iterable[tuple[int, int]], tokens: PartTokens, pool: TokeniserPool
+) -> Iterator[Any]:
+    """Each part of ``bounds``, made, in order: the first on the calling thread while the
+    actors start, the next :data:`~rayeval.service.engine.streamed.AHEAD` + 1 in the actors'
+    queues meanwhile; without a working pool, each made by the calling thread."""
+    bounds = iter(bounds)
+    first = next(bounds, None)
+    if first is None:
+        return
+    waiting: deque[tuple[tuple[int, int], list[tuple[int, Any]]]] = deque()
+
+    def submit() -> None:
+        bound = next(bounds, None) if pool.working else None
+        if bound is not None:
+            chunks = tokens.chunks(*bound, pool.size)
+            refs = [(start, pool.submit(tokens.function, *tokens.args(start, stop)))
+                    for start, stop in chunks]  # fmt: skip
+            waiting.append((bound, refs))
+
+    for _ in range(AHEAD + 1):
+        submit()
+    yield tokens.make(*first, None)
+    while waiting:
+        (start, stop), refs = waiting.popleft()
+        submit()
+        made = _gathered(tokens, pool, refs) if pool.working else None
+        pool.tokenised += 0 if made is None else stop - start
+        yield tokens.make(start, stop, made)
+    for bound in bounds:  # no pool, or it stopped: the driver alone
+        yield tokens.make(*bound, None)
+
+
+def _gathered(tokens: PartTokens, pool: TokeniserPool, refs: list[tuple[int, Any]]) -> Any:
+    """A part's tokens from its chunks' refs, each chunk's first request checked against the
+    driver's own tokenising; None if the pool failed (the part is then tokenised here)."""
+    results = pool.gather([ref for _, ref in refs])
+    if results is None:
+        return None
+    for (start, _), result in zip(refs, results, strict=True):
+        own = tokens.first(tokens.function(tokens.encoder, *tokens.args(start, start + 1)))
+        if tokens.first(result) != own:
+            pool.fail(f"request {start} was tokenised differently by an actor")
+            return None
+    return tokens.join(results)
+
+
+def even_chunks(start: int, stop: int, n: int) -> Iterator[tuple[int, int]]:
+    """``start:stop`` in ``n`` runs of (nearly) equal length."""
+    size = max(1, math.ceil((stop - start) / max(1, n)))
+    return ((a, min(a + size, stop)) for a in range(start, stop, size))

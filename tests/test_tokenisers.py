@@ -1,0 +1,144 @@
+"""Tokeniser actors (``service/engine/tokenisers.py``): parts tokenised on real Ray actors are
+the parts the driver makes itself, token for token; a failing or disagreeing actor hands the
+rest back to the driver; an evaluation in parts with them gives lm-eval hf's results."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from benchmarks.driver_workload import generation_instances, mmlu_instances
+from tests.helpers import assert_same_results, evaluate, hf_reference
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def _encoder(demo: Any, **model_args: Any) -> Any:
+    from rayeval.service.engine.encoder import build_encoder
+
+    return build_encoder(str(demo.model_dir), {"dtype": "float32", **model_args})[0]
+
+
+def _score_tokens(encoder: Any, instances: list[Any]) -> Any:
+    from rayeval.service.engine.checks import Origins, RequestChecks, RequestReport
+    from rayeval.service.engine.streamed_score import score_tokens
+
+    checks = RequestChecks(encoder.tok_encode, True, RequestReport(), None)
+    pairs = [instance.args for instance in instances]
+    return score_tokens(encoder, pairs, Origins(instances), checks)
+
+
+def _made(tokens: Any, bounds: list[tuple[int, int]], encoder: Any, workers: int) -> Any:
+    from rayeval.service.engine.tokenisers import TokeniserPool, made_parts
+
+    with TokeniserPool(encoder, workers) as pool:
+        return list(made_parts(bounds, tokens, pool)), pool.tokenised
+
+
+@pytest.mark.service
+def test_loglikelihood_parts_from_actors_are_the_driver_s_own(demo: Any) -> None:
+    """MMLU-shaped pairs in parts of 40 (cut where the context changes), each part in chunks
+    over two actors: the same tokens, checks and answers as the driver's, its token ids the
+    driver's shared ones, a question's choices sharing one context tuple."""
+    from rayeval.service.engine.encoder import shared_ids
+    from rayeval.service.engine.streamed import part_bounds
+
+    encoder = _encoder(demo)
+    instances = mmlu_instances(400, seed=5)
+    tokens = _score_tokens(encoder, instances)
+    bounds = list(part_bounds([i.args[0] for i in instances], 40))
+    alone, none = _made(tokens, bounds, encoder, 0)
+    actors, tokenised = _made(tokens, bounds, encoder, 2)
+    assert none == 0 and tokenised == 400 - (bounds[0][1] - bounds[0][0])
+    assert len(alone) == len(actors) == len(bounds)
+    ids = shared_ids(encoder)._ids
+    for own, theirs in zip(alone, actors, strict=True):
+        assert (own.start, own.pairs, own.todo, own.fixed) == (
+            theirs.start,
+            theirs.pairs,
+            theirs.todo,
+            theirs.fixed,
+        )
+        assert all(t is ids[t] for context, _ in theirs.pairs for t in context)
+        contexts = {id(context) for context, _ in theirs.pairs}
+        assert len(contexts) == len(theirs.pairs) // 4, "a question's choices share a context"
+
+
+@pytest.mark.service
+def test_generation_parts_from_actors_are_the_driver_s_own(demo: Any) -> None:
+    from rayeval.service.engine.streamed import even_bounds
+    from rayeval.service.engine.streamed_generate import Prompts
+
+    encoder = _encoder(demo)
+    instances = generation_instances(100, seed=6, max_gen_toks=8)
+    bounds = list(even_bounds(len(instances), 16))
+    alone, _ = _made(Prompts(encoder, instances).tokens(), bounds, encoder, 0)
+    actors, tokenised = _made(Prompts(encoder, instances).tokens(), bounds, encoder, 3)
+    assert tokenised == 100 - 16
+    assert [(p.start, p.requests, p.names) for p in alone] == [
+        (p.start, p.requests, p.names) for p in actors
+    ]
+
+
+@pytest.mark.service
+def test_a_lost_or_disagreeing_actor_hands_the_rest_to_the_driver(
+    demo: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An actor killed while parts wait on it, and actors whose encoder adds a BOS token
+    (their tokens differ from the driver's): every part is still made, equal to the driver's
+    own, the rest by the driver, and the warning says why."""
+    import ray
+
+    from rayeval.service.engine.streamed import even_bounds
+    from rayeval.service.engine.streamed_generate import Prompts
+    from rayeval.service.engine.tokenisers import TokeniserPool, made_parts
+
+    encoder = _encoder(demo)
+    instances = generation_instances(80, seed=7, max_gen_toks=8)
+    bounds = list(even_bounds(len(instances), 10))
+    alone, _ = _made(Prompts(encoder, instances).tokens(), bounds, encoder, 0)
+    expected = [(p.start, p.requests) for p in alone]
+    caplog.set_level(logging.WARNING, logger="rayeval.service.engine.tokenisers")
+
+    with TokeniserPool(encoder, 2) as pool:
+        parts = made_parts(bounds, Prompts(encoder, instances).tokens(), pool)
+        made = [next(parts), next(parts)]  # the second part came from the actors
+        ray.kill(pool._actors[0], no_restart=True)
+        made += list(parts)
+        assert 0 < pool.tokenised < 80 - 10 and not pool.working
+    assert [(p.start, p.requests) for p in made] == expected
+    assert "ActorDiedError" in caplog.text or "RayActorError" in caplog.text
+
+    caplog.clear()
+    other = _encoder(demo, add_bos_token=True)
+    with TokeniserPool(other, 2) as pool:
+        made = list(made_parts(bounds, Prompts(encoder, instances).tokens(), pool))
+        assert pool.tokenised == 0
+    assert [(p.start, p.requests) for p in made] == expected
+    assert "tokenised differently by an actor" in caplog.text
+
+
+@pytest.mark.e2e
+def test_an_evaluation_tokenised_by_actors_matches_lm_eval_hf(
+    demo: Any, task_manager: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loglikelihood and generation in parts of 8, the parts after the first tokenised by two
+    actors: lm-eval hf's results per sample."""
+    import rayeval.service.engine.lm as lm_module
+    from rayeval.service.engine.lm import RayEvalLM
+
+    run = {"limit": 8, "bootstrap_iters": 0, "num_fewshot": 1}
+    tasks = ["demo_mc", "demo_gen_short"]
+    reference = hf_reference(demo.model_dir, task_manager, tasks, **run)
+    monkeypatch.setattr(lm_module, "SCORE_PART", 8)
+    monkeypatch.setattr(lm_module, "GENERATE_PART", 3)
+    with RayEvalLM(
+        pretrained=str(demo.model_dir), dtype="float32", tokenizer_workers=2, batch_size=2
+    ) as lm:
+        ours = evaluate(lm, task_manager, tasks, **run)
+        figures = {phase: stats.report() for phase, stats in lm.stats.items()}
+    for phase in ("loglikelihood", "generate_until"):
+        assert 0 < figures[phase]["tokenised_by_actors"] < figures[phase]["requests"], phase
+    assert_same_results(reference, ours)
