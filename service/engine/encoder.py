@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 import transformers
 from lm_eval.models.huggingface import HFLM
@@ -342,12 +343,19 @@ class _Interner:
         size = max(len(encoder.tokenizer), int(getattr(encoder.tokenizer, "vocab_size", 0) or 0))
         self._ids = tuple(range(size))
         self._short: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._objects: Any = None  # the ids as a numpy object array, made on first use
 
-    def __call__(self, ids: Sequence[int]) -> tuple[int, ...]:
+    def __call__(self, ids: Sequence[int] | numpy.ndarray) -> tuple[int, ...]:
+        """``ids`` (a numpy integer array, from a tokeniser actor, is read in one call)."""
         try:
-            tokens = tuple(map(self._ids.__getitem__, ids))
+            if isinstance(ids, numpy.ndarray):
+                if self._objects is None:
+                    self._objects = numpy.array(self._ids, dtype=object)
+                tokens = tuple(self._objects[ids].tolist())
+            else:
+                tokens = tuple(map(self._ids.__getitem__, ids))
         except IndexError:  # an id past the vocabulary: kept as it is
-            tokens = tuple(ids)
+            tokens = tuple(int(i) for i in ids)
         if len(tokens) <= 4:
             return self._short.setdefault(tokens, tokens)
         return tokens

@@ -30,8 +30,9 @@ part is planned: in parts, that can be after the parts before it ran (planned wh
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rayeval.service.engine.encoder import (
@@ -50,7 +51,7 @@ from rayeval.service.engine.generation_planner import (
 from rayeval.service.engine.planner import TokenBudget
 from rayeval.service.engine.response_cache import ResponseCache, generate_key
 from rayeval.service.engine.streamed import PlannedPart
-from rayeval.service.engine.tokenisers import PartTokens, even_chunks
+from rayeval.service.engine.tokenisers import PartTokens, Ragged, even_chunks, ids
 
 
 @dataclass
@@ -101,20 +102,12 @@ class Prompts:
         """How the parts are tokenised on tokeniser actors and made
         (:func:`rayeval.service.engine.tokenisers.made_parts`)."""
         shared = shared_ids(self._encoder)
-
-        def join(results: list[list[GenerateRequest]]) -> list[GenerateRequest]:
-            return [
-                replace(request, context=shared(request.context))
-                for requests in results
-                for request in requests
-            ]
-
         return PartTokens(
-            function=generate_requests,
+            function=packed_prompts,
             args=lambda start, stop: ([r.args for r in self._instances[start:stop]], self._eos),
             chunks=even_chunks,
-            join=join,
-            first=lambda requests: requests[0],
+            join=lambda results: [p.request(i, shared) for p in results for i in range(len(p))],
+            first=lambda packed: packed.request(0, ids),
             make=self.make,
             encoder=self._encoder,
         )
@@ -144,6 +137,44 @@ class Prompts:
             texts.append(decode_generation(self._encoder, tokens, self._untils[index] or ()))
             generated[index] = None
         return texts
+
+
+@dataclass
+class PackedPrompts:
+    """Tokenised prompts as a tokeniser actor sends them: the contexts' ids in one
+    :class:`~rayeval.service.engine.tokenisers.Ragged`, each distinct setting once."""
+
+    contexts: Ragged
+    settings: list[tuple[int, tuple[str, ...], int | None, dict[str, Any]]]
+    which: array[int]
+
+    def __len__(self) -> int:
+        return len(self.which)
+
+    def request(self, index: int, shared: Callable[[Any], Any]) -> GenerateRequest:
+        """Request ``index``, its context through ``shared``."""
+        max_gen_toks, until, max_length, kwargs = self.settings[self.which[index]]
+        context = self.contexts.get(index, shared)
+        return GenerateRequest(context, max_gen_toks, until, max_length, dict(kwargs))
+
+
+def packed_prompts(
+    encoder: Any, args: Sequence[tuple[str, dict[str, Any]]], eos: str
+) -> PackedPrompts:
+    """:func:`rayeval.service.engine.encoder.generate_requests`, packed (what a tokeniser actor
+    runs)."""
+    requests = generate_requests(encoder, args, eos)
+    index: dict[str, int] = {}
+    settings: list[tuple[int, tuple[str, ...], int | None, dict[str, Any]]] = []
+    which = array("i")
+    for request in requests:
+        key = request.config_key()
+        if key not in index:
+            index[key] = len(settings)
+            r = request
+            settings.append((r.max_gen_toks, r.until, r.max_length, r.kwargs))
+        which.append(index[key])
+    return PackedPrompts(Ragged.of(r.context for r in requests), settings, which)
 
 
 def plan_generate_part(

@@ -10,6 +10,7 @@ has free CPUs, :mod:`rayeval.service.engine.tokenisers`), checked, and planned e
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -20,7 +21,7 @@ from rayeval.service.engine.encoder import EncodedPairs, encode_pairs, shared_id
 from rayeval.service.engine.planner import TokenBudget, plan_score
 from rayeval.service.engine.response_cache import ResponseCache, score_key
 from rayeval.service.engine.streamed import PlannedPart, part_bounds
-from rayeval.service.engine.tokenisers import PartTokens
+from rayeval.service.engine.tokenisers import PartTokens, Ragged, ids
 
 
 @dataclass
@@ -81,28 +82,69 @@ def score_tokens(
         size = max(1, -(-(stop - start) // max(1, n)))
         return ((start + a, start + b) for a, b in part_bounds(contexts, size))
 
-    def join(results: list[EncodedPairs]) -> EncodedPairs:
-        joined: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    def join(results: list[PackedPairs]) -> EncodedPairs:
+        pairs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         merged: list[bool] = []
-        for encoded in results:
-            contexts: dict[int, tuple[int, ...]] = {}  # a chunk's shared contexts stay shared
-            for context, continuation in encoded.pairs:
-                own = contexts.get(id(context))
-                if own is None:
-                    own = contexts[id(context)] = shared(context)
-                joined.append((own, shared(continuation)))
+        for packed in results:
+            encoded = packed.unpack(shared)
+            pairs += encoded.pairs
             merged += encoded.merged
-        return EncodedPairs(joined, merged)
+        return EncodedPairs(pairs, merged)
 
     return PartTokens(
-        function=encode_pairs,
+        function=packed_pairs,
         args=lambda start, stop: (pairs[start:stop],),
         chunks=chunks,
         join=join,
-        first=lambda encoded: (encoded.pairs[0], encoded.merged[0]),
+        first=lambda packed: packed.unpack(ids, 1),
         make=partial(make_part, encoder, pairs, origins, inspect),
         encoder=encoder,
     )
+
+
+@dataclass
+class PackedPairs:
+    """Tokenised pairs as a tokeniser actor sends them: each distinct context's ids once.
+
+    Attributes:
+        contexts: The distinct contexts, in first use.
+        context_of: Per pair, its context's index.
+        continuations: Per pair, its continuation.
+        merged: Per pair, :class:`~rayeval.service.engine.encoder.EncodedPairs`' ``merged``.
+    """
+
+    contexts: Ragged
+    context_of: array[int]
+    continuations: Ragged
+    merged: bytes
+
+    def unpack(self, shared: Callable[[Any], Any], count: int | None = None) -> Any:
+        """The first ``count`` pairs (all: None) as :class:`EncodedPairs`, their ids through
+        ``shared`` (a context shared by its pairs)."""
+        count = len(self.context_of) if count is None else count
+        used = max(self.context_of[:count], default=-1) + 1
+        contexts = [self.contexts.get(i, shared) for i in range(used)]
+        pairs = [
+            (contexts[self.context_of[i]], self.continuations.get(i, shared)) for i in range(count)
+        ]
+        return EncodedPairs(pairs, [bool(m) for m in self.merged[:count]])
+
+
+def packed_pairs(encoder: Any, strings: Sequence[tuple[str, str]]) -> PackedPairs:
+    """:func:`rayeval.service.engine.encoder.encode_pairs`, packed (what a tokeniser actor
+    runs)."""
+    encoded = encode_pairs(encoder, strings)
+    index: dict[int, int] = {}
+    contexts: list[tuple[int, ...]] = []
+    context_of = array("i")
+    for context, _ in encoded.pairs:
+        at = index.get(id(context))
+        if at is None:
+            at = index[id(context)] = len(contexts)
+            contexts.append(context)
+        context_of.append(at)
+    continuations = Ragged.of(continuation for _, continuation in encoded.pairs)
+    return PackedPairs(Ragged.of(contexts), context_of, continuations, bytes(encoded.merged))
 
 
 def plan_part(

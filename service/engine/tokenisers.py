@@ -20,10 +20,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy
 
 from rayeval.service.engine.streamed import AHEAD
 
@@ -213,6 +216,37 @@ def _gathered(tokens: PartTokens, pool: TokeniserPool, refs: list[tuple[int, Any
             pool.fail(f"request {start} was tokenised differently by an actor")
             return None
     return tokens.join(results)
+
+
+@dataclass
+class Ragged:
+    """Sequences of token ids as one flat array and their offsets: what an actor sends back
+    (it pickles as two buffers, not as an object per id, so the driver unpickles it in
+    microseconds); the driver turns a sequence into its shared ids as it reads it."""
+
+    flat: numpy.ndarray
+    offsets: array[int]
+
+    @classmethod
+    def of(cls, sequences: Iterable[Sequence[int]]) -> Ragged:
+        flat, offsets = array("q"), array("q", [0])
+        for sequence in sequences:
+            flat.extend(sequence)
+            offsets.append(len(flat))
+        return cls(numpy.frombuffer(flat, dtype=numpy.int64), offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def get(self, index: int, shared: Callable[[numpy.ndarray], tuple[int, ...]]) -> Any:
+        """Sequence ``index`` (a numpy array) through ``shared`` (the driver's interner;
+        :func:`ids` to compare)."""
+        return shared(self.flat[self.offsets[index] : self.offsets[index + 1]])
+
+
+def ids(tokens: numpy.ndarray) -> tuple[int, ...]:
+    """Token ids as a plain tuple (to compare what an actor sent with the driver's own)."""
+    return tuple(tokens.tolist())
 
 
 def even_chunks(start: int, stop: int, n: int) -> Iterator[tuple[int, int]]:
