@@ -142,3 +142,66 @@ def test_an_evaluation_tokenised_by_actors_matches_lm_eval_hf(
     for phase in ("loglikelihood", "generate_until"):
         assert 0 < figures[phase]["tokenised_by_actors"] < figures[phase]["requests"], phase
     assert_same_results(reference, ours)
+
+
+def _needs(encoder: Any, instances: list[Any]) -> list[int]:
+    from rayeval.service.engine.encoder import generate_requests
+
+    requests = generate_requests(encoder, [i.args for i in instances], "</s>")
+    return [len(r.context) + r.max_gen_toks for r in requests]
+
+
+@pytest.mark.service
+def test_an_unfit_request_is_refused_as_the_planner_would_without_tokenising_all(
+    demo: Any,
+) -> None:
+    """``refuse_unfit`` refuses exactly what planning the parts would (the same request, the
+    same message) for budgets around every request's need, and passes every budget at or above
+    the largest."""
+    from rayeval.actors.errors import ConfigError
+    from rayeval.service.engine.generation_planner import SlotBudget, check_fits
+    from rayeval.service.engine.streamed_generate import Prompts
+
+    encoder = _encoder(demo)
+    instances = generation_instances(60, seed=8, max_gen_toks=8, question_words=(2, 60))
+    prompts = Prompts(encoder, instances)
+    requests = prompts.make(0, len(instances))
+    needs = _needs(encoder, instances)
+    assert len(set(needs)) > 5 and max(needs) <= encoder.max_length
+    for kv_tokens in [*sorted(set(needs))[::3], max(needs) - 1, max(needs), 10_000]:
+        budget = SlotBudget(slots=4, kv_tokens=kv_tokens, setting="--kv_cache_tokens")
+        planned: str | None = None
+        try:
+            check_fits(requests.requests, budget, requests.names)
+        except ConfigError as exc:
+            planned = str(exc)
+        try:
+            prompts.refuse_unfit(budget)
+            early = None
+        except ConfigError as exc:
+            early = str(exc)
+        assert early == planned, kv_tokens
+        assert (planned is None) == (kv_tokens >= max(needs))
+
+
+@pytest.mark.e2e
+def test_a_request_unfit_for_the_kv_budget_in_a_later_part_is_refused_before_any_batch(
+    demo: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In parts of 8, a request of the fourth part needs more KV cache than the budget, which
+    fits every request of the first three: refused, naming it, before any group ran."""
+    import rayeval.service.engine.lm as lm_module
+    from rayeval.actors.errors import ConfigError
+    from rayeval.service.engine.lm import RayEvalLM
+
+    instances = generation_instances(40, seed=9, max_gen_toks=8, question_words=(2, 25))
+    needs = _needs(_encoder(demo), instances)
+    instances[30] = generation_instances(1, seed=10, max_gen_toks=8, question_words=(90, 90))[0]
+    instances[30].doc_id = 30
+    monkeypatch.setattr(lm_module, "GENERATE_PART", 8)
+    with RayEvalLM(
+        pretrained=str(demo.model_dir), dtype="float32", kv_cache_tokens=max(needs)
+    ) as lm:
+        with pytest.raises(ConfigError, match=r"doc 30 needs \d+ KV-cache.*--kv_cache_tokens"):
+            lm.generate_until(instances, disable_tqdm=True)
+        assert lm.input_token_counts()["calls"] == 0

@@ -383,11 +383,14 @@ class Executor:
         with self._tokenisers(tokens) as pool:  # they start while the ranks do
             reason = self._batching(settings)
             start = self._start_up()
+            slots = self._slot_budget() if reason is None else None
+            if slots is not None and tokens.refuse_early is not None:
+                tokens.refuse_early(slots)  # not once a later part is planned
             plan = partial(
                 plan_generate_part,
                 cache=self._cache,
                 budget=self._generate_budget,
-                slots=self._slot_budget() if reason is None else None,
+                slots=slots,
                 seeder=Seeder(self._seed),
             )
             kind = GenerateGroup if reason is None else GenerateMicroBatch

@@ -135,15 +135,7 @@ def plan_generate_groups(
     Raises:
         ConfigError: a request needs more KV-cache positions than the budget holds.
     """
-    for index, request in enumerate(requests):
-        need = len(request.context) + request.max_gen_toks
-        if need > budget.kv_tokens:
-            name = names[index] if names else f"request {index}"
-            raise ConfigError(
-                f"{name} needs {need} KV-cache positions ({len(request.context)} context tokens "
-                f"+ max_gen_toks {request.max_gen_toks}), more than the budget of "
-                f"{budget.kv_tokens}: raise {budget.setting}, or lower max_gen_toks"
-            )
+    check_fits(requests, budget, names)
     by_settings: dict[str, list[int]] = {}
     for index, request in enumerate(requests):
         key = json.dumps([request.max_length, request.kwargs], sort_keys=True, default=str)
@@ -166,6 +158,25 @@ def plan_generate_groups(
                 )
             )
     return GroupPlan(groups, locations)
+
+
+def check_fits(
+    requests: Sequence[GenerateRequest], budget: SlotBudget, names: Sequence[str] | None = None
+) -> None:
+    """Refuse a request that needs more KV-cache positions than ``budget`` holds.
+
+    Raises:
+        ConfigError: naming the first such request and the settings that make it fit.
+    """
+    for index, request in enumerate(requests):
+        need = len(request.context) + request.max_gen_toks
+        if need > budget.kv_tokens:
+            name = names[index] if names else f"request {index}"
+            raise ConfigError(
+                f"{name} needs {need} KV-cache positions ({len(request.context)} context tokens "
+                f"+ max_gen_toks {request.max_gen_toks}), more than the budget of "
+                f"{budget.kv_tokens}: raise {budget.setting}, or lower max_gen_toks"
+            )
 
 
 def _slot_request(request: GenerateRequest, seed: int | None) -> SlotRequest:

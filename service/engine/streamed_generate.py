@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lm_eval.models.utils import normalize_gen_kwargs
+
 from rayeval.service.engine.encoder import (
     decode_generation,
     generate_requests,
@@ -45,6 +47,7 @@ from rayeval.service.engine.generation_planner import (
     GenerateRequest,
     Seeder,
     SlotBudget,
+    check_fits,
     plan_generate,
     plan_generate_groups,
 )
@@ -52,6 +55,9 @@ from rayeval.service.engine.planner import TokenBudget
 from rayeval.service.engine.response_cache import ResponseCache, generate_key
 from rayeval.service.engine.streamed import PlannedPart
 from rayeval.service.engine.tokenisers import PartTokens, Ragged, even_chunks, ids
+
+#: Tokens a tokenizer may add to a context beside one per UTF-8 byte (BOS, a leading space).
+ADDED_TOKENS = 8
 
 
 @dataclass
@@ -110,7 +116,33 @@ class Prompts:
             first=lambda packed: packed.request(0, ids),
             make=self.make,
             encoder=self._encoder,
+            refuse_early=self.refuse_unfit,
         )
+
+    def refuse_unfit(self, budget: SlotBudget) -> None:
+        """Refuse, before any part runs, a request whose context and ``max_gen_toks`` do not fit
+        ``budget``'s KV cache (planning its part would, after the parts before it ran). Only
+        requests that might not fit are tokenised here: a context has at most one token per
+        UTF-8 byte, plus the few a tokenizer adds (:data:`ADDED_TOKENS`), and at most the
+        model's max length less ``max_gen_toks`` (lm-eval's truncation).
+
+        Raises:
+            ConfigError: as :func:`~rayeval.service.engine.generation_planner.check_fits`.
+        """
+        max_length = self._encoder.max_length
+        if budget.kv_tokens >= max_length:
+            return  # lm-eval's truncation keeps every request within max_length
+        default, previous, max_gen_toks = self._encoder.max_gen_toks, None, 0
+        for instance in self._instances:
+            context, gen_kwargs = instance.args
+            if gen_kwargs is not previous:
+                previous = gen_kwargs
+                max_gen_toks = normalize_gen_kwargs(gen_kwargs, default)["max_gen_toks"]
+            bound = min(len(context.encode()) + ADDED_TOKENS, max_length - max_gen_toks)
+            if bound + max_gen_toks > budget.kv_tokens:
+                [request] = generate_requests(self._encoder, [instance.args], self._eos)
+                names = [f"task {instance.task_name} doc {instance.doc_id}"]
+                check_fits([request], budget, names)
 
     def settings(self) -> list[tuple[int | None, dict[str, Any]]]:
         """Each distinct (max_length, generation kwargs) of the requests, without tokenising

@@ -160,6 +160,8 @@ class PartTokens:
         first: The first request's tokens, to compare (of the function's result).
         make: Makes the part ``start:stop`` from its tokens (None: it tokenises them itself).
         encoder: The driver's encoder.
+        refuse_early: Refuses, before the first part, what planning a later part would refuse
+            (given the plan's budget; None: nothing to refuse).
     """
 
     function: Callable[..., Any]
@@ -169,6 +171,7 @@ class PartTokens:
     first: Callable[[Any], Any]
     make: Callable[[int, int, Any], Any]
     encoder: Any
+    refuse_early: Callable[[Any], None] | None = None
 
 
 def made_parts(
