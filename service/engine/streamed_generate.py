@@ -23,8 +23,8 @@ identical requests came before it (:class:`~rayeval.service.engine.generation_pl
 never from the part: the planning thread makes the parts one after the other, in lm-eval's order,
 with one ``Seeder``, so that count runs across parts and every request gets the seed the whole
 request type would give it. Which batching a request type uses is decided once, from every request's
-settings, before the first part. A request too large for the KV-cache budget is refused when its
-part is planned: in parts, that can be after the parts before it ran (planned whole, before any).
+settings, before the first part. A request too large for the KV-cache budget is refused before the
+first part too (:meth:`Prompts.refuse_unfit`), as a request type planned whole refuses it.
 """
 
 from __future__ import annotations
