@@ -236,10 +236,13 @@ def _pack(
     previous: tuple[int, ...] = ()
     for tokens in group:
         path = path[: _common_prefix(previous, tokens)]
-        for token in tokens[len(path) :]:
+        added = tokens[len(path) :]
+        if added:  # each added token's parent is the token before it on the input's path
+            first = len(row_tokens)
             parents.append(path[-1] if path else -1)
-            path.append(len(row_tokens))
-            row_tokens.append(token)
+            parents.extend(range(first, first + len(added) - 1))
+            path.extend(range(first, first + len(added)))
+            row_tokens.extend(added)
         offsets[tokens] = len(targets)
         for target in inputs[tokens]:
             targets.append(target)
@@ -251,12 +254,19 @@ def _pack(
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``."""
+    """Length of the longest common prefix of ``a`` and ``b`` (halving the span where they
+    first differ: slices compare in C)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if a[:n] == b[:n]:
+        return n
+    same, differs = 0, n  # a[:same] == b[:same]; a[:differs] != b[:differs]
+    while differs - same > 1:
+        middle = (same + differs) // 2
+        if a[same:middle] == b[same:middle]:
+            same = middle
+        else:
+            differs = middle
+    return same
 
 
 def cut_by_budget(
