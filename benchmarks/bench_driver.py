@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="tokeniser actors for request types of several parts (default: the product's, "
-        "one per free CPU; 0: the driver alone)",
+        "half the free CPUs; 0: the driver alone)",
     )
     parser.add_argument("--num_cpus", type=int, default=None, help="logical CPUs of Ray")
     parser.add_argument("--json", default=None, help="append this run's figures here")

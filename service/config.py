@@ -164,7 +164,8 @@ class EngineConfig(_Frozen):
         description="Ray actors (one CPU each, spread over the nodes) that tokenise a request "
         "type of more than one part (over 65,536 loglikelihood or 16,384 generate_until "
         "requests) while the driver plans and dispatches, with the tokens the driver would "
-        "make; default: one per CPU free in the cluster, at most 16; 0: the driver alone.",
+        "make; default: half the CPUs free in the cluster (other evaluations keep the rest), "
+        "at most 16; 0: the driver alone.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="What a rank holds; auto: GPUs when the cluster has any."

@@ -124,7 +124,8 @@ class Prompts:
         ``budget``'s KV cache (planning its part would, after the parts before it ran). Only
         requests that might not fit are tokenised here: a context has at most one token per
         UTF-8 byte, plus the few a tokenizer adds (:data:`ADDED_TOKENS`), and at most the
-        model's max length less ``max_gen_toks`` (lm-eval's truncation).
+        model's max length less ``max_gen_toks`` (lm-eval's truncation). A request of a
+        tokenizer that breaks this bound is still refused, when its part is planned.
 
         Raises:
             ConfigError: as :func:`~rayeval.service.engine.generation_planner.check_fits`.

@@ -54,13 +54,13 @@ class Tokeniser:
 
 
 def pool_size(setting: int | None) -> int:
-    """Tokeniser actors for ``setting`` (None: one per CPU free in the cluster, at most
-    :data:`AUTO_MAX`; a number: that many)."""
+    """Tokeniser actors for ``setting`` (None: half the CPUs free in the cluster, so that other
+    evaluations' ranks still find CPUs, at most :data:`AUTO_MAX`; a number: that many)."""
     if setting is not None:
         return setting
     import ray
 
-    return min(AUTO_MAX, math.floor(ray.available_resources().get("CPU", 0.0)))
+    return min(AUTO_MAX, math.floor(ray.available_resources().get("CPU", 0.0) / 2))
 
 
 class TokeniserPool:
@@ -122,9 +122,15 @@ class TokeniserPool:
 
         try:
             return [ray.get(ref, timeout=CHUNK_TIMEOUT_S) for ref in refs]
+        except ray.exceptions.GetTimeoutError:
+            self.fail(
+                f"no tokens within {CHUNK_TIMEOUT_S:.0f} s: if the cluster has fewer free CPUs "
+                "than --tokenizer_workers asks for, lower it or leave it unset"
+            )
         except Exception as exc:
-            self.fail(f"{type(exc).__name__}: {exc}")
-            return None
+            if self._actors:  # else the pool was closed under it: nothing to say
+                self.fail(f"{type(exc).__name__}: {exc}")
+        return None
 
     def fail(self, why: str) -> None:
         """Close the pool: the driver tokenises the rest itself."""
