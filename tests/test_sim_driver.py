@@ -198,6 +198,12 @@ def test_parts_keep_a_contexts_requests_together() -> None:
     assert list(part_bounds(contexts, 1)) == [(0, 3), (3, 7), (7, 8), (8, 10)]
     assert list(part_bounds(contexts, 100)) == [(0, 10)]
     assert list(part_bounds([], 4)) == []
+    # A smaller first part (the driver's own, while tokeniser actors start), then parts of size.
+    assert list(part_bounds(contexts, 4, first=1)) == [(0, 3), (3, 7), (7, 10)]
+    assert list(part_bounds(contexts, 2, first=5)) == [(0, 3), (3, 7), (7, 10)]
+    assert list(part_bounds(["x"] * 3 + list("abcdefg"), 3, first=4)) == [
+        (0, 3), (3, 6), (6, 9), (9, 10)
+    ]  # fmt: skip
 
 
 @pytest.mark.unit
@@ -273,6 +279,8 @@ def test_sampling_seeds_and_groups_in_parts_are_those_of_the_whole_part_by_part(
         for i in range(5)
     ] + [GenerateRequest((9, 8), 4, ("\n",), kwargs=sampled)] * 4  # fmt: skip
     assert list(even_bounds(len(requests), 4)) == [(0, 4), (4, 8), (8, 9)]
+    assert list(even_bounds(10, 4, first=1)) == [(0, 1), (1, 5), (5, 9), (9, 10)]
+    assert list(even_bounds(10, 4, first=9)) == list(even_bounds(10, 4))
     seeder, budget = Seeder(7), SlotBudget(slots=1, kv_tokens=64)
     names = [f"doc {i}" for i in range(len(requests))]
     seeds = []

@@ -12,8 +12,9 @@ any request type; what a part is and how it is planned is the request type's own
 loglikelihood in :mod:`rayeval.service.engine.streamed_score`, generation in
 :mod:`rayeval.service.engine.streamed_generate`.
 
-A part is a fixed run of requests in lm-eval's order, planned exactly as any request set of that
-type is planned, from its requests and the budget alone. Which micro-batch (or continuous-
+A part is a fixed run of requests in lm-eval's order (the first :data:`FIRST_PART` requests, then
+runs of the request type's part size), planned exactly as any request set of that type is
+planned, from its requests and the budget alone. Which micro-batch (or continuous-
 batching group) a request lands in therefore depends on its part and the budget, never on R, G
 or timing: results stay layout-independent. A request type of at most one part is not run here
 at all: it is planned whole, as before.
@@ -38,6 +39,9 @@ SCORE_PART = 65536
 #: Generation requests tokenised and planned together: a prompt costs the driver about as much
 #: to tokenise as a loglikelihood request, but a part's groups reach the replicas sooner.
 GENERATE_PART = 16384
+#: Requests of a request type's first part (at most a part): the driver makes it itself, so
+#: the first micro-batch leaves after a second's work, while tokeniser actors start.
+FIRST_PART = 4096
 #: Parts planned ahead of the dispatcher (bounds the driver's memory).
 AHEAD = 2
 #: Longest wait for the planning thread to take or give a part before looking again.
@@ -87,21 +91,27 @@ class PlannedPart:
             yield index, answer
 
 
-def part_bounds(contexts: Sequence[str], size: int = SCORE_PART) -> Iterator[tuple[int, int]]:
-    """(start, stop) of each part: ``size`` requests, extended while the context string stays
-    the one of the part's last request."""
-    start = 0
+def part_bounds(
+    contexts: Sequence[str], size: int = SCORE_PART, first: int = FIRST_PART
+) -> Iterator[tuple[int, int]]:
+    """(start, stop) of each part: ``size`` requests (the first part ``first``, at most
+    ``size``), extended while the context string stays the one of the part's last request."""
+    start, length = 0, min(first, size)
     while start < len(contexts):
-        stop = min(start + size, len(contexts))
+        stop = min(start + length, len(contexts))
         while stop < len(contexts) and contexts[stop] == contexts[stop - 1]:
             stop += 1
         yield start, stop
-        start = stop
+        start, length = stop, size
 
 
-def even_bounds(total: int, size: int) -> Iterator[tuple[int, int]]:
-    """(start, stop) of each part: ``size`` requests (the last one fewer)."""
-    return ((start, min(start + size, total)) for start in range(0, total, size))
+def even_bounds(total: int, size: int, first: int = FIRST_PART) -> Iterator[tuple[int, int]]:
+    """(start, stop) of each part: ``size`` requests (the first ``first``, at most ``size``;
+    the last one fewer)."""
+    head = min(first, size, total)
+    if head > 0:
+        yield 0, head
+    yield from ((start, min(start + size, total)) for start in range(head, total, size))
 
 
 _END = object()
