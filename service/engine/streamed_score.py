@@ -80,7 +80,7 @@ def score_tokens(
     def chunks(start: int, stop: int, n: int) -> Iterator[tuple[int, int]]:
         contexts = [context for context, _ in pairs[start:stop]]
         size = max(1, -(-(stop - start) // max(1, n)))
-        return ((start + a, start + b) for a, b in part_bounds(contexts, size))
+        return ((start + a, start + b) for a, b in part_bounds(contexts, size, first=size))
 
     def join(results: list[PackedPairs]) -> EncodedPairs:
         pairs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
