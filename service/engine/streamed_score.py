@@ -21,7 +21,7 @@ from rayeval.service.engine.encoder import EncodedPairs, encode_pairs, shared_id
 from rayeval.service.engine.planner import TokenBudget, plan_score
 from rayeval.service.engine.response_cache import ResponseCache, score_key
 from rayeval.service.engine.streamed import PlannedPart, part_bounds
-from rayeval.service.engine.tokenisers import PartTokens, Ragged, ids
+from rayeval.service.engine.tokenisers import PartTokens, Ragged, chunk_size, ids
 
 
 @dataclass
@@ -79,7 +79,7 @@ def score_tokens(
 
     def chunks(start: int, stop: int, n: int) -> Iterator[tuple[int, int]]:
         contexts = [context for context, _ in pairs[start:stop]]
-        size = max(1, -(-(stop - start) // max(1, n)))
+        size = chunk_size(start, stop, n)
         return ((start + a, start + b) for a, b in part_bounds(contexts, size, first=size))
 
     def join(results: list[PackedPairs]) -> EncodedPairs:

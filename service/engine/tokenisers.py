@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy
 
-from rayeval.service.engine.streamed import AHEAD
+from rayeval.service.engine.streamed import AHEAD, even_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,13 @@ def ids(tokens: numpy.ndarray) -> tuple[int, ...]:
     return tuple(tokens.tolist())
 
 
+def chunk_size(start: int, stop: int, n: int) -> int:
+    """Requests per chunk to cut ``start:stop`` into ``n`` chunks."""
+    return max(1, math.ceil((stop - start) / max(1, n)))
+
+
 def even_chunks(start: int, stop: int, n: int) -> Iterator[tuple[int, int]]:
-    """``start:stop`` in ``n`` runs of (nearly) equal length."""
-    size = max(1, math.ceil((stop - start) / max(1, n)))
-    return ((a, min(a + size, stop)) for a in range(start, stop, size))
+    """``start:stop`` in ``n`` runs of (nearly) equal length (as
+    :func:`~rayeval.service.engine.streamed.even_bounds` cuts parts)."""
+    size = chunk_size(start, stop, n)
+    return ((start + a, start + b) for a, b in even_bounds(stop - start, size, first=size))
