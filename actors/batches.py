@@ -8,6 +8,7 @@ collectives.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +112,34 @@ class ScoreMicroBatch:
     """Rows one rank scores in one forward pass (right-padded, like lm-eval's HF backend)."""
 
     rows: tuple[ScoreRow, ...] = ()
+
+    @property
+    def targets(self) -> tuple[int, ...]:
+        """Per row, how many targets it scores (the answers its result holds)."""
+        return tuple(len(row.targets) for row in self.rows)
+
+
+@dataclass(frozen=True)
+class PickledScoreBatch:
+    """A :class:`ScoreMicroBatch` pickled where it was planned (a planning actor,
+    :mod:`rayeval.service.engine.streamed_score`): the driver hands it on without unpickling
+    it, and pickling it yields the micro-batch itself, so a rank receives a
+    :class:`ScoreMicroBatch`.
+
+    Args:
+        data: The pickled micro-batch.
+        targets: Per row, how many targets it scores (the answers its result must hold).
+    """
+
+    data: bytes
+    targets: tuple[int, ...]
+
+    @classmethod
+    def of(cls, batch: ScoreMicroBatch) -> PickledScoreBatch:
+        return cls(pickle.dumps(batch, protocol=5), batch.targets)
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return pickle.loads, (self.data,)
 
 
 @dataclass(frozen=True)

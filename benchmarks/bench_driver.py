@@ -146,6 +146,7 @@ def measure(lm: Any, requests: list[Any], args: argparse.Namespace, probe: Drive
         "progress_reports": probe.reports,
         "tokenizer_workers": args.tokenizer_workers,
         "tokenised_by_actors": stats.tokenised_by_actors,
+        "planned_by_actors": stats.planned_by_actors,
         "driver_cpu_per_request_us": (end.cpu - start.cpu) / max(1, len(requests)) * 1e6,
         "load_average": (load_before + os.getloadavg()[0]) / 2,
     }
@@ -166,7 +167,8 @@ def report(figures: dict[str, Any]) -> str:
             f"{f['cpu_per_micro_batch_ms']:.3f} ms per micro-batch while dispatching; "
             f"the ranks' CPU {f['ranks_cpu_per_micro_batch_ms']:.3f} ms per micro-batch",
             f"driver CPU per request {f['driver_cpu_per_request_us']:.1f} us; "
-            f"{f['tokenised_by_actors']:,} requests tokenised by actors",
+            f"{f['tokenised_by_actors']:,} requests tokenised by actors, "
+            f"{f['planned_by_actors']:,} planned by them",
             f"replica utilisation: min {f['replica_utilisation_min']:.3f}",
             f"replica utilisation: {f['replica_utilisation']:.3f}",
         ]

@@ -66,6 +66,63 @@ def test_loglikelihood_parts_from_actors_are_the_driver_s_own(demo: Any) -> None
         assert len(contexts) == len(theirs.pairs) // 4, "a question's choices share a context"
 
 
+def _plans(parts: list[Any], pool: Any, share: bool, max_length: int) -> list[Any]:
+    from rayeval.service.engine.planner import TokenBudget
+    from rayeval.service.engine.streamed_score import plan_part
+
+    budget = TokenBudget(max_tokens=700)
+    plans = [plan_part(part, None, budget, share, max_length, pool) for part in parts]
+    return [plan() if callable(plan) else plan for plan in plans]
+
+
+def _same_plans(ours: list[Any], theirs: list[Any]) -> None:
+    """The same micro-batches (as a rank receives them), places and answers."""
+    import pickle
+
+    for own, other in zip(ours, theirs, strict=True):
+        received = [pickle.loads(pickle.dumps(mb)) for mb in other.micro_batches]
+        assert received == own.micro_batches
+        assert list(other.places) == list(own.places)
+        assert (other.computed, other.given) == (own.computed, own.given)
+
+
+@pytest.mark.service
+def test_parts_planned_by_actors_are_the_driver_s_plans(
+    demo: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each part after the first is planned on an actor, from the actors' own tokens, while the
+    next part is made: the same micro-batches, with shared prefixes or without, as planning the
+    driver's parts on the driver; actors that died hand the planning back to the driver."""
+    import ray
+
+    from rayeval.actors.batches import PickledScoreBatch
+    from rayeval.service.engine.streamed import part_bounds
+    from rayeval.service.engine.tokenisers import TokeniserPool, made_parts
+
+    encoder = _encoder(demo)
+    instances = mmlu_instances(400, seed=11)
+    tokens = _score_tokens(encoder, instances)
+    bounds = list(part_bounds([i.args[0] for i in instances], 60))
+    alone, _ = _made(tokens, bounds, encoder, 0)
+    window = encoder.max_length
+    for share in (False, True):
+        with TokeniserPool(encoder, 2) as pool:
+            theirs = _plans(list(made_parts(bounds, tokens, pool)), pool, share, window)
+            assert pool.planned == 400 - bounds[0][1]
+        assert all(isinstance(mb, PickledScoreBatch) for p in theirs[1:] for mb in p.micro_batches)
+        _same_plans(_plans(alone, None, share, window), theirs)
+
+    caplog.set_level(logging.WARNING, logger="rayeval.service.engine.tokenisers")
+    with TokeniserPool(encoder, 2) as pool:
+        parts = list(made_parts(bounds, tokens, pool))
+        for actor in pool._actors:
+            ray.kill(actor, no_restart=True)
+        theirs = _plans(parts, pool, True, window)
+        assert pool.planned == 0 and not pool.working
+    _same_plans(_plans(alone, None, True, window), theirs)
+    assert "the driver tokenises and plans the rest" in caplog.text
+
+
 @pytest.mark.service
 def test_generation_parts_from_actors_are_the_driver_s_own(demo: Any) -> None:
     from rayeval.service.engine.streamed import even_bounds
@@ -141,6 +198,8 @@ def test_an_evaluation_tokenised_by_actors_matches_lm_eval_hf(
         figures = {phase: stats.report() for phase, stats in lm.stats.items()}
     for phase in ("loglikelihood", "generate_until"):
         assert 0 < figures[phase]["tokenised_by_actors"] < figures[phase]["requests"], phase
+    scored = figures["loglikelihood"]
+    assert scored["planned_by_actors"] == scored["tokenised_by_actors"]
     assert_same_results(reference, ours)
 
 

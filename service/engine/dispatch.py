@@ -28,6 +28,7 @@ from rayeval.actors.batches import (
     GenerateMicroBatch,
     GenerationPiece,
     MicroBatch,
+    PickledScoreBatch,
     ScoreMicroBatch,
     StepStats,
 )
@@ -418,11 +419,13 @@ def run_steps(
     return Dispatcher(group, micro_batches, step_timeout_s, depth).run(on_step, on_piece)
 
 
-def check_exactly_once(micro_batches: Sequence[MicroBatch], results: Sequence[Any]) -> None:
+def check_exactly_once(
+    micro_batches: Sequence[MicroBatch | PickledScoreBatch], results: Sequence[Any]
+) -> None:
     """Every micro-batch came back once, with one answer per row (per target for scores)."""
     for index, (batch, result) in enumerate(zip(micro_batches, results, strict=True)):
-        if isinstance(batch, ScoreMicroBatch):
-            expected = [len(row.targets) for row in batch.rows]
+        if isinstance(batch, ScoreMicroBatch | PickledScoreBatch):
+            expected = list(batch.targets)
             got = [len(row) for row in result] if result is not None else None
         elif isinstance(batch, GenerateGroup):
             expected = [1] * len(batch.requests)

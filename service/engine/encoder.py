@@ -245,10 +245,13 @@ class EncodedPairs:
             context string share one context tuple; every id is one shared int object.
         merged: Per request, whether the joint encoding does not start with the context's own
             tokens (:class:`rayeval.service.engine.checks.RequestIssue`'s ``merged_boundary``).
+        sources: Refs to the tokeniser actors' results these pairs were joined from, in order
+            (:mod:`rayeval.service.engine.tokenisers`; empty: tokenised here).
     """
 
     pairs: list[tuple[tuple[int, ...], tuple[int, ...]]]
     merged: list[bool]
+    sources: tuple[Any, ...] = ()
 
     def requests(self, strings: Sequence[tuple[str, str]]) -> list[Any]:
         """lm-eval's tokenised requests: ``((context, continuation), ctx_enc, cont_enc)``."""

@@ -355,14 +355,15 @@ class Executor:
         """:meth:`score` for ``total`` loglikelihood requests in parts of ``bounds``, which
         ``tokens`` makes (on tokeniser actors where it can): planned on a background thread
         while the replicas compute the parts before (:mod:`rayeval.service.engine.streamed`)."""
-        plan = partial(
-            plan_part,
-            cache=self._cache,
-            budget=self._score_budget,
-            share_prefixes=self._share_prefixes,
-            max_length=max_length,
-        )
         with self._tokenisers(tokens) as pool:
+            plan = partial(
+                plan_part,
+                cache=self._cache,
+                budget=self._score_budget,
+                share_prefixes=self._share_prefixes,
+                max_length=max_length,
+                pool=pool,
+            )
             parts = made_parts(bounds, tokens, pool)
             return self._run_parts(
                 "loglikelihood", total, parts, plan, ScoreMicroBatch, pool, disable_tqdm
@@ -407,7 +408,7 @@ class Executor:
         phase: str,
         total: int,
         parts: Iterable[Any],
-        plan: Callable[[Any], PlannedPart],
+        plan: Callable[[Any], PlannedPart | Callable[[], PlannedPart]],
         kind: type[MicroBatch],
         pool: TokeniserPool,
         disable_tqdm: bool,
@@ -421,4 +422,5 @@ class Executor:
         stats, streamed = self.stats[phase], kind is GenerateGroup
         answers = run_parts(dispatcher, Planner(parts, plan), tracker, stats, total, streamed)
         stats.tokenised_by_actors += pool.tokenised
+        stats.planned_by_actors += pool.planned
         return answers

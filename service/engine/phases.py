@@ -44,6 +44,8 @@ class PhaseStats:
     batching: str | None = None
     #: Requests tokenised by tokeniser actors (:mod:`rayeval.service.engine.tokenisers`).
     tokenised_by_actors: int = 0
+    #: Requests whose part a tokeniser actor planned.
+    planned_by_actors: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,6 +76,7 @@ class PhaseStats:
             "replica_utilisation": self.replica_utilisation,
             **({"batching": self.batching} if self.batching else {}),
             **({"tokenised_by_actors": n} if (n := self.tokenised_by_actors) else {}),
+            **({"planned_by_actors": n} if (n := self.planned_by_actors) else {}),
         }
 
 

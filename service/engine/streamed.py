@@ -125,10 +125,15 @@ class Planner(threading.Thread):
     Args:
         parts: Each part, tokenised and checked, in order (made lazily, on this thread:
             :func:`rayeval.service.engine.tokenisers.made_parts`).
-        plan: Plans one part (and looks it up in the response cache).
+        plan: Plans one part (and looks it up in the response cache); or returns a call that
+            waits for its plan (planned elsewhere), made once the next part is made.
     """
 
-    def __init__(self, parts: Iterable[Any], plan: Callable[[Any], PlannedPart]) -> None:
+    def __init__(
+        self,
+        parts: Iterable[Any],
+        plan: Callable[[Any], PlannedPart | Callable[[], PlannedPart]],
+    ) -> None:
         super().__init__(name="rayeval-part-planner", daemon=True)
         self._parts, self._plan = parts, plan
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=AHEAD)
@@ -136,9 +141,16 @@ class Planner(threading.Thread):
 
     def run(self) -> None:
         try:
+            waiting: Callable[[], PlannedPart] | None = None
             for part in self._parts:
-                if not self._give(self._plan(part)):
+                planned = self._plan(part)
+                if waiting is not None and not self._give(waiting()):
                     return
+                waiting = planned if callable(planned) else None
+                if waiting is None and not self._give(planned):
+                    return
+            if waiting is not None and not self._give(waiting()):
+                return
             self._give(_END)
         except BaseException as exc:  # handed to the driver's thread, raised there
             self._give(exc)

@@ -112,7 +112,7 @@ class Prompts:
             function=packed_prompts,
             args=lambda start, stop: ([r.args for r in self._instances[start:stop]], self._eos),
             chunks=even_chunks,
-            join=lambda results: [p.request(i, shared) for p in results for i in range(len(p))],
+            join=lambda results, _: [p.request(i, shared) for p in results for i in range(len(p))],
             first=lambda packed: packed.request(0, ids),
             make=self.make,
             encoder=self._encoder,

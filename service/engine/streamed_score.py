@@ -16,12 +16,20 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from rayeval.actors.batches import PickledScoreBatch
 from rayeval.service.engine.checks import Inspection
 from rayeval.service.engine.encoder import EncodedPairs, encode_pairs, shared_ids
-from rayeval.service.engine.planner import TokenBudget, plan_score
+from rayeval.service.engine.planner import TokenBudget, Where, plan_score
 from rayeval.service.engine.response_cache import ResponseCache, score_key
 from rayeval.service.engine.streamed import PlannedPart, part_bounds
-from rayeval.service.engine.tokenisers import PartTokens, Ragged, chunk_size, ids
+from rayeval.service.engine.tokenisers import (
+    PLAN_GROUP,
+    PartTokens,
+    Ragged,
+    TokeniserPool,
+    chunk_size,
+    ids,
+)
 
 
 @dataclass
@@ -33,12 +41,15 @@ class ScorePart:
         pairs: The (context, continuation) tokens of the requests to compute.
         todo: Their indices in the whole request type.
         fixed: Answers given without a model call, by index in the whole request type.
+        sources: Refs to the tokeniser actors' packed pairs of the whole part, in order (empty:
+            tokenised on the driver): an actor plans the part from them.
     """
 
     start: int
     pairs: list[tuple[Sequence[int], Sequence[int]]]
     todo: list[int]
     fixed: dict[int, tuple[float, bool]]
+    sources: tuple[Any, ...] = ()
 
 
 def make_part(
@@ -63,6 +74,7 @@ def make_part(
         pairs=[encoded.pairs[i] for i in todo],
         todo=[start + i for i in todo],
         fixed={start + i: answer for i, answer in inspection.answers.items()},
+        sources=encoded.sources,
     )
 
 
@@ -82,14 +94,14 @@ def score_tokens(
         size = chunk_size(start, stop, n)
         return ((start + a, start + b) for a, b in part_bounds(contexts, size, first=size))
 
-    def join(results: list[PackedPairs]) -> EncodedPairs:
+    def join(results: list[PackedPairs], refs: list[Any]) -> EncodedPairs:
         pairs: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         merged: list[bool] = []
         for packed in results:
             encoded = packed.unpack(shared)
             pairs += encoded.pairs
             merged += encoded.merged
-        return EncodedPairs(pairs, merged)
+        return EncodedPairs(pairs, merged, tuple(refs))
 
     return PartTokens(
         function=packed_pairs,
@@ -153,9 +165,15 @@ def plan_part(
     budget: TokenBudget,
     share_prefixes: bool,
     max_length: int,
-) -> PlannedPart:
+    pool: TokeniserPool | None = None,
+) -> PlannedPart | Callable[[], PlannedPart]:
     """Look a part's requests up in the response cache and plan the rest (as
-    :meth:`rayeval.service.engine.executor.Executor.score` does for a whole request type)."""
+    :meth:`rayeval.service.engine.executor.Executor.score` does for a whole request type).
+
+    A part whose tokens came from ``pool``'s actors is planned on one of them
+    (:func:`planned_pairs`: the same function on the same tokens, so the same plan), while the
+    driver makes the next part: then what is returned is a call that waits for that plan (or,
+    if the actor fails, plans here)."""
     todo: Sequence[int] = range(len(part.pairs))
     keys: list[Any] = []
     found: dict[int, Any] = {}
@@ -163,16 +181,57 @@ def plan_part(
         keys = [cache.digest(score_key(c, k, max_length)) for c, k in part.pairs]
         found = cache.get_many(keys)
         todo = [i for i in range(len(keys)) if i not in found]
-    plan = plan_score([part.pairs[i] for i in todo], max_length, budget, share_prefixes)
-    store = None
-    if cache is not None:
-        where = zip(todo, plan.where, strict=True)
-        store = cache.storer([(keys[i], mb, (row, target)) for i, (mb, row, target) in where])
-    return PlannedPart(
-        micro_batches=plan.micro_batches,
-        computed=[part.todo[i] for i in todo],
-        places=plan.where,
-        given=part.fixed | {part.todo[i]: answer for i, answer in found.items()},
-        cached=len(found),
-        store=store,
-    )
+
+    def planned(micro_batches: Sequence[Any], where: Where) -> PlannedPart:
+        store = None
+        if cache is not None:
+            placed = zip(todo, where, strict=True)
+            store = cache.storer([(keys[i], mb, (row, target)) for i, (mb, row, target) in placed])
+        return PlannedPart(
+            micro_batches=micro_batches,
+            computed=[part.todo[i] for i in todo],
+            places=where,
+            given=part.fixed | {part.todo[i]: answer for i, answer in found.items()},
+            cached=len(found),
+            store=store,
+        )
+
+    def here() -> PlannedPart:
+        plan = plan_score([part.pairs[i] for i in todo], max_length, budget, share_prefixes)
+        return planned(plan.micro_batches, plan.where)
+
+    if pool is None or not pool.working or not part.sources:
+        return here()
+    chosen = array("q", (part.todo[i] - part.start for i in todo))
+    args = (chosen, max_length, budget, share_prefixes, *part.sources)
+    ref = pool.submit(planned_pairs, *args, group=PLAN_GROUP)
+
+    def there() -> PlannedPart:
+        got = pool.gather([ref])
+        if got is not None and len(got[0][1]) == len(chosen):
+            batches, where = got[0]
+            pool.planned += len(chosen)
+            return planned([PickledScoreBatch(*batch) for batch in batches], where)
+        if got is not None:
+            pool.fail(f"an actor planned {len(got[0][1])} of a part's {len(chosen)} requests")
+        return here()
+
+    return there
+
+
+def planned_pairs(
+    encoder: Any,
+    chosen: Sequence[int],
+    max_length: int,
+    budget: TokenBudget,
+    share_prefixes: bool,
+    *sources: PackedPairs,
+) -> tuple[list[tuple[bytes, tuple[int, ...]]], Where]:
+    """What a tokeniser actor runs to plan a part: :func:`plan_score` of the ``chosen`` pairs
+    (indices in the part) of the part's packed chunks, each micro-batch pickled with its rows'
+    target counts (:class:`rayeval.actors.batches.PickledScoreBatch`, made on the driver: one
+    made here would arrive unpickled)."""
+    pairs = [pair for packed in sources for pair in packed.unpack(ids).pairs]
+    plan = plan_score([pairs[i] for i in chosen], max_length, budget, share_prefixes)
+    batches = [PickledScoreBatch.of(batch) for batch in plan.micro_batches]
+    return [(batch.data, batch.targets) for batch in batches], plan.where

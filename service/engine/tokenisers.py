@@ -37,6 +37,9 @@ AUTO_MAX = 16
 #: Longest wait for one chunk's tokens (an actor's start-up included) before the driver
 #: tokenises the rest itself.
 CHUNK_TIMEOUT_S = 120.0
+#: The actors' concurrency group for planning a part: its own thread, so that a plan does not
+#: wait behind the chunks queued for tokenising.
+PLAN_GROUP = "plan"
 
 
 class Tokeniser:
@@ -77,6 +80,8 @@ class TokeniserPool:
         self.size = size = pool_size(setting)
         #: Requests whose tokens the actors made (and the driver used).
         self.tokenised = 0
+        #: Requests whose part an actor planned (and the driver used).
+        self.planned = 0
         self._actors: list[Any] = []
         self._turn = 0
         if size <= 0:
@@ -95,7 +100,9 @@ class TokeniserPool:
             )
             self.size = 0
             return
-        remote: Any = ray.remote(Tokeniser)
+        # (Ray's typing lacks the actor option concurrency_groups.)
+        groups: dict[str, Any] = {"concurrency_groups": {PLAN_GROUP: 1}}
+        remote: Any = ray.remote(**groups)(Tokeniser)
         self._actors = [
             remote.options(
                 num_cpus=1, max_restarts=0, scheduling_strategy="SPREAD",
@@ -109,11 +116,13 @@ class TokeniserPool:
     def working(self) -> bool:
         return bool(self._actors)
 
-    def submit(self, function: Callable[..., Any], *args: Any) -> Any:
-        """A ref to ``function(encoder, *args)`` on the next actor in turn."""
+    def submit(self, function: Callable[..., Any], *args: Any, group: str | None = None) -> Any:
+        """A ref to ``function(encoder, *args)`` on the next actor in turn (``group``: in that
+        concurrency group, e.g. :data:`PLAN_GROUP`; refs among ``args`` arrive as values)."""
         actor = self._actors[self._turn % len(self._actors)]
         self._turn += 1
-        return actor.run.remote(function, *args)
+        method = actor.run.options(concurrency_group=group) if group else actor.run
+        return method.remote(function, *args)
 
     def gather(self, refs: list[Any]) -> list[Any] | None:
         """The results of ``refs``, in order; None (the pool closed) if one failed or took
@@ -124,7 +133,7 @@ class TokeniserPool:
             return [ray.get(ref, timeout=CHUNK_TIMEOUT_S) for ref in refs]
         except ray.exceptions.GetTimeoutError:
             self.fail(
-                f"no tokens within {CHUNK_TIMEOUT_S:.0f} s: if the cluster has fewer free CPUs "
+                f"no result within {CHUNK_TIMEOUT_S:.0f} s: if the cluster has fewer free CPUs "
                 "than --tokenizer_workers asks for, lower it or leave it unset"
             )
         except Exception as exc:
@@ -133,8 +142,10 @@ class TokeniserPool:
         return None
 
     def fail(self, why: str) -> None:
-        """Close the pool: the driver tokenises the rest itself."""
-        logger.warning("tokeniser actors stopped (%s): the driver tokenises the rest", why)
+        """Close the pool: the driver tokenises (and plans) the rest itself."""
+        logger.warning(
+            "tokeniser actors stopped (%s): the driver tokenises and plans the rest", why
+        )
         self.close()
 
     def close(self) -> None:
@@ -162,7 +173,7 @@ class PartTokens:
         chunks: Cuts requests ``start:stop`` into ``n`` chunks (a cut never splits what one
             call must see together).
         join: The chunks' tokens, in order, as the tokens of their part (their token ids
-            made the driver's shared ones).
+            made the driver's shared ones), given the chunks' results and their refs.
         first: The first request's tokens, to compare (of the function's result).
         make: Makes the part ``start:stop`` from its tokens (None: it tokenises them itself).
         encoder: The driver's encoder.
@@ -173,7 +184,7 @@ class PartTokens:
     function: Callable[..., Any]
     args: Callable[[int, int], tuple[Any, ...]]
     chunks: Callable[[int, int, int], Iterable[tuple[int, int]]]
-    join: Callable[[list[Any]], Any]
+    join: Callable[[list[Any], list[Any]], Any]
     first: Callable[[Any], Any]
     make: Callable[[int, int, Any], Any]
     encoder: Any
@@ -224,7 +235,7 @@ def _gathered(tokens: PartTokens, pool: TokeniserPool, refs: list[tuple[int, Any
         if tokens.first(result) != own:
             pool.fail(f"request {start} was tokenised differently by an actor")
             return None
-    return tokens.join(results)
+    return tokens.join(results, [ref for _, ref in refs])
 
 
 @dataclass
