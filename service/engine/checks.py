@@ -112,7 +112,7 @@ class Origins(Sequence[tuple[str, Any]]):
     def __getitem__(self, index: slice) -> Sequence[tuple[str, Any]]: ...
     def __getitem__(self, index: int | slice) -> Any:
         if isinstance(index, slice):
-            return [(i.task_name, i.doc_id) for i in self._instances[index]]
+            return Origins(self._instances[index])
         instance = self._instances[index]
         return instance.task_name, instance.doc_id
 

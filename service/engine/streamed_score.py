@@ -203,8 +203,8 @@ def plan_part(
     if pool is None or not pool.working or not part.sources:
         return here()
     chosen = array("q", (part.todo[i] - part.start for i in todo))
-    args = (chosen, max_length, budget, share_prefixes, *part.sources)
-    ref = pool.submit(planned_pairs, *args, group=PLAN_GROUP)
+    args = (chosen, max_length, budget, share_prefixes)
+    ref = pool.submit(planned_pairs, *args, refs=part.sources, group=PLAN_GROUP)
 
     def there() -> PlannedPart:
         got = pool.gather([ref])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -51,9 +52,10 @@ class Tokeniser:
     def ready(self) -> int:
         return os.getpid()
 
-    def run(self, function: Callable[..., Any], *args: Any) -> Any:
-        """``function(encoder, *args)`` (a module-level function of the encoder)."""
-        return function(self._encoder, *args)
+    def run(self, function: Callable[..., Any], args: bytes, *refs: Any) -> Any:
+        """``function(encoder, *args, *refs)`` (a module-level function of the encoder;
+        ``args`` pickled, ``refs`` arrive as their values)."""
+        return function(self._encoder, *pickle.loads(args), *refs)
 
 
 def pool_size(setting: int | None) -> int:
@@ -116,13 +118,21 @@ class TokeniserPool:
     def working(self) -> bool:
         return bool(self._actors)
 
-    def submit(self, function: Callable[..., Any], *args: Any, group: str | None = None) -> Any:
-        """A ref to ``function(encoder, *args)`` on the next actor in turn (``group``: in that
-        concurrency group, e.g. :data:`PLAN_GROUP`; refs among ``args`` arrive as values)."""
+    def submit(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        refs: Sequence[Any] = (),
+        group: str | None = None,
+    ) -> Any:
+        """A ref to ``function(encoder, *args, *refs)`` on the next actor in turn: ``args``
+        travel pickled by the C pickler (Ray's cloudpickle visits a list of strings in Python),
+        ``refs`` (Ray object refs) arrive as their values; ``group``: the actor's concurrency
+        group, e.g. :data:`PLAN_GROUP`."""
         actor = self._actors[self._turn % len(self._actors)]
         self._turn += 1
         method = actor.run.options(concurrency_group=group) if group else actor.run
-        return method.remote(function, *args)
+        return method.remote(function, pickle.dumps(args, protocol=5), *refs)
 
     def gather(self, refs: list[Any]) -> list[Any] | None:
         """The results of ``refs``, in order; None (the pool closed) if one failed or took
