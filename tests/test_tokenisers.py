@@ -86,6 +86,21 @@ def _same_plans(ours: list[Any], theirs: list[Any]) -> None:
         assert (other.computed, other.given) == (own.computed, own.given)
 
 
+def _wait_dead(actor: Any, timeout_s: float = 60.0) -> None:
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the actor was not dead within {timeout_s} s")
+
+
 @pytest.mark.service
 def test_parts_planned_by_actors_are_the_driver_s_plans(
     demo: Any, caplog: pytest.LogCaptureFixture
@@ -117,6 +132,8 @@ def test_parts_planned_by_actors_are_the_driver_s_plans(
         parts = list(made_parts(bounds, tokens, pool))
         for actor in pool._actors:
             ray.kill(actor, no_restart=True)
+        for actor in pool._actors:  # the kill lands asynchronously: wait until it did
+            _wait_dead(actor)
         theirs = _plans(parts, pool, True, window)
         assert pool.planned == 0 and not pool.working
     _same_plans(_plans(alone, None, True, window), theirs)

@@ -17,6 +17,7 @@ import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy
@@ -352,16 +353,32 @@ class _Interner:
         """``ids`` (a numpy integer array, from a tokeniser actor, is read in one call)."""
         try:
             if isinstance(ids, numpy.ndarray):
-                if self._objects is None:
-                    self._objects = numpy.array(self._ids, dtype=object)
-                tokens = tuple(self._objects[ids].tolist())
+                tokens = tuple(self._read(ids))
             else:
                 tokens = tuple(map(self._ids.__getitem__, ids))
         except IndexError:  # an id past the vocabulary: kept as it is
             tokens = tuple(int(i) for i in ids)
-        if len(tokens) <= 4:
-            return self._short.setdefault(tokens, tokens)
-        return tokens
+        return self._short.setdefault(tokens, tokens) if len(tokens) <= 4 else tokens
+
+    def many(self, flat: numpy.ndarray, offsets: Sequence[int]) -> list[tuple[int, ...]]:
+        """Each ``flat[offsets[i]:offsets[i + 1]]`` as :meth:`__call__` makes it, the whole
+        array read in one call (a tokeniser actor's continuations: a call per one-token
+        sequence would cost more than the sequence)."""
+        try:
+            values = self._read(flat)
+        except IndexError:
+            return [self(flat[a:b]) for a, b in pairwise(offsets)]
+        short, sequences = self._short, []
+        for a, b in pairwise(offsets):
+            tokens = tuple(values[a:b])
+            sequences.append(short.setdefault(tokens, tokens) if b - a <= 4 else tokens)
+        return sequences
+
+    def _read(self, ids: numpy.ndarray) -> list[int]:
+        """``ids`` as the shared int objects (IndexError: an id past the vocabulary)."""
+        if self._objects is None:
+            self._objects = numpy.array(self._ids, dtype=object)
+        return self._objects[ids].tolist()  # type: ignore[no-any-return]
 
 
 _INTERNERS: weakref.WeakKeyDictionary[HFLM, _Interner] = weakref.WeakKeyDictionary()

@@ -133,7 +133,11 @@ class PackedPairs:
     def unpack(self, shared: Callable[[Any], Any], count: int | None = None) -> Any:
         """The first ``count`` pairs (all: None) as :class:`EncodedPairs`, their ids through
         ``shared`` (a context shared by its pairs)."""
-        count = len(self.context_of) if count is None else count
+        if count is None:  # every sequence, each Ragged read in one call
+            contexts = self.contexts.all(shared)
+            continuations = self.continuations.all(shared)
+            pairs = [(contexts[c], k) for c, k in zip(self.context_of, continuations, strict=True)]
+            return EncodedPairs(pairs, [bool(m) for m in self.merged])
         used = max(self.context_of[:count], default=-1) + 1
         contexts = [self.contexts.get(i, shared) for i in range(used)]
         pairs = [

@@ -273,6 +273,14 @@ class Ragged:
         :func:`ids` to compare)."""
         return shared(self.flat[self.offsets[index] : self.offsets[index + 1]])
 
+    def all(self, shared: Callable[[numpy.ndarray], tuple[int, ...]]) -> list[Any]:
+        """Every sequence, as :meth:`get` makes it (in one read where ``shared`` has ``many``,
+        as the driver's interner does)."""
+        many = getattr(shared, "many", None)
+        if many is not None:
+            return many(self.flat, self.offsets)  # type: ignore[no-any-return]
+        return [self.get(i, shared) for i in range(len(self))]
+
 
 def ids(tokens: numpy.ndarray) -> tuple[int, ...]:
     """Token ids as a plain tuple (to compare what an actor sent with the driver's own)."""
