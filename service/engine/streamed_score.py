@@ -133,8 +133,8 @@ class PackedPairs:
     def unpack(self, shared: Callable[[Any], Any], count: int | None = None) -> Any:
         """The first ``count`` pairs (all: None) as :class:`EncodedPairs`, their ids through
         ``shared`` (a context shared by its pairs)."""
-        if count is None:  # every sequence, each Ragged read in one call
-            contexts = self.contexts.all(shared)
+        if count is None:  # every pair; the (short) continuations read in one call
+            contexts = [self.contexts.get(i, shared) for i in range(len(self.contexts))]
             continuations = self.continuations.all(shared)
             pairs = [(contexts[c], k) for c, k in zip(self.context_of, continuations, strict=True)]
             return EncodedPairs(pairs, [bool(m) for m in self.merged])

@@ -275,7 +275,8 @@ class Ragged:
 
     def all(self, shared: Callable[[numpy.ndarray], tuple[int, ...]]) -> list[Any]:
         """Every sequence, as :meth:`get` makes it (in one read where ``shared`` has ``many``,
-        as the driver's interner does)."""
+        as the driver's interner does: for short sequences, whose own reads would cost more
+        than they hold)."""
         many = getattr(shared, "many", None)
         if many is not None:
             return many(self.flat, self.offsets)  # type: ignore[no-any-return]
