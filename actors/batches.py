@@ -120,26 +120,41 @@ class ScoreMicroBatch:
 
 
 @dataclass(frozen=True)
-class PickledScoreBatch:
+class Pickled:
+    """An object pickled by the C pickler: pickling this again yields the object itself, so Ray
+    (whose cloudpickle visits every field of a dataclass in Python) sends the bytes as they are
+    and the receiver gets the object.
+
+    Args:
+        data: The pickled object.
+    """
+
+    data: bytes
+
+    @classmethod
+    def of(cls, value: Any) -> Pickled:
+        return cls(pickle.dumps(value, protocol=5))
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return pickle.loads, (self.data,)
+
+
+@dataclass(frozen=True)
+class PickledScoreBatch(Pickled):
     """A :class:`ScoreMicroBatch` pickled where it was planned (a planning actor,
     :mod:`rayeval.service.engine.streamed_score`): the driver hands it on without unpickling
-    it, and pickling it yields the micro-batch itself, so a rank receives a
-    :class:`ScoreMicroBatch`.
+    it, and a rank receives the :class:`ScoreMicroBatch`.
 
     Args:
         data: The pickled micro-batch.
         targets: Per row, how many targets it scores (the answers its result must hold).
     """
 
-    data: bytes
-    targets: tuple[int, ...]
+    targets: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, batch: ScoreMicroBatch) -> PickledScoreBatch:
-        return cls(pickle.dumps(batch, protocol=5), batch.targets)
-
-    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
-        return pickle.loads, (self.data,)
+    def of(cls, value: Any) -> PickledScoreBatch:
+        return cls(pickle.dumps(value, protocol=5), value.targets)
 
 
 @dataclass(frozen=True)

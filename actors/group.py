@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from rayeval.actors.batches import MicroBatch, ModelSpec, RankOptions
+from rayeval.actors.batches import MicroBatch, ModelSpec, Pickled, RankOptions
 from rayeval.actors.errors import (
     ConfigError,
     EvaluationTimeoutError,
@@ -66,11 +66,14 @@ class Replica:
                 f"a step needs {self.micro_batches_per_step} micro-batches, got "
                 f"{len(micro_batches)}"
             )
-        per_rank = micro_batches * len(self.workers) if self.same_batch else micro_batches
+        # Pickled by the C pickler (Ray's cloudpickle visits each request in Python), once per
+        # micro-batch; each rank receives the micro-batch itself.
+        payloads = [Pickled.of(mb) for mb in micro_batches]
+        per_rank = payloads * len(self.workers) if self.same_batch else payloads
         options = {"num_returns": "streaming"} if streaming else {}
         return [
-            getattr(w, method).options(**options).remote(mb)
-            for w, mb in zip(self.workers, per_rank, strict=True)
+            getattr(w, method).options(**options).remote(payload)
+            for w, payload in zip(self.workers, per_rank, strict=True)
         ]
 
     def submit_many(self, method: str, steps: list[list[MicroBatch]]) -> list[Any]:
