@@ -4,7 +4,10 @@
 made part by part exactly as the product's planning thread makes them
 (``service/engine/tokenisers.made_parts``: the first part on the driver, the rest by ``W``
 tokeniser actors, checked and read into the driver's shared ids) and consumed at once, with no
-replicas: what is measured is how fast parts can be made, the ceiling the replicas see. For
+replicas: what is measured is how fast parts can be made, the ceiling the replicas see.
+MMLU-style parts are planned too, by the product's planning thread
+(``service/engine/streamed.Planner`` over ``streamed_score.plan_part``: on the actors where
+they tokenised the part; ``--budget`` tokens a micro-batch, shared prefixes packed). For
 ``W = 0`` (the driver alone, as before tokeniser actors) and each ``W`` of ``--workers``: the
 actors' start-up (separately), the seconds to make every part, requests a second, the driver
 process's CPU per request, and the ratio to ``W = 0``; every ``W``'s parts are checked equal to
@@ -20,8 +23,10 @@ import argparse
 import json
 import logging
 import os
+import pickle
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workload", choices=("mmlu", "generation"), default="generation")
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--workers", default="1,2", help="tokeniser actors to compare with 0")
+    parser.add_argument("--budget", type=int, default=4000, help="micro-batch tokens (MMLU)")
     parser.add_argument("--num_cpus", type=int, default=None, help="logical CPUs of Ray")
     parser.add_argument("--json", default=None, help="append the figures here")
     return parser.parse_args(argv)
@@ -60,26 +66,57 @@ def part_tokens(encoder: Any, instances: list[Any], workload: str) -> tuple[Any,
 def comparable(part: Any) -> Any:
     if hasattr(part, "requests"):
         return part.start, part.requests
+    if hasattr(part, "places"):  # a plan: its micro-batches as a rank receives them
+        received = pickle.loads(pickle.dumps(list(part.micro_batches)))
+        return received, list(part.places), part.computed, part.given
     return part.start, part.pairs, part.todo, part.fixed
 
 
-def measure(encoder: Any, instances: list[Any], workload: str, workers: int) -> dict[str, Any]:
-    """Make every part with ``workers`` actors; the figures, and the parts."""
+def planned(parts: Any, pool: Any, encoder: Any, budget: int) -> Any:
+    """Each part planned, in order, by the product's planning thread (on the pool's actors where
+    they tokenised it)."""
+    from rayeval.service.engine.planner import TokenBudget
+    from rayeval.service.engine.streamed import Planner
+    from rayeval.service.engine.streamed_score import plan_part
+
+    plan = partial(plan_part, cache=None, budget=TokenBudget(max_tokens=budget),
+                   share_prefixes=True, max_length=encoder.max_length, pool=pool)  # fmt: skip
+    planner = Planner(parts, plan)
+    planner.start()
+    try:
+        while True:
+            part = planner.take(1.0)
+            if part is not None:
+                yield part
+    except StopIteration:
+        return
+    finally:
+        planner.stop()
+
+
+def measure(
+    encoder: Any, instances: list[Any], args: argparse.Namespace, workers: int
+) -> dict[str, Any]:
+    """Make (and plan, for MMLU) every part with ``workers`` actors; the figures, and the
+    parts."""
     import ray
 
     from rayeval.service.engine.tokenisers import TokeniserPool, made_parts
 
-    tokens, bounds = part_tokens(encoder, instances, workload)
+    tokens, bounds = part_tokens(encoder, instances, args.workload)
     started = time.monotonic()
     with TokeniserPool(encoder, workers) as pool:
         ray.get([actor.ready.remote() for actor in pool._actors], timeout=300)
         startup_s = time.monotonic() - started
         wall, cpu = time.monotonic(), time.process_time()
-        parts = [comparable(part) for part in made_parts(bounds, tokens, pool)]
+        parts: Any = made_parts(bounds, tokens, pool)
+        if args.workload == "mmlu":
+            parts = planned(parts, pool, encoder, args.budget)
+        parts = list(parts)
         wall, cpu = time.monotonic() - wall, time.process_time() - cpu
-        tokenised = pool.tokenised
+        tokenised, by_actors = pool.tokenised, pool.planned
     return {
-        "workload": workload,
+        "workload": args.workload,
         "requests": len(instances),
         "parts": len(bounds),
         "workers": workers,
@@ -88,7 +125,8 @@ def measure(encoder: Any, instances: list[Any], workload: str, workers: int) -> 
         "requests_per_s": len(instances) / wall,
         "driver_cpu_per_request_us": cpu / len(instances) * 1e6,
         "tokenised_by_actors": tokenised,
-        "_parts": parts,
+        "planned_by_actors": by_actors,
+        "_parts": [comparable(part) for part in parts],
     }
 
 
@@ -107,19 +145,21 @@ def main(argv: list[str] | None = None) -> int:
         instances = mmlu_instances(args.requests)
     else:
         instances = generation_instances(args.requests, max_gen_toks=16)
-    runs = [measure(encoder, instances, args.workload, w) for w in workers]
+    runs = [measure(encoder, instances, args, w) for w in workers]
     alone, expected = runs[0], runs[0].pop("_parts")
     for run in runs[1:]:
         if run.pop("_parts") != expected:
             raise SystemExit(f"W = {run['workers']}: the parts differ from the driver's own")
     print(f"{args.workload} x {len(instances):,} requests in {alone['parts']} parts, "
           f"{os.cpu_count()} cores (load average {os.getloadavg()[0]:.1f})")  # fmt: skip
-    print("W  start-up  seconds  requests/s  driver CPU/request  by actors  speed-up")
+    print("W  start-up  seconds  requests/s  driver CPU/request  tokenised/planned by actors"
+          "  speed-up")  # fmt: skip
     for run in runs:
         run["speed_up"] = alone["seconds"] / run["seconds"]
         print(f"{run['workers']:<2} {run['startup_s']:7.2f} s {run['seconds']:7.2f} "
               f"{run['requests_per_s']:11,.0f} {run['driver_cpu_per_request_us']:15.1f} us "
-              f"{run['tokenised_by_actors']:10,} {run['speed_up']:8.2f}x")  # fmt: skip
+              f"{run['tokenised_by_actors']:12,} / {run['planned_by_actors']:<12,} "
+              f"{run['speed_up']:8.2f}x")  # fmt: skip
     if args.json:
         with open(args.json, "a") as out:
             out.writelines(json.dumps(run) + "\n" for run in runs)
