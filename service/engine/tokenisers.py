@@ -7,12 +7,14 @@ Ray actors (one CPU each, spread over the nodes) holding a pickled copy of the d
 encoder (lm-eval's ``HFLM`` over the weightless model: every rule is the same object's), while
 the planning thread makes the first part itself and plans the parts whose tokens are back. The
 driver keeps what must see the requests in order or in one place: lm-eval's checks, the shared
-token ids (:func:`rayeval.service.engine.encoder.shared_ids`), the sampling seeds, the plan.
+token ids (:func:`rayeval.service.engine.encoder.shared_ids`), the sampling seeds, a generation
+part's plan; a loglikelihood part the actors tokenised is planned on one of them
+(:func:`rayeval.service.engine.streamed_score.plan_part`, in the :data:`PLAN_GROUP` thread).
 
 Exactness: a chunk's tokens are those the driver would make (the same encoder, pickled), and each
 chunk's first request is tokenised on the driver too and compared; a chunk that differs, fails or
-times out ends the pool, and the driver tokenises the rest itself (with a warning). The parts,
-and so the plan, are the same whoever tokenised them.
+times out ends the pool, and the driver tokenises (and plans) the rest itself (with a warning).
+The parts, and so the plan, are the same whoever made them.
 """
 
 from __future__ import annotations
