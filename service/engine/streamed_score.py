@@ -133,16 +133,14 @@ class PackedPairs:
     def unpack(self, shared: Callable[[Any], Any], count: int | None = None) -> Any:
         """The first ``count`` pairs (all: None) as :class:`EncodedPairs`, their ids through
         ``shared`` (a context shared by its pairs)."""
-        if count is None:  # every pair; the (short) continuations read in one call
-            contexts = [self.contexts.get(i, shared) for i in range(len(self.contexts))]
-            continuations = self.continuations.all(shared)
-            pairs = [(contexts[c], k) for c, k in zip(self.context_of, continuations, strict=True)]
-            return EncodedPairs(pairs, [bool(m) for m in self.merged])
+        count = len(self.context_of) if count is None else count
         used = max(self.context_of[:count], default=-1) + 1
         contexts = [self.contexts.get(i, shared) for i in range(used)]
-        pairs = [
-            (contexts[self.context_of[i]], self.continuations.get(i, shared)) for i in range(count)
-        ]
+        if count == len(self.context_of):  # every pair: the (short) continuations in one read
+            continuations = self.continuations.all(shared)
+        else:
+            continuations = [self.continuations.get(i, shared) for i in range(count)]
+        pairs = [(contexts[self.context_of[i]], continuations[i]) for i in range(count)]
         return EncodedPairs(pairs, [bool(m) for m in self.merged[:count]])
 
 
