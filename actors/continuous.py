@@ -49,11 +49,10 @@ from transformers.generation.logits_process import (
 
 from rayeval.actors.batches import (
     ADMIT_FRACTION,
-    PIECE_FRACTION,
-    PIECE_WAIT_S,
     GenerateGroup,
     GenerationPiece,
     SlotRequest,
+    piece_due,
 )
 from rayeval.actors.generation import lm_eval_generation_kwargs
 from rayeval.actors.rank_model import RankModel
@@ -118,12 +117,16 @@ class ContinuousGenerator:
         group: The group (empty: a dummy that steps with the replica's other ranks).
         synced: Whether the replica's other ranks run groups of their own, to step together with
             (FSDP; tensor-parallel ranks run the same group and decide alike).
+        piece_interval_s: Least seconds between two pieces (:func:`piece_due`).
     """
 
-    def __init__(self, rank: RankModel, group: GenerateGroup, synced: bool) -> None:
+    def __init__(
+        self, rank: RankModel, group: GenerateGroup, synced: bool, piece_interval_s: float = 0.0
+    ) -> None:
         self._rank = rank
         self._group = group
         self._synced = synced
+        self._piece_interval_s = piece_interval_s
         self._pending = deque(range(len(group.requests)))
         self._rows: list[_Row] = []
         self._cache: DynamicCache | None = None
@@ -355,10 +358,8 @@ class ContinuousGenerator:
         self._real += int(mask.sum())
 
     def _piece_due(self) -> bool:
-        if not self._finished:
-            return False
-        enough = len(self._finished) >= max(1, int(self._group.slots * PIECE_FRACTION))
-        return enough or time.monotonic() - self._sent >= PIECE_WAIT_S
+        since = time.monotonic() - self._sent
+        return piece_due(len(self._finished), self._group.slots, since, self._piece_interval_s)
 
     def _piece(self) -> GenerationPiece:
         # step_stats counts seconds from `started`: the busy seconds since the last piece.
@@ -388,7 +389,7 @@ def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def generate_group(
-    rank: RankModel, group: GenerateGroup, synced: bool
+    rank: RankModel, group: GenerateGroup, synced: bool, piece_interval_s: float = 0.0
 ) -> Iterator[GenerationPiece]:
     """Stream a group's answers as its requests finish (:class:`ContinuousGenerator`)."""
-    yield from ContinuousGenerator(rank, group, synced).run()
+    yield from ContinuousGenerator(rank, group, synced, piece_interval_s).run()

@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from rayeval.actors.batches import MicroBatch, ModelSpec, Pickled, RankOptions
+from rayeval.actors.batches import PIECES_PER_S, MicroBatch, ModelSpec, Pickled, RankOptions
 from rayeval.actors.errors import (
     ConfigError,
     EvaluationTimeoutError,
@@ -196,6 +196,7 @@ class WorkerGroup:
                 seed=seed,
                 strategy=group.strategy,
                 shm_collectives=shm_collectives,
+                piece_interval_s=layout.world / PIECES_PER_S,
             )
             group._start_actors(placement, spec, options, benchmark_rank_class)
         except BaseException:

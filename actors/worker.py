@@ -241,7 +241,7 @@ class ShardWorker:
         # Ranks that compute one batch together (TP) make the same decisions from the same
         # logits; ranks that each compute their own (FSDP) agree on every step.
         synced = self._options.shard_size > 1 and not self._strategy.same_batch
-        yield from generate_group(self._rank, group, synced=synced)
+        yield from generate_group(self._rank, group, synced, self._options.piece_interval_s)
 
     def input_token_counts(self) -> dict[str, int]:
         """Tokens this rank's model was fed since it loaded, counted at its input embeddings.

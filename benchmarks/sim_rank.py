@@ -34,8 +34,6 @@ from typing import Any
 
 from rayeval.actors.batches import (
     ADMIT_FRACTION,
-    PIECE_FRACTION,
-    PIECE_WAIT_S,
     GenerateGroup,
     GenerateMicroBatch,
     GenerationPiece,
@@ -44,6 +42,7 @@ from rayeval.actors.batches import (
     ScoreMicroBatch,
     ScoreRow,
     StepStats,
+    piece_due,
 )
 from rayeval.actors.layout import RankCoord
 
@@ -110,6 +109,7 @@ class SimulatedRank:
 
     def __init__(self, spec: ModelSpec, coord: RankCoord, options: RankOptions) -> None:
         self._coord = coord
+        self._piece_interval_s = options.piece_interval_s
         self._fed = {"fed": 0, "real": 0, "calls": 0, "decode_rows": 0}
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -229,8 +229,8 @@ class _SlotModel:
                 if self._live[position] == 0:
                     del self._live[position]
                     finished.append((position, self._answers[position]))
-            enough = len(finished) >= max(1, int(self._group.slots * PIECE_FRACTION))
-            if finished and (enough or clock - sent >= PIECE_WAIT_S):
+            since = clock - sent
+            if piece_due(len(finished), self._group.slots, since, self._rank._piece_interval_s):
                 yield self._piece(finished, fed, clock - sent, started + clock)
                 finished, fed, sent = [], 0, clock
         if finished or fed:

@@ -219,6 +219,20 @@ def test_calls_carry_more_steps_once_timed_and_fewer_as_the_queue_drains() -> No
 
 
 @pytest.mark.unit
+def test_a_ranks_pieces_wait_for_a_share_of_its_slots_and_the_interval() -> None:
+    from rayeval.actors.batches import PIECE_WAIT_S, PIECES_PER_S, piece_due
+
+    assert not piece_due(0, slots=64, since_s=10.0, interval_s=0.0)  # nothing to send
+    assert not piece_due(15, slots=64, since_s=0.5, interval_s=0.0)  # under a quarter
+    assert piece_due(16, slots=64, since_s=0.0, interval_s=0.0)
+    interval = 64 / PIECES_PER_S  # 64 ranks: the driver reads at most PIECES_PER_S a second
+    assert not piece_due(64, slots=64, since_s=interval / 2, interval_s=interval)
+    assert piece_due(16, slots=64, since_s=interval, interval_s=interval)
+    assert piece_due(1, slots=64, since_s=PIECE_WAIT_S, interval_s=interval)  # waited long
+    assert piece_due(1, slots=3, since_s=0.0, interval_s=0.0)  # a piece per request
+
+
+@pytest.mark.unit
 def test_the_product_never_reaches_the_simulated_rank() -> None:
     """benchmarks/ is not part of the product; the benchmark-only rank class is set nowhere in
     it but where RayEvalLM hands it to WorkerGroup.create."""
