@@ -137,8 +137,13 @@ def plan_generate_groups(
     """
     check_fits(requests, budget, names)
     by_settings: dict[str, list[int]] = {}
+    keys: dict[tuple[int, int | None], str] = {}  # requests sharing one kwargs dict: one key
     for index, request in enumerate(requests):
-        key = json.dumps([request.max_length, request.kwargs], sort_keys=True, default=str)
+        seen = (id(request.kwargs), request.max_length)  # every request is alive: ids differ
+        key = keys.get(seen)
+        if key is None:
+            key = json.dumps([request.max_length, request.kwargs], sort_keys=True, default=str)
+            keys[seen] = key
         by_settings.setdefault(key, []).append(index)
     groups: list[GenerateGroup] = []
     locations: list[tuple[int, int]] = [(-1, -1)] * len(requests)

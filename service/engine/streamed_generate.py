@@ -185,10 +185,11 @@ class PackedPrompts:
         return len(self.which)
 
     def request(self, index: int, shared: Callable[[Any], Any]) -> GenerateRequest:
-        """Request ``index``, its context through ``shared``."""
+        """Request ``index``, its context through ``shared``; requests of one setting share its
+        kwargs (nothing changes a request's; the planner knows them apart by identity)."""
         max_gen_toks, until, max_length, kwargs = self.settings[self.which[index]]
         context = self.contexts.get(index, shared)
-        return GenerateRequest(context, max_gen_toks, until, max_length, dict(kwargs))
+        return GenerateRequest(context, max_gen_toks, until, max_length, kwargs)
 
 
 def packed_prompts(
