@@ -137,7 +137,7 @@ def test_parts_planned_by_actors_are_the_driver_s_plans(
         theirs = _plans(parts, pool, True, window)
         assert pool.planned == 0 and not pool.working
     _same_plans(_plans(alone, None, True, window), theirs)
-    assert "the driver tokenises and plans the rest" in caplog.text
+    assert "the driver tokenises, plans and decodes the rest itself" in caplog.text
 
 
 @pytest.mark.service
@@ -194,6 +194,55 @@ def test_a_lost_or_disagreeing_actor_hands_the_rest_to_the_driver(
     assert "tokenised differently by an actor" in caplog.text
 
 
+def _answers(encoder: Any, count: int) -> list[tuple[int, ...]]:
+    """Generated ids as a model might return them: some run into a stop string."""
+    texts = [" 42", " 7 apples\n\nQuestion: and", " none. Question: more", " the end"]
+    return [tuple(encoder.tok_encode(texts[i % len(texts)] * (1 + i % 3))) for i in range(count)]
+
+
+@pytest.mark.service
+def test_answers_decoded_by_actors_are_the_driver_s_own(
+    demo: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Parts' answers decoded on two actors are the driver's texts (stop strings cut); an actor
+    that decodes otherwise (another think_end_token), or actors killed before the last part's
+    texts are read, leave the rest to the driver, same texts, and the warning says why."""
+    import ray
+
+    from rayeval.service.engine.streamed_generate import Prompts
+    from rayeval.service.engine.tokenisers import TokeniserPool
+
+    encoder = _encoder(demo)
+    instances = generation_instances(40, seed=8, max_gen_toks=8)
+    prompts = Prompts(encoder, instances)
+    prompts.make(0, len(instances))  # the requests' stop strings
+    answers = _answers(encoder, len(instances))
+    expected = prompts.decode(list(answers))
+    assert any("Question" in a for a in map(encoder.tok_decode, answers))
+    assert not any("Question" in text for text in expected)
+    caplog.set_level(logging.WARNING, logger="rayeval.service.engine.tokenisers")
+
+    def decode(pool: Any, kill: bool = False) -> tuple[list[str], int]:
+        decoding = prompts.decoding(pool)
+        for start in range(0, len(instances), 10):  # four parts, finished out of order
+            decoding.finished(list(range(start, start + 10))[::-1], list(answers))
+        if kill:
+            for actor in pool._actors:
+                ray.kill(actor, no_restart=True)
+        return decoding.texts(list(answers)), decoding.decoded
+
+    with TokeniserPool(encoder, 2) as pool:
+        assert decode(pool) == (expected, len(instances))
+    with TokeniserPool(_encoder(demo, think_end_token=" Question"), 2) as pool:
+        assert decode(pool) == (expected, 0)
+    assert "answer was decoded differently" in caplog.text
+    caplog.clear()
+    with TokeniserPool(encoder, 2) as pool:  # parts read before the kill stay the actors'
+        texts, decoded = decode(pool, kill=True)
+        assert texts == expected and decoded < len(instances)
+    assert "the driver tokenises, plans and decodes the rest itself" in caplog.text
+
+
 @pytest.mark.e2e
 def test_an_evaluation_tokenised_by_actors_matches_lm_eval_hf(
     demo: Any, task_manager: Any, monkeypatch: pytest.MonkeyPatch
@@ -215,8 +264,9 @@ def test_an_evaluation_tokenised_by_actors_matches_lm_eval_hf(
         figures = {phase: stats.report() for phase, stats in lm.stats.items()}
     for phase in ("loglikelihood", "generate_until"):
         assert 0 < figures[phase]["tokenised_by_actors"] < figures[phase]["requests"], phase
-    scored = figures["loglikelihood"]
+    scored, generated = figures["loglikelihood"], figures["generate_until"]
     assert scored["planned_by_actors"] == scored["tokenised_by_actors"]
+    assert generated["decoded_by_actors"] == generated["requests"]  # every part's, the first's too
     assert_same_results(reference, ours)
 
 

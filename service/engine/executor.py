@@ -42,7 +42,7 @@ from rayeval.service.engine.phases import PhaseStats, PhaseTracker, StartUp
 from rayeval.service.engine.planner import plan_score
 from rayeval.service.engine.response_cache import ResponseCache, generate_key, score_key
 from rayeval.service.engine.streamed import PlannedPart, Planner, run_parts
-from rayeval.service.engine.streamed_generate import plan_generate_part
+from rayeval.service.engine.streamed_generate import PartDecoding, plan_generate_part
 from rayeval.service.engine.streamed_score import plan_part
 from rayeval.service.engine.tokenisers import PartTokens, TokeniserPool, made_parts
 from rayeval.service.events import Progress, RankMemory
@@ -376,11 +376,14 @@ class Executor:
         tokens: PartTokens,
         settings: Sequence[tuple[int | None, dict[str, Any]]],
         disable_tqdm: bool,
-    ) -> list[Any]:
-        """:meth:`generate` for ``total`` requests in parts of ``bounds``, which ``tokens`` makes
-        (on tokeniser actors where it can; ``settings``: every distinct (max_length, kwargs)
-        among them, which decide the batching): planned on a background thread while the
-        replicas compute the parts before (:mod:`rayeval.service.engine.streamed_generate`)."""
+        decoding: Callable[[TokeniserPool], PartDecoding],
+    ) -> list[str]:
+        """lm-eval's answer texts of ``total`` requests generated in parts of ``bounds``, which
+        ``tokens`` makes (on tokeniser actors where it can; ``settings``: every distinct
+        (max_length, kwargs) among them, which decide the batching): planned on a background
+        thread while the replicas compute the parts before, each finished part's answers decoded
+        by ``decoding`` (on the actors) while they compute the parts after
+        (:mod:`rayeval.service.engine.streamed_generate`)."""
         with self._tokenisers(tokens) as pool:  # they start while the ranks do
             reason = self._batching(settings)
             start = self._start_up()
@@ -396,9 +399,13 @@ class Executor:
             )
             kind = GenerateGroup if reason is None else GenerateMicroBatch
             parts = made_parts(bounds, tokens, pool)
-            return self._run_parts(
-                "generate_until", total, parts, plan, kind, pool, disable_tqdm, start
+            decoder = decoding(pool)
+            answers = self._run_parts(
+                "generate_until", total, parts, plan, kind, pool, disable_tqdm, start, decoder
             )
+            texts = decoder.texts(answers)
+            self.stats["generate_until"].decoded_by_actors += decoder.decoded
+            return texts
 
     def _tokenisers(self, tokens: PartTokens) -> TokeniserPool:
         return TokeniserPool(tokens.encoder, self._config.tokenizer_workers)
@@ -413,14 +420,19 @@ class Executor:
         pool: TokeniserPool,
         disable_tqdm: bool,
         start: StartUp | None = None,
+        decoder: PartDecoding | None = None,
     ) -> list[Any]:
         """Compute ``total`` requests of ``phase`` in ``parts``, planned by ``plan`` into
-        ``kind``, and record how many ``pool`` tokenised."""
+        ``kind``, and record how many ``pool`` tokenised (``decoder``: given each finished
+        part's answers)."""
         tracker = self._tracker(phase, Counter(), disable_tqdm, start, expected=total)
         assert self._group is not None
         dispatcher = Dispatcher(self._group, [], self._timeouts.step_s, kind=kind)
         stats, streamed = self.stats[phase], kind is GenerateGroup
-        answers = run_parts(dispatcher, Planner(parts, plan), tracker, stats, total, streamed)
+        finished = decoder.finished if decoder is not None else None
+        answers = run_parts(
+            dispatcher, Planner(parts, plan), tracker, stats, total, streamed, finished
+        )
         stats.tokenised_by_actors += pool.tokenised
         stats.planned_by_actors += pool.planned
         return answers

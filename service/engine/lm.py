@@ -377,16 +377,15 @@ class RayEvalLM(TemplateLM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         prompts = Prompts(self._encoder, requests)  # lm-eval's tokenisation and decoding
-        generated: list[Any]
-        if len(requests) > GENERATE_PART:  # tokenised (by actors) and planned in parts
+        if len(requests) > GENERATE_PART:  # tokenised, planned, decoded (by actors) in parts
             bounds = even_bounds(len(requests), GENERATE_PART)
-            generated = self._executor.generate_parts(
-                len(requests), bounds, prompts.tokens(), prompts.settings(), disable_tqdm
-            )
+            texts = self._executor.generate_parts(
+                len(requests), bounds, prompts.tokens(), prompts.settings(), disable_tqdm,
+                prompts.decoding,
+            )  # fmt: skip
         else:
             part = prompts.make(0, len(requests))
-            generated = self._executor.generate(part.requests, disable_tqdm, part.names)
-        texts = prompts.decode(generated)
+            texts = prompts.decode(self._executor.generate(part.requests, disable_tqdm, part.names))
         for request, text in zip(requests, texts, strict=True):
             self.cache_hook.add_partial("generate_until", request.args, text)
         return texts

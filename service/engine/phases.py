@@ -46,6 +46,8 @@ class PhaseStats:
     tokenised_by_actors: int = 0
     #: Requests whose part a tokeniser actor planned.
     planned_by_actors: int = 0
+    #: Generated answers a tokeniser actor decoded into lm-eval's text.
+    decoded_by_actors: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,6 +79,7 @@ class PhaseStats:
             **({"batching": self.batching} if self.batching else {}),
             **({"tokenised_by_actors": n} if (n := self.tokenised_by_actors) else {}),
             **({"planned_by_actors": n} if (n := self.planned_by_actors) else {}),
+            **({"decoded_by_actors": n} if (n := self.decoded_by_actors) else {}),
         }
 
 

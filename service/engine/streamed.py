@@ -261,12 +261,14 @@ def run_parts(
     stats: PhaseStats,
     total: int,
     streamed: bool,
+    on_part: Callable[[list[int], list[Any]], None] | None = None,
 ) -> list[Any]:
     """Every answer, in order, of the ``total`` requests that ``planner`` (not started yet)
     plans in parts: each part joins ``dispatcher`` (made empty, of the parts' kind) once taken;
     each finished part's answers are read out (every micro-batch exactly once) and its
     micro-batches dropped. ``streamed``: the parts are continuous-batching groups, whose
-    answers arrive in pieces; ``tracker`` expects ``total`` requests.
+    answers arrive in pieces; ``tracker`` expects ``total`` requests; ``on_part(indices,
+    answers)``: called once a part's requests all have their answers.
     """
 
     def finish(planned: PlannedPart) -> None:
@@ -276,6 +278,8 @@ def run_parts(
         for index, answer in planned.read(results):
             ledger.answers[index] = answer
         dispatcher.forget(indices)
+        if on_part is not None:
+            on_part(sorted([*planned.computed, *planned.given]), ledger.answers)
 
     def feed(wait_s: float) -> bool:
         try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,14 @@ from rayeval.service.engine.generation_planner import (
 from rayeval.service.engine.planner import TokenBudget
 from rayeval.service.engine.response_cache import ResponseCache, generate_key
 from rayeval.service.engine.streamed import PlannedPart
-from rayeval.service.engine.tokenisers import PartTokens, Ragged, even_chunks, ids
+from rayeval.service.engine.tokenisers import (
+    PLAN_GROUP,
+    PartTokens,
+    Ragged,
+    TokeniserPool,
+    even_chunks,
+    ids,
+)
 
 #: Tokens a tokenizer may add to a context beside one per UTF-8 byte (BOS, a leading space).
 ADDED_TOKENS = 8
@@ -160,16 +168,25 @@ class Prompts:
             distinct.setdefault(key, (max_length, kwargs))
         return list(distinct.values())
 
-    def decode(self, generated: list[Any]) -> list[str]:
-        """lm-eval's answer text of each request's generated token ids (all made first); each
-        request's ids are dropped from ``generated`` once decoded, so a million answers are not
-        held twice."""
-        texts = []
+    def decode(self, generated: list[Any], texts: list[str | None] | None = None) -> list[str]:
+        """lm-eval's answer text of each request's generated token ids (all made first), where
+        ``texts`` (decoded already, by tokeniser actors) has none; each request's ids are dropped
+        from ``generated`` once decoded, so a million answers are not held twice."""
+        texts = texts or [None] * len(generated)
         for index, tokens in enumerate(generated):
-            assert tokens is not None
-            texts.append(decode_generation(self._encoder, tokens, self._untils[index] or ()))
+            if texts[index] is None:
+                assert tokens is not None
+                texts[index] = self.decode_one(index, tokens)
             generated[index] = None
-        return texts
+        return texts  # type: ignore[return-value]
+
+    def decode_one(self, index: int, tokens: Sequence[int]) -> str:
+        """Request ``index``'s answer text."""
+        return decode_generation(self._encoder, tokens, self._untils[index] or ())
+
+    def decoding(self, pool: TokeniserPool) -> PartDecoding:
+        """Answers decoded on ``pool``'s actors part by part (:class:`PartDecoding`)."""
+        return PartDecoding(self, pool, self._untils)
 
 
 @dataclass
@@ -209,6 +226,72 @@ def packed_prompts(
             settings.append((r.max_gen_toks, r.until, r.max_length, r.kwargs))
         which.append(index[key])
     return PackedPrompts(Ragged.of(r.context for r in requests), settings, which)
+
+
+def decoded_texts(
+    encoder: Any, generated: Sequence[Sequence[int]], untils: Sequence[tuple[str, ...]]
+) -> list[str]:
+    """lm-eval's answer texts of generated token ids (what a tokeniser actor runs)."""
+    pairs = zip(generated, untils, strict=True)
+    return [decode_generation(encoder, tokens, until) for tokens, until in pairs]
+
+
+class PartDecoding:
+    """Answers decoded on tokeniser actors while the replicas generate the parts after theirs:
+    a finished part's answers go to the next actor (in its :data:`PLAN_GROUP` thread, not behind
+    the chunks queued for tokenising), and the texts of the parts decoded so far are read each
+    time a part finishes, each part's first checked against the driver's own decoding. Whatever
+    the pool cannot decode (it failed, disagreed or never started) the driver decodes.
+
+    Args:
+        prompts: The requests' :class:`Prompts`.
+        pool: The tokeniser actors (their encoder is the driver's).
+        untils: Per request, its stop strings.
+    """
+
+    def __init__(
+        self, prompts: Prompts, pool: TokeniserPool, untils: list[tuple[str, ...] | None]
+    ) -> None:
+        self._prompts, self._pool, self._untils = prompts, pool, untils
+        self._refs: deque[tuple[list[int], Any]] = deque()
+        self._texts: list[str | None] = [None] * len(untils)
+        #: Requests whose texts came from the actors.
+        self.decoded = 0
+
+    def finished(self, indices: list[int], answers: list[Any]) -> None:
+        """Requests ``indices`` have all their ``answers`` (every request's so far): decode them
+        on an actor, and read the texts decoded by now (their ids in ``answers`` are replaced by
+        ``()``, still an answer, so a million answers are not held twice)."""
+        if self._pool.working and indices:
+            generated = [answers[i] for i in indices]
+            untils = [self._untils[i] or () for i in indices]
+            ref = self._pool.submit(decoded_texts, generated, untils, group=PLAN_GROUP)
+            self._refs.append((indices, ref))
+        self._read(answers, ready_only=True)
+
+    def texts(self, answers: list[Any]) -> list[str]:
+        """Every request's text (``answers``: every request's generated ids, dropped here)."""
+        self._read(answers, ready_only=False)
+        return self._prompts.decode(answers, self._texts)
+
+    def _read(self, answers: list[Any], ready_only: bool) -> None:
+        """The decoded parts' texts, in order (``ready_only``: those decoded already)."""
+        import ray
+
+        while self._refs and self._pool.working:
+            indices, ref = self._refs[0]
+            if ready_only and not ray.wait([ref], timeout=0)[0]:
+                return
+            self._refs.popleft()
+            result = self._pool.gather([ref])
+            if result is None:
+                return
+            if result[0][0] != self._prompts.decode_one(indices[0], answers[indices[0]]):
+                self._pool.fail(f"request {indices[0]}'s answer was decoded differently")
+                return
+            for index, text in zip(indices, result[0], strict=True):
+                self._texts[index], answers[index] = text, ()
+            self.decoded += len(indices)
 
 
 def plan_generate_part(

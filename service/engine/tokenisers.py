@@ -131,7 +131,10 @@ class TokeniserPool:
         travel pickled by the C pickler (Ray's cloudpickle visits a list of strings in Python),
         ``refs`` (Ray object refs) arrive as their values; ``group``: the actor's concurrency
         group, e.g. :data:`PLAN_GROUP`."""
-        actor = self._actors[self._turn % len(self._actors)]
+        actors = self._actors  # close() swaps the list: a call racing it fails, as a lost actor
+        if not actors:
+            raise RuntimeError("the tokeniser pool is closed: look at pool.working first")
+        actor = actors[self._turn % len(actors)]
         self._turn += 1
         method = actor.run.options(concurrency_group=group) if group else actor.run
         return method.remote(function, pickle.dumps(args, protocol=5), *refs)
@@ -154,9 +157,11 @@ class TokeniserPool:
         return None
 
     def fail(self, why: str) -> None:
-        """Close the pool: the driver tokenises (and plans) the rest itself."""
+        """Close the pool: the driver tokenises, plans and decodes the rest itself."""
         logger.warning(
-            "tokeniser actors stopped (%s): the driver tokenises and plans the rest", why
+            "tokeniser actors stopped (%s): the driver tokenises, plans and decodes the rest "
+            "itself",
+            why,
         )
         self.close()
 
