@@ -208,7 +208,7 @@ class SlotRequest:
 ADMIT_FRACTION = 1 / 8
 #: A rank streams a piece back once this share of its slots' requests finished since the last
 #: one (at least one request) and :attr:`RankOptions.piece_interval_s` passed, or once
-#: ``PIECE_WAIT_S`` passed with an answer waiting.
+#: ``PIECE_WAIT_S`` (or the interval, if longer) passed with an answer waiting.
 PIECE_FRACTION = 1 / 4
 PIECE_WAIT_S = 1.0
 #: Pieces the driver reads a second from all ranks together, at most (the interval is the ranks
@@ -224,7 +224,7 @@ def piece_due(finished: int, slots: int, since_s: float, interval_s: float) -> b
     if not finished:
         return False
     enough = finished >= max(1, int(slots * PIECE_FRACTION))
-    return (enough and since_s >= interval_s) or since_s >= PIECE_WAIT_S
+    return since_s >= interval_s and (enough or since_s >= PIECE_WAIT_S)
 
 
 @dataclass(frozen=True)

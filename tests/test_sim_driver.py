@@ -229,6 +229,9 @@ def test_a_ranks_pieces_wait_for_a_share_of_its_slots_and_the_interval() -> None
     assert not piece_due(64, slots=64, since_s=interval / 2, interval_s=interval)
     assert piece_due(16, slots=64, since_s=interval, interval_s=interval)
     assert piece_due(1, slots=64, since_s=PIECE_WAIT_S, interval_s=interval)  # waited long
+    many = 512 / PIECES_PER_S  # 512 ranks: longer than PIECE_WAIT_S, and still kept
+    assert not piece_due(1, slots=64, since_s=PIECE_WAIT_S, interval_s=many)
+    assert piece_due(1, slots=64, since_s=many, interval_s=many)
     assert piece_due(1, slots=3, since_s=0.0, interval_s=0.0)  # a piece per request
 
 
