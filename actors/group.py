@@ -154,9 +154,8 @@ class WorkerGroup:
         shm_collectives: bool = True,
         benchmark_rank_class: type | None = None,
     ) -> WorkerGroup:
-        """Reserve resources and start the rank actors; model loading starts in the background.
-
-        Call :meth:`wait_ready` before sending work.
+        """Reserve resources and start the rank actors; model loading starts in the background
+        (call :meth:`wait_ready` before sending work).
 
         Args:
             name: The evaluation's name (placement group, actor-name prefix).
