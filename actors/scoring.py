@@ -56,20 +56,48 @@ class Scorer:
         ) or [(0, 0)]
         index = {pick: k for k, pick in enumerate(wanted)}
         logits = self._scored_logits(inputs.to(rank.device), wanted, extra)
-        softmax_dtype = torch_dtype(rank.spec.softmax_dtype)
-        results: ScoreResult = []
-        for i, row in enumerate(rows):
-            row_results = []
-            for target, positions in zip(row.targets, row.scored_positions(), strict=True):
-                picks = torch.tensor([index[(i, p)] for p in positions], device=logits.device)
-                logprobs = F.log_softmax(logits[picks], dim=-1, dtype=softmax_dtype)
-                target_ids = torch.tensor(target, dtype=torch.long, device=logprobs.device)
-                is_greedy = bool((logprobs.argmax(dim=-1) == target_ids).all())
-                total = float(logprobs.gather(1, target_ids.unsqueeze(-1)).sum())
-                row_results.append((total, is_greedy))
-            results.append(row_results)
+        results = self._answers(rows, logits, index)
         real = sum(len(row.tokens) for row in rows)
         return results, rank.step_stats(real, len(rows) * inputs.shape[1], started)
+
+    def _answers(
+        self, rows: tuple[ScoreRow, ...], logits: torch.Tensor, index: dict[tuple[int, int], int]
+    ) -> ScoreResult:
+        """Per row, per target: (sum of log-probs, is_greedy), from the scored positions' logits
+        (``index``: (row, position) -> its row of ``logits``).
+
+        One-token targets (a multiple-choice letter) share one log-softmax, argmax and gather
+        over their positions and one copy to the host, not a dozen small kernels and two device
+        syncs each: a log-softmax and an argmax are computed position by position (lm-eval's
+        whole-batch call gives each the same values) and such a target's sum is its one value.
+        Longer targets are computed one by one as lm-eval reduces them (and as many positions'
+        log-probs are never held at once).
+        """
+        softmax_dtype = torch_dtype(self._rank.spec.softmax_dtype)
+        places = [
+            (i, [index[(i, p)] for p in positions], target)
+            for i, row in enumerate(rows)
+            for target, positions in zip(row.targets, row.scored_positions(), strict=True)
+        ]
+        single = [(ks[0], target[0]) for _, ks, target in places if len(target) == 1]
+        shared = sorted({k for k, _ in single})
+        at = {k: j for j, k in enumerate(shared)}
+        answers: list[tuple[float, bool]] = []
+        if single:
+            device = logits.device
+            picks = torch.tensor(shared, dtype=torch.long).to(device)
+            logprobs = F.log_softmax(logits[picks], dim=-1, dtype=softmax_dtype)
+            rows_of = torch.tensor([at[k] for k, _ in single], dtype=torch.long).to(device)
+            ids = torch.tensor([t for _, t in single], dtype=torch.long).to(device)
+            values = logprobs[rows_of, ids].tolist()
+            greedy = (logprobs.argmax(dim=-1)[rows_of] == ids).tolist()
+            answers = list(zip(values, greedy, strict=True))
+        ones = iter(answers)
+        results: ScoreResult = [[] for _ in rows]
+        for i, ks, target in places:
+            one = len(target) == 1
+            results[i].append(next(ones) if one else _answer(logits, ks, target, softmax_dtype))
+        return results
 
     def _inputs(self, rows: tuple[ScoreRow, ...]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Right-padded input ids, plus a mask and position ids when a row is packed."""
@@ -153,3 +181,14 @@ class Scorer:
             f"packed rows need sdpa or eager attention, this model runs {implementation!r}: "
             "run with --share_prefixes false, or load it with attn_implementation=sdpa"
         )
+
+
+def _answer(
+    logits: torch.Tensor, picks: list[int], target: tuple[int, ...], dtype: torch.dtype | None
+) -> tuple[float, bool]:
+    """One target's (sum of log-probs, is_greedy), as lm-eval's HF backend computes it."""
+    device = logits.device
+    logprobs = F.log_softmax(logits[torch.tensor(picks, device=device)], dim=-1, dtype=dtype)
+    target_ids = torch.tensor(target, dtype=torch.long, device=device)
+    is_greedy = bool((logprobs.argmax(dim=-1) == target_ids).all())
+    return float(logprobs.gather(1, target_ids.unsqueeze(-1)).sum()), is_greedy
