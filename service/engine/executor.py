@@ -401,8 +401,9 @@ class Executor:
             parts = made_parts(bounds, tokens, pool)
             decoder = decoding(pool)
             answers = self._run_parts(
-                "generate_until", total, parts, plan, kind, pool, disable_tqdm, start, decoder
-            )
+                "generate_until", total, parts, plan, kind, pool, disable_tqdm, start,
+                decoder.finished,
+            )  # fmt: skip
             texts = decoder.texts(answers)
             self.stats["generate_until"].decoded_by_actors += decoder.decoded
             return texts
@@ -420,18 +421,17 @@ class Executor:
         pool: TokeniserPool,
         disable_tqdm: bool,
         start: StartUp | None = None,
-        decoder: PartDecoding | None = None,
+        on_part: Callable[[list[int], list[Any]], None] | None = None,
     ) -> list[Any]:
         """Compute ``total`` requests of ``phase`` in ``parts``, planned by ``plan`` into
-        ``kind``, and record how many ``pool`` tokenised (``decoder``: given each finished
-        part's answers)."""
+        ``kind``, and record how many ``pool`` tokenised (``on_part``: given each finished
+        part's answers, :func:`~rayeval.service.engine.streamed.run_parts`)."""
         tracker = self._tracker(phase, Counter(), disable_tqdm, start, expected=total)
         assert self._group is not None
         dispatcher = Dispatcher(self._group, [], self._timeouts.step_s, kind=kind)
         stats, streamed = self.stats[phase], kind is GenerateGroup
-        finished = decoder.finished if decoder is not None else None
         answers = run_parts(
-            dispatcher, Planner(parts, plan), tracker, stats, total, streamed, finished
+            dispatcher, Planner(parts, plan), tracker, stats, total, streamed, on_part
         )
         stats.tokenised_by_actors += pool.tokenised
         stats.planned_by_actors += pool.planned

@@ -182,11 +182,18 @@ class Prompts:
 
     def decode_one(self, index: int, tokens: Sequence[int]) -> str:
         """Request ``index``'s answer text."""
-        return decode_generation(self._encoder, tokens, self._untils[index] or ())
+        return decode_generation(self._encoder, tokens, self.until(index))
+
+    def until(self, index: int) -> tuple[str, ...]:
+        """Request ``index``'s stop strings (its part made)."""
+        return self._untils[index] or ()
+
+    def __len__(self) -> int:
+        return len(self._instances)
 
     def decoding(self, pool: TokeniserPool) -> PartDecoding:
         """Answers decoded on ``pool``'s actors part by part (:class:`PartDecoding`)."""
-        return PartDecoding(self, pool, self._untils)
+        return PartDecoding(self, pool)
 
 
 @dataclass
@@ -246,15 +253,12 @@ class PartDecoding:
     Args:
         prompts: The requests' :class:`Prompts`.
         pool: The tokeniser actors (their encoder is the driver's).
-        untils: Per request, its stop strings.
     """
 
-    def __init__(
-        self, prompts: Prompts, pool: TokeniserPool, untils: list[tuple[str, ...] | None]
-    ) -> None:
-        self._prompts, self._pool, self._untils = prompts, pool, untils
+    def __init__(self, prompts: Prompts, pool: TokeniserPool) -> None:
+        self._prompts, self._pool = prompts, pool
         self._refs: deque[tuple[list[int], Any]] = deque()
-        self._texts: list[str | None] = [None] * len(untils)
+        self._texts: list[str | None] = [None] * len(prompts)
         #: Requests whose texts came from the actors.
         self.decoded = 0
 
@@ -264,7 +268,7 @@ class PartDecoding:
         ``()``, still an answer, so a million answers are not held twice)."""
         if self._pool.working and indices:
             generated = [answers[i] for i in indices]
-            untils = [self._untils[i] or () for i in indices]
+            untils = [self._prompts.until(i) for i in indices]
             ref = self._pool.submit(decoded_texts, generated, untils, group=PLAN_GROUP)
             self._refs.append((indices, ref))
         self._read(answers, ready_only=True)
