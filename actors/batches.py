@@ -9,7 +9,10 @@ collectives.
 from __future__ import annotations
 
 import pickle
+import struct
+from array import array
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from rayeval.actors.layout import DeviceKind
@@ -95,12 +98,25 @@ class ScoreRow:
             ``len(c)`` positions of ``tokens``.
         parents: Packed only: per token, the index of its parent token (-1 for a root).
         positions: Packed only: per target, the row positions whose logits predict its tokens.
+
+    A row travels compactly (:meth:`__reduce__`): its token ids and parents as 32-bit integers
+    in one buffer each, so a rank receives them as an ``array('i')`` (not a tuple of Python
+    ints, which cost a rank more to unpickle than the rest of the micro-batch) and builds its
+    input tensor straight from the buffer (:func:`rayeval.actors.packing.padded_ids`).
     """
 
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...] | array[int]
     targets: tuple[tuple[int, ...], ...]
-    parents: tuple[int, ...] | None = None
+    parents: tuple[int, ...] | array[int] | None = None
     positions: tuple[tuple[int, ...], ...] | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        try:
+            tokens = _int32(self.tokens)
+            parents = None if self.parents is None else _int32(self.parents)
+        except struct.error:  # an id beyond 32 bits (no tokenizer has one): as it is
+            return ScoreRow, (self.tokens, self.targets, self.parents, self.positions)
+        return _received_row, (tokens, self.targets, parents, self.positions)
 
     def scored_positions(self) -> tuple[tuple[int, ...], ...]:
         """Per target, the row positions whose logits predict its tokens."""
@@ -108,6 +124,29 @@ class ScoreRow:
             return self.positions
         width = len(self.tokens)
         return tuple(tuple(range(width - len(t), width)) for t in self.targets)
+
+
+def _int32(values: tuple[int, ...] | array[int]) -> bytes:
+    return _int32_packer(len(values)).pack(*values)
+
+
+@lru_cache(maxsize=8192)
+def _int32_packer(count: int) -> struct.Struct:
+    """A compiled format per row length (``struct``'s own cache holds 100, fewer than the
+    lengths of one evaluation's rows)."""
+    return struct.Struct(f"{count}i")
+
+
+def _received_row(
+    tokens: bytes,
+    targets: tuple[tuple[int, ...], ...],
+    parents: bytes | None,
+    positions: tuple[tuple[int, ...], ...] | None,
+) -> ScoreRow:
+    """A :class:`ScoreRow` as it arrives: its ids and parents in ``array('i')``s."""
+    return ScoreRow(
+        array("i", tokens), targets, None if parents is None else array("i", parents), positions
+    )
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ plans, and those models use plain rows.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -46,13 +47,12 @@ def packed_inputs(
         ``input_ids`` (B, W), ``attention_mask`` (B, 1, W, W), ``position_ids`` (B, W). A padding
         position attends to itself only, so no softmax row is empty; nothing reads its output.
     """
-    width = max(len(row.tokens) for row in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    input_ids = padded_ids(rows, pad_token_id)
+    width = input_ids.shape[1]
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     allowed = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)
     for i, row in enumerate(rows):
         n = len(row.tokens)
-        input_ids[i, :n] = torch.tensor(row.tokens, dtype=torch.long)
         if row.parents is None:
             position_ids[i, :n] = torch.arange(n)
             allowed[i, :n, :n] = torch.ones((n, n), dtype=torch.bool).tril()
@@ -65,6 +65,29 @@ def packed_inputs(
         blocked = torch.finfo(additive_mask_dtype).min
         mask = torch.zeros(mask.shape, dtype=additive_mask_dtype).masked_fill(~mask, blocked)
     return input_ids, mask, position_ids
+
+
+def padded_ids(rows: Sequence[ScoreRow], pad_token_id: int) -> torch.Tensor:
+    """The rows' token ids right-padded to the longest (rows x width, int64).
+
+    Rows a rank received hold their ids in 32-bit buffers (``ScoreRow.__reduce__``): those are
+    joined and placed with one masked copy, not converted int by int row by row.
+    """
+    width = max((len(row.tokens) for row in rows), default=0)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    buffers = [r.tokens for r in rows if isinstance(r.tokens, array) and r.tokens.typecode == "i"]
+    if len(buffers) < len(rows):  # rows made in this process: tuples
+        for i, row in enumerate(rows):
+            ids[i, : len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.long)
+        return ids
+    flat = array("i")
+    for buffer in buffers:
+        flat += buffer
+    if flat:
+        lengths = torch.tensor([len(row.tokens) for row in rows])
+        filled = torch.arange(width) < lengths.unsqueeze(1)
+        ids[filled] = torch.frombuffer(flat, dtype=torch.int32).long()
+    return ids
 
 
 def _tree(parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

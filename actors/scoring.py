@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from rayeval.actors.batches import ScoreMicroBatch, ScoreResult, ScoreRow, StepStats
 from rayeval.actors.errors import ConfigError
-from rayeval.actors.packing import packed_inputs
+from rayeval.actors.packing import packed_inputs, padded_ids
 from rayeval.actors.rank_model import RankModel, torch_dtype
 
 #: Below this many rows a CPU matmul rounds differently (see Scorer._scored_logits).
@@ -109,11 +109,7 @@ class Scorer:
                 "attention_mask": mask.to(device),
                 "position_ids": position_ids.to(device),
             }
-        width = max(len(row.tokens) for row in rows)
-        inputs = torch.full((len(rows), width), pad, dtype=torch.long)
-        for i, row in enumerate(rows):
-            inputs[i, : len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.long)
-        return inputs, {}
+        return padded_ids(rows, pad), {}
 
     def _scored_logits(
         self,

@@ -27,6 +27,8 @@ import os
 import pickle
 import sys
 import time
+import zlib
+from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -80,8 +82,16 @@ def simulated_rank(cost: StepCost) -> type[SimulatedRank]:
 
 def score_answer(model_input: Sequence[int], target: Sequence[int]) -> tuple[float, bool]:
     """The simulated (log-likelihood, is_greedy) of ``target`` after ``model_input``: a function
-    of the request alone (tuples of ints hash alike in every process)."""
-    return _answer(hash(tuple(model_input)), target)
+    of the request alone (a CRC of its 32-bit ids, and tuples of ints, hash alike in every
+    process)."""
+    return _answer(_input_hash(model_input), target)
+
+
+def _input_hash(tokens: Sequence[int]) -> int:
+    """A CRC of the ids as a rank receives them (``ScoreRow.__reduce__``: 32-bit buffers)."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return zlib.crc32(tokens)
+    return zlib.crc32(array("i", tokens))
 
 
 def _answer(input_hash: int, target: Sequence[int]) -> tuple[float, bool]:
@@ -188,7 +198,7 @@ class SimulatedRank:
 def _row_answers(row: ScoreRow) -> list[tuple[float, bool]]:
     """Each target's answer from its own model input (a packed row's path to its last token)."""
     if row.parents is None:  # one input, hashed once for all its targets
-        input_hash = hash(row.tokens)
+        input_hash = _input_hash(row.tokens)
         return [_answer(input_hash, target) for target in row.targets]
     answers = []
     for target, positions in zip(row.targets, row.scored_positions(), strict=True):

@@ -69,6 +69,43 @@ def test_packed_micro_batches_are_cut_before_padding_dominates() -> None:
     assert [[len(r.tokens) for r in mb.rows] for mb in plan.micro_batches] == [[9, 9], [4]]
 
 
+@pytest.mark.unit
+def test_rows_travel_as_32_bit_buffers_and_give_the_same_model_inputs() -> None:
+    import pickle
+    from array import array
+
+    import torch
+
+    from rayeval.actors.batches import ScoreMicroBatch, ScoreRow
+    from rayeval.actors.packing import packed_inputs, padded_ids
+
+    rng = random.Random(1)
+    prefix = [rng.randrange(5, 60_000) for _ in range(12)]
+    requests = []
+    for _ in range(5):  # questions behind one prefix: packed rows; truncated ones: plain rows
+        context = prefix + [rng.randrange(5, 60_000) for _ in range(rng.randrange(1, 30))]
+        requests += [(context, [rng.randrange(5, 60_000) for _ in range(k)]) for k in (1, 2, 3)]
+    kinds = set()
+    for window, share in ((64, True), (20, True), (64, False)):
+        plan = plan_score(requests, window, TokenBudget(max_tokens=300), share_prefixes=share)
+        kinds |= {row.parents is None for mb in plan.micro_batches for row in mb.rows}
+        for batch in plan.micro_batches:
+            received = pickle.loads(pickle.dumps(batch, protocol=5))
+            for own, got in zip(batch.rows, received.rows, strict=True):
+                assert isinstance(got.tokens, array) and tuple(got.tokens) == own.tokens
+                assert (got.targets, got.positions) == (own.targets, own.positions)
+                assert got.scored_positions() == own.scored_positions()
+                if own.parents is not None:
+                    assert got.parents is not None and tuple(got.parents) == own.parents
+            assert torch.equal(padded_ids(received.rows, 3), padded_ids(batch.rows, 3))
+            ours, theirs = packed_inputs(received.rows, 3, None), packed_inputs(batch.rows, 3, None)
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert kinds == {True, False}  # plain rows and packed ones
+    # An id beyond 32 bits (no tokenizer has one) travels as it is.
+    wide = ScoreRow((1, 2**40), ((7,),))
+    assert pickle.loads(pickle.dumps(ScoreMicroBatch((wide,)))).rows == (wide,)
+
+
 @pytest.mark.service
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
 def test_packed_rows_score_like_plain_rows(arch: str, demo: Any, tmp_path: Path) -> None:

@@ -79,9 +79,11 @@ def _same_plans(ours: list[Any], theirs: list[Any]) -> None:
     """The same micro-batches (as a rank receives them), places and answers."""
     import pickle
 
+    def received(batches: list[Any]) -> list[Any]:
+        return [pickle.loads(pickle.dumps(mb)) for mb in batches]
+
     for own, other in zip(ours, theirs, strict=True):
-        received = [pickle.loads(pickle.dumps(mb)) for mb in other.micro_batches]
-        assert received == own.micro_batches
+        assert received(other.micro_batches) == received(own.micro_batches)
         assert list(other.places) == list(own.places)
         assert (other.computed, other.given) == (own.computed, own.given)
 
