@@ -200,15 +200,40 @@ def _row_answers(row: ScoreRow) -> list[tuple[float, bool]]:
     if row.parents is None:  # one input, hashed once for all its targets
         input_hash = _input_hash(row.tokens)
         return [_answer(input_hash, target) for target in row.targets]
-    answers = []
-    for target, positions in zip(row.targets, row.scored_positions(), strict=True):
-        path = []
-        node = positions[-1]
-        while node >= 0:
-            path.append(row.tokens[node])
-            node = row.parents[node]
-        answers.append(score_answer(path[::-1], target))
-    return answers
+    path_hash = _PathHashes(row)
+    return [
+        _answer(path_hash(positions[-1]), target)
+        for target, positions in zip(row.targets, row.scored_positions(), strict=True)
+    ]
+
+
+class _PathHashes:
+    """A packed row's path hashes: the CRC of the ids from a root down to a token, which is the
+    CRC of that request's own input. A CRC goes on from a prefix's value, so a path is hashed a
+    *run* at a time (tokens each the child of the one before: a context's unshared tail) in C,
+    not walked token by token."""
+
+    def __init__(self, row: ScoreRow) -> None:
+        assert row.parents is not None
+        ids = row.tokens if isinstance(row.tokens, array) else array("i", row.tokens)
+        self._bytes = memoryview(ids).cast("B")
+        self._parents = row.parents
+        self._run_start = []  # per token, where its run starts
+        start = 0
+        for j, parent in enumerate(row.parents):
+            if parent != j - 1:
+                start = j
+            self._run_start.append(start)
+        self._known = {-1: 0}
+
+    def __call__(self, position: int) -> int:
+        known = self._known.get(position)
+        if known is None:
+            start = self._run_start[position]
+            before = self(self._parents[start])
+            known = zlib.crc32(self._bytes[4 * start : 4 * (position + 1)], before)
+            self._known[position] = known
+        return known
 
 
 class _SlotModel:
