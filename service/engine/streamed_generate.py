@@ -34,7 +34,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from lm_eval.models.utils import normalize_gen_kwargs
 
@@ -80,7 +80,37 @@ class GeneratePart:
 
     start: int
     requests: list[GenerateRequest]
-    names: list[str]
+    names: Sequence[str]
+
+
+class RequestNames(Sequence[str]):
+    """How an error names each request (``task T doc D``), made only when one is read: an
+    evaluation whose requests all fit reads none (a name each cost the driver ~1 µs a request).
+
+    Args:
+        instances: lm-eval's ``Instance``s, in order.
+    """
+
+    def __init__(self, instances: Sequence[Any]) -> None:
+        self._instances = instances
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> RequestNames: ...
+
+    def __getitem__(self, index: int | slice) -> str | RequestNames:
+        if isinstance(index, slice):
+            return RequestNames(self._instances[index])
+        instance = self._instances[index]
+        return f"task {instance.task_name} doc {instance.doc_id}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
 
 
 class Prompts:
@@ -109,8 +139,7 @@ class Prompts:
             requests = generate_requests(self._encoder, [r.args for r in instances], self._eos)
         for index, request in enumerate(requests, start):
             self._untils[index] = self._shared.setdefault(request.until, request.until)
-        names = [f"task {r.task_name} doc {r.doc_id}" for r in instances]
-        return GeneratePart(start=start, requests=requests, names=names)
+        return GeneratePart(start=start, requests=requests, names=RequestNames(instances))
 
     def tokens(self) -> PartTokens:
         """How the parts are tokenised on tokeniser actors and made
@@ -150,8 +179,7 @@ class Prompts:
             bound = min(len(context.encode()) + ADDED_TOKENS, max_length - max_gen_toks)
             if bound + max_gen_toks > budget.kv_tokens:
                 [request] = generate_requests(self._encoder, [instance.args], self._eos)
-                names = [f"task {instance.task_name} doc {instance.doc_id}"]
-                check_fits([request], budget, names)
+                check_fits([request], budget, RequestNames([instance]))
 
     def settings(self) -> list[tuple[int | None, dict[str, Any]]]:
         """Each distinct (max_length, generation kwargs) of the requests, without tokenising
@@ -326,7 +354,7 @@ def plan_generate_part(
             located = zip(todo, plan.locations, strict=True)
             store = cache.storer([(keys[i], mb, (position,)) for i, (mb, position) in located])
         return PlannedPart(plan.micro_batches, computed, plan.locations, given, len(found), store)
-    names = [part.names[i] for i in todo]
+    names = part.names if len(todo) == len(requests) else [part.names[i] for i in todo]
     groups = plan_generate_groups(pending, slots, seeder.seeds(pending), names)
     store_piece = None
     if cache is not None:
