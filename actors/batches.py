@@ -204,14 +204,15 @@ class GenerateMicroBatch:
     """Contexts one rank continues with one ``generate`` call (left-padded).
 
     Args:
-        contexts: Context token ids, already left-truncated to leave room for generation.
+        contexts: Context token ids, already left-truncated to leave room for generation (a
+            tuple, or the ``array('i')`` a tokeniser actor's ids arrive in).
         max_gen_toks: New tokens to generate (lm-eval's ``max_gen_toks``).
         until: Stop strings (EOS included), checked by lm-eval's stopping criteria.
         max_length: An explicit ``max_length`` from the user's gen_kwargs, else None.
         kwargs: The remaining generation kwargs, passed to ``generate`` as lm-eval does.
     """
 
-    contexts: tuple[tuple[int, ...], ...] = ()
+    contexts: tuple[tuple[int, ...] | array[int], ...] = ()
     max_gen_toks: int = 1
     until: tuple[str, ...] = ()
     max_length: int | None = None
@@ -223,13 +224,14 @@ class SlotRequest:
     """One generate_until request for the continuous-batching engine.
 
     Args:
-        context: Context token ids, already left-truncated to leave room for generation.
+        context: Context token ids, already left-truncated to leave room for generation (a
+            tuple, or the ``array('i')`` a tokeniser actor's ids arrive in).
         max_gen_toks: Most tokens it may generate.
         until: Its stop strings (the EOS token's text included, as lm-eval adds it).
         seed: Seed of its own sampling generator (sampled generations); None when greedy.
     """
 
-    context: tuple[int, ...]
+    context: tuple[int, ...] | array[int]
     max_gen_toks: int
     until: tuple[str, ...] = ()
     seed: int | None = None

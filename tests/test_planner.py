@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from rayeval.actors.errors import ConfigError
@@ -87,3 +89,38 @@ def test_continuous_batching_groups_are_planned_without_the_layout() -> None:
     sampled = [GenerateRequest((1, 2), 4, (), kwargs={"do_sample": True})] * 2
     first, second = request_seeds(sampled, 1234)
     assert first != second and request_seeds(sampled, 1234) == [first, second]
+
+
+def test_contexts_as_32_bit_buffers_are_planned_and_seeded_as_tuples() -> None:
+    # A tokeniser actor's contexts arrive as array('i'): the same plans (their order compares
+    # big-endian bytes) and the same seeds as the driver's tuples of the same ids.
+    import random
+    from array import array
+
+    from rayeval.service.engine.generation_planner import (
+        SlotBudget,
+        plan_generate_groups,
+        request_seeds,
+    )
+
+    rng = random.Random(3)
+    prefix = [rng.randrange(0, 2**31) for _ in range(5)]
+    tuples = []
+    for i in range(200):  # equal lengths and long shared prefixes: the order's hard cases
+        ids = prefix[: rng.randrange(6)] + [rng.choice((0, 255, 256, 70_000, 2**31 - 1))] * 2
+        ids += [rng.randrange(0, 2**31) for _ in range(rng.randrange(3))]
+        sampled = {"do_sample": True} if i % 2 else {}
+        tuples.append(GenerateRequest(tuple(ids), 4, ("\n",), kwargs=sampled))
+    arrays = [replace(r, context=array("i", r.context)) for r in tuples]
+    seeds = request_seeds(tuples, 5)
+    assert request_seeds(arrays, 5) == seeds and None in seeds and len(set(seeds)) > 50
+    budget = SlotBudget(slots=2, kv_tokens=64)
+    ours, theirs = (
+        plan_generate_groups(tuples, budget, seeds),
+        plan_generate_groups(arrays, budget, seeds),
+    )
+    assert ours.locations == theirs.locations
+    for group, other in zip(ours.groups, theirs.groups, strict=True):
+        assert [r.context for r in group.requests] == [tuple(r.context) for r in other.requests]
+    plan = plan_generate(tuples, TokenBudget(max_tokens=40))
+    assert plan.locations == plan_generate(arrays, TokenBudget(max_tokens=40)).locations

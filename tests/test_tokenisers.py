@@ -5,11 +5,14 @@ rest back to the driver; an evaluation in parts with them gives lm-eval hf's res
 from __future__ import annotations
 
 import logging
+from array import array
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from benchmarks.driver_workload import generation_instances, mmlu_instances
+from rayeval.service.engine.generation_planner import request_seeds
 from tests.helpers import assert_same_results, evaluate, hf_reference
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -153,8 +156,20 @@ def test_generation_parts_from_actors_are_the_driver_s_own(demo: Any) -> None:
     alone, _ = _made(Prompts(encoder, instances).tokens(), bounds, encoder, 0)
     actors, tokenised = _made(Prompts(encoder, instances).tokens(), bounds, encoder, 3)
     assert tokenised == 100 - 16
-    assert [(p.start, p.requests, p.names) for p in alone] == [
-        (p.start, p.requests, p.names) for p in actors
+    # An actor's contexts arrive as 32-bit buffers (the driver makes no int per id): the same
+    # ids, and the same sampling seeds as the driver's tuples.
+    assert all(isinstance(r.context, array) for p in actors[1:] for r in p.requests)
+    assert _tuples(alone) == _tuples(actors)
+    theirs = [replace(r, kwargs={"do_sample": True}) for p in actors for r in p.requests]
+    ours = [replace(r, kwargs={"do_sample": True}) for p in alone for r in p.requests]
+    assert request_seeds(theirs, 7) == request_seeds(ours, 7)
+
+
+def _tuples(parts: list[Any]) -> list[Any]:
+    """Made parts with every context as a tuple (an actor's arrive as ``array('i')``)."""
+    return [
+        (p.start, [replace(r, context=tuple(r.context)) for r in p.requests], p.names)
+        for p in parts
     ]
 
 
@@ -175,7 +190,7 @@ def test_a_lost_or_disagreeing_actor_hands_the_rest_to_the_driver(
     instances = generation_instances(80, seed=7, max_gen_toks=8)
     bounds = list(even_bounds(len(instances), 10))
     alone, _ = _made(Prompts(encoder, instances).tokens(), bounds, encoder, 0)
-    expected = [(p.start, p.requests) for p in alone]
+    expected = _tuples(alone)
     caplog.set_level(logging.WARNING, logger="rayeval.service.engine.tokenisers")
 
     with TokeniserPool(encoder, 2) as pool:
@@ -184,7 +199,7 @@ def test_a_lost_or_disagreeing_actor_hands_the_rest_to_the_driver(
         ray.kill(pool._actors[0], no_restart=True)
         made += list(parts)
         assert 0 < pool.tokenised < 80 - 10 and not pool.working
-    assert [(p.start, p.requests) for p in made] == expected
+    assert _tuples(made) == expected
     assert "ActorDiedError" in caplog.text or "RayActorError" in caplog.text
 
     caplog.clear()
@@ -192,7 +207,7 @@ def test_a_lost_or_disagreeing_actor_hands_the_rest_to_the_driver(
     with TokeniserPool(other, 2) as pool:
         made = list(made_parts(bounds, Prompts(encoder, instances).tokens(), pool))
         assert pool.tokenised == 0
-    assert [(p.start, p.requests) for p in made] == expected
+    assert _tuples(made) == expected
     assert "tokenised differently by an actor" in caplog.text
 
 

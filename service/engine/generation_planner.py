@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,9 +25,11 @@ from rayeval.service.engine.planner import TokenBudget, cut_by_budget
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generate_until request, already tokenised and truncated by the driver."""
+    """One generate_until request, already tokenised and truncated (by the driver, whose
+    contexts are tuples, or by a tokeniser actor, whose contexts the driver holds as the
+    ``array('i')`` it received: equal ids sort, key and seed alike either way)."""
 
-    context: tuple[int, ...]
+    context: tuple[int, ...] | array[int]
     max_gen_toks: int
     until: tuple[str, ...]
     max_length: int | None = None
@@ -67,7 +71,7 @@ def plan_generate(requests: Sequence[GenerateRequest], budget: TokenBudget) -> G
     micro_batches: list[GenerateMicroBatch] = []
     locations: list[tuple[int, int]] = [(-1, -1)] * len(requests)
     for indices in groups.values():
-        indices.sort(key=lambda i: (-len(requests[i].context), requests[i].context))
+        indices.sort(key=lambda i: _longest_first(requests[i].context))
         first = requests[indices[0]]
         for chunk in cut_by_budget(
             indices,
@@ -149,7 +153,7 @@ def plan_generate_groups(
     locations: list[tuple[int, int]] = [(-1, -1)] * len(requests)
     size = budget.slots * REQUESTS_PER_SLOT
     for indices in by_settings.values():
-        indices.sort(key=lambda i: (-len(requests[i].context), requests[i].context))
+        indices.sort(key=lambda i: _longest_first(requests[i].context))
         for start in range(0, len(indices), size):
             chunk = indices[start : start + size]
             for position, index in enumerate(chunk):
@@ -184,6 +188,20 @@ def check_fits(
             )
 
 
+def _longest_first(context: tuple[int, ...] | array[int]) -> tuple[int, Any]:
+    """The sort key of a context: longest first, then by its ids. An ``array('i')``'s ids
+    compare as their big-endian bytes, in the same order as the ints (an actor's are never
+    negative, :meth:`~rayeval.service.engine.tokenisers.Ragged.int32_arrays`), in C: comparing
+    two arrays makes an int object per id up to the first that differs (few-shot prompts share
+    hundreds)."""
+    if not isinstance(context, array):
+        return -len(context), context
+    ordered = array("i", context)
+    if sys.byteorder == "little":
+        ordered.byteswap()
+    return -len(context), ordered.tobytes()
+
+
 def _slot_request(request: GenerateRequest, seed: int | None) -> SlotRequest:
     return SlotRequest(request.context, request.max_gen_toks, request.until, seed)
 
@@ -213,7 +231,7 @@ class Seeder:
                 seeds.append(None)
                 continue
             identity = json.dumps(
-                [request.context, request.settings()], sort_keys=True, default=str
+                [list(request.context), request.settings()], sort_keys=True, default=str
             )
             name = hashlib.sha256(identity.encode()).digest()  # held instead of the identity
             occurrence = self._seen[name] = self._seen.get(name, -1) + 1

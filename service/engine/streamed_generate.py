@@ -149,7 +149,7 @@ class Prompts:
             function=packed_prompts,
             args=lambda start, stop: ([r.args for r in self._instances[start:stop]], self._eos),
             chunks=even_chunks,
-            join=lambda results, _: [p.request(i, shared) for p in results for i in range(len(p))],
+            join=lambda results, _: [r for packed in results for r in packed.requests(shared)],
             first=lambda packed: packed.request(0, ids),
             make=self.make,
             encoder=self._encoder,
@@ -242,6 +242,19 @@ class PackedPrompts:
         max_gen_toks, until, max_length, kwargs = self.settings[self.which[index]]
         context = self.contexts.get(index, shared)
         return GenerateRequest(context, max_gen_toks, until, max_length, kwargs)
+
+    def requests(self, shared: Callable[[Any], Any]) -> list[GenerateRequest]:
+        """Every request, its context an ``array('i')`` (``shared`` where an id does not fit
+        32 bits): the driver only measures, sorts, keys and forwards a context, so it never
+        makes its ids into int objects, and the context pickles to a rank as its bytes."""
+        contexts = self.contexts.int32_arrays()
+        if contexts is None:
+            return [self.request(i, shared) for i in range(len(self))]
+        settings = self.settings
+        return [
+            GenerateRequest(context, *settings[which])
+            for context, which in zip(contexts, self.which, strict=True)
+        ]
 
 
 def packed_prompts(

@@ -27,6 +27,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy
@@ -288,6 +289,21 @@ class Ragged:
         if many is not None:
             return many(self.flat, self.offsets)  # type: ignore[no-any-return]
         return [self.get(i, shared) for i in range(len(self))]
+
+    def int32_arrays(self) -> list[array[int]] | None:
+        """Every sequence as an ``array('i')``: one buffer each and no int object per id (what
+        a rank is sent: it pickles as its bytes), or None if an id is negative or does not fit
+        31 bits (no tokenizer's is)."""
+        flat = self.flat
+        if len(flat) and (int(flat.min()) < 0 or int(flat.max()) >= 2**31):
+            return None
+        data = flat.astype(numpy.int32).data.cast("B")
+        sequences = []
+        for start, stop in pairwise(self.offsets):
+            sequence = array("i")
+            sequence.frombytes(data[4 * start : 4 * stop])
+            sequences.append(sequence)
+        return sequences
 
 
 def ids(tokens: numpy.ndarray) -> tuple[int, ...]:
