@@ -244,9 +244,9 @@ class PackedPrompts:
         return GenerateRequest(context, max_gen_toks, until, max_length, kwargs)
 
     def requests(self, shared: Callable[[Any], Any]) -> list[GenerateRequest]:
-        """Every request, its context an ``array('i')`` (``shared`` where an id does not fit
-        32 bits): the driver only measures, sorts, keys and forwards a context, so it never
-        makes its ids into int objects, and the context pickles to a rank as its bytes."""
+        """Every request, its context an ``array('i')`` (through ``shared`` where an id is
+        outside 0..2**31-1): the driver only measures, sorts, keys and forwards a context, so it
+        never makes its ids into int objects, and the context pickles to a rank as its bytes."""
         contexts = self.contexts.int32_arrays()
         if contexts is None:
             return [self.request(i, shared) for i in range(len(self))]
