@@ -219,6 +219,41 @@ def test_calls_carry_more_steps_once_timed_and_fewer_as_the_queue_drains() -> No
 
 
 @pytest.mark.unit
+def test_the_heap_is_frozen_while_request_types_run_and_unfrozen_after_the_last() -> None:
+    import gc
+    import weakref
+
+    from rayeval.service.engine import heap
+
+    gc.unfreeze()
+    heap.settle()  # outside a running request type: nothing is frozen
+    assert gc.get_freeze_count() == 0
+    with heap.frozen_while_running():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        held = [[i] for i in range(1000)]  # a part's objects, tracked by the collector
+        heap.settle()
+        assert gc.get_freeze_count() >= frozen + len(held)
+        with heap.frozen_while_running():  # another request type in the same process
+            pass
+        assert gc.get_freeze_count() > 0  # still frozen: the first has not ended
+    assert gc.get_freeze_count() == 0
+    cycle = _Node()
+    cycle.next = cycle
+    alive = weakref.ref(cycle)
+    with heap.frozen_while_running():
+        del cycle
+        gc.collect()
+        assert alive() is not None  # frozen: no pass walks it
+    gc.collect()
+    assert alive() is None  # a cycle dropped while frozen is collected once unfrozen
+
+
+class _Node:
+    next: Any = None
+
+
+@pytest.mark.unit
 def test_a_ranks_pieces_wait_for_a_share_of_its_slots_and_the_interval() -> None:
     from rayeval.actors.batches import PIECE_WAIT_S, PIECES_PER_S, piece_due
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayeval.actors.errors import ResultIntegrityError
+from rayeval.service.engine import heap
 from rayeval.service.engine.dispatch import Dispatcher, PieceDone, StepDone, check_exactly_once
 from rayeval.service.engine.phases import PhaseStats, PhaseTracker
 
@@ -144,6 +145,7 @@ class Planner(threading.Thread):
             waiting: Callable[[], PlannedPart] | None = None
             for part in self._parts:
                 planned = self._plan(part)
+                heap.settle()  # the part and its plan live until it is back: no full GC pass
                 if waiting is not None and not self._give(waiting()):
                     return
                 waiting = planned if callable(planned) else None
@@ -305,10 +307,11 @@ def run_parts(
             ledger.piece(piece.micro_batch, piece.finished)
 
     ledger = PartLedger(total, finish)
-    planner.start()
-    try:
-        dispatcher.run(on_step, on_piece if streamed else None, feed=feed)
-    finally:
-        planner.stop()
-        tracker.close()
+    with heap.frozen_while_running():
+        planner.start()
+        try:
+            dispatcher.run(on_step, on_piece if streamed else None, feed=feed)
+        finally:
+            planner.stop()
+            tracker.close()
     return ledger.check()
