@@ -88,10 +88,16 @@ def score_answer(model_input: Sequence[int], target: Sequence[int]) -> tuple[flo
 
 
 def _input_hash(tokens: Sequence[int]) -> int:
-    """A CRC of the ids as a rank receives them (``ScoreRow.__reduce__``: 32-bit buffers)."""
+    """A CRC of the ids as a rank receives them."""
+    return zlib.crc32(_int32_ids(tokens))
+
+
+def _int32_ids(tokens: Sequence[int]) -> array[int]:
+    """The ids as the 32-bit buffer a rank receives them in (``ScoreRow.__reduce__``); a tuple
+    (a row made in this process, or a test's model input) is packed into one."""
     if isinstance(tokens, array) and tokens.typecode == "i":
-        return zlib.crc32(tokens)
-    return zlib.crc32(array("i", tokens))
+        return tokens
+    return array("i", tokens)
 
 
 def _answer(input_hash: int, target: Sequence[int]) -> tuple[float, bool]:
@@ -215,8 +221,7 @@ class _PathHashes:
 
     def __init__(self, row: ScoreRow) -> None:
         assert row.parents is not None
-        ids = row.tokens if isinstance(row.tokens, array) else array("i", row.tokens)
-        self._bytes = memoryview(ids).cast("B")
+        self._bytes = memoryview(_int32_ids(row.tokens)).cast("B")
         self._parents = row.parents
         self._run_start = []  # per token, where its run starts
         start = 0
