@@ -8,8 +8,9 @@ requests for ``--grid_steps`` steps per replica (up to a million) can be run at 
 Utilisation is the engine's own figure: per replica, the modelled compute its steps reported over
 the dispatch's wall time, averaged over replicas. The driver's CPU (every thread of this process)
 and the ranks' CPU (read from ``/proc``) are divided by the micro-batches dispatched. Every point
-runs ``--grid_repeats`` times with the load average beside it. Writes the rows as JSON lines to
-``--json`` and the plot to ``--plot`` (PNG with matplotlib, else a text plot).
+runs ``--grid_repeats`` times with the load average beside it, and its replicas' wall time is
+split by what they waited for (``share_*``: ``driver_timeline.py``). Writes the rows as JSON
+lines to ``--json`` and the plot to ``--plot`` (PNG with matplotlib, else a text plot).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from driver_probe import DriverProbe, cpu_s, rss_mib
+from driver_timeline import SubmitLog, rank_calls, time_shares
 from driver_workload import WINDOW
 
 STEP_MS = (5.0, 20.0, 100.0)
@@ -59,11 +61,17 @@ def grid_point(lm: Any, pairs: list, replicas: int, step_ms: float, probe: Drive
     """Score ``pairs`` with the LM's executor; the point's figures."""
     pids = [site["pid"] for site in lm.rank_sites()]
     load = os.getloadavg()[0]
+    replicas_now = lm._group.replicas
+    rank_calls(replicas_now)  # forget earlier points' calls
     ranks_before = ranks_cpu_s(pids)
-    probe.submit()
-    lm._executor.score(pairs, WINDOW, "loglikelihood", True)  # the product path after tokenising
-    end = probe.end()
+    with SubmitLog().recording() as submits:
+        probe.submit()
+        lm._executor.score(
+            pairs, WINDOW, "loglikelihood", True
+        )  # the product path after tokenising
+        end = probe.end()
     ranks = ranks_cpu_s(pids) - ranks_before
+    shares = time_shares(submits.sent, rank_calls(replicas_now))
     stats = lm.stats["loglikelihood"]
     first, last = probe.first, probe.last
     assert first is not None and last is not None and probe.start is not None
@@ -87,6 +95,7 @@ def grid_point(lm: Any, pairs: list, replicas: int, step_ms: float, probe: Drive
         "load_average": (load + os.getloadavg()[0]) / 2,
         "rss_mib": rss_mib(),
         "cpu_total_s": end.cpu - probe.start.cpu,
+        **{f"share_{key}": value for key, value in shares.items()},
     }
 
 

@@ -127,6 +127,7 @@ class SimulatedRank:
         self._coord = coord
         self._piece_interval_s = options.piece_interval_s
         self._fed = {"fed": 0, "real": 0, "calls": 0, "decode_rows": 0}
+        self._calls: list[tuple[float, float, float]] = []
 
     # ----------------------------------------------------------------------------- lifecycle
     def node_info(self) -> dict[str, Any]:
@@ -166,8 +167,18 @@ class SimulatedRank:
     # ------------------------------------------------------------------------------- compute
     def compute_many(self, method: str, batches: bytes) -> bytes:
         """Several pickled micro-batches in one call, in order (the real rank's bulk entry)."""
+        started = time.monotonic()
         compute = {"score": self.score, "generate": self.generate}[method]
-        return pickle.dumps([compute(batch) for batch in pickle.loads(batches)], protocol=5)
+        outputs = [compute(batch) for batch in pickle.loads(batches)]
+        value = pickle.dumps(outputs, protocol=5)
+        self._calls.append((started, time.monotonic(), sum(s.seconds for _, s in outputs)))
+        return value
+
+    def call_times(self) -> list[tuple[float, float, float]]:
+        """The bulk calls since the last look: (started, ended, modelled seconds), on this
+        machine's monotonic clock (``driver_timeline.py`` compares it with the driver's)."""
+        calls, self._calls = self._calls, []
+        return calls
 
     def score(self, batch: ScoreMicroBatch) -> tuple[list[list[tuple[float, bool]]], StepStats]:
         started = time.monotonic()

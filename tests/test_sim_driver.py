@@ -219,6 +219,26 @@ def test_calls_carry_more_steps_once_timed_and_fewer_as_the_queue_drains() -> No
 
 
 @pytest.mark.unit
+def test_a_replicas_time_is_split_by_what_it_waited_for() -> None:
+    from benchmarks.driver_timeline import SHARES, time_shares
+
+    sent = {0: [0.0, 0.0, 1.5], 1: [0.2], 2: [0.0, 0.1]}
+    calls = {
+        # Ran 0.1 after it was sent; the second was queued; the third sent 0.1 after the second
+        # ended, and ran 0.1 later still.
+        0: [(0.1, 1.0, 0.8), (1.05, 1.4, 0.3), (1.6, 2.0, 0.4)],
+        1: [(0.3, 1.8, 1.5)],  # its first call sent late, then nothing more: a tail of 0.2
+        2: [(0.0, 9.0, 9.0)],  # a call lost: sent and ran counts differ, left out
+    }
+    shares = time_shares(sent, calls)
+    assert list(shares) == list(SHARES)
+    expected = {"computing": 3.0, "rank_overhead": 0.15, "waiting_for_driver": 0.3,
+                "sent_not_running": 0.35, "tail": 0.2}  # fmt: skip
+    assert shares == pytest.approx({key: value / 4.0 for key, value in expected.items()})
+    assert time_shares({}, {}) == dict.fromkeys(SHARES, 0.0)
+
+
+@pytest.mark.unit
 def test_the_heap_is_frozen_while_request_types_run_and_unfrozen_after_the_last() -> None:
     import gc
     import weakref
