@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ def test_uneven_work_over_2x2_finishes_and_matches(demo: Any, ray_session: None)
     expected_text = reference.generate_until(_generate_requests())
     expected_ll = reference.loglikelihood(_loglikelihood_requests())
 
+    frozen: list[tuple[str, int]] = []  # per progress report: the heap out of full GC passes?
     started = time.monotonic()
     with RayEvalLM(
         pretrained=str(demo.model_dir),
@@ -62,10 +64,14 @@ def test_uneven_work_over_2x2_finishes_and_matches(demo: Any, ray_session: None)
         shard_size=2,
         shard_strategy="fsdp",  # each rank its own micro-batch: dummies fill the last steps
         batch_size=1,
+        on_progress=lambda p: frozen.append((p.phase, gc.get_freeze_count())),
     ) as lm:
         text = lm.generate_until(_generate_requests())
         ll = lm.loglikelihood(_loglikelihood_requests())
     assert time.monotonic() - started < 240, "uneven work took far too long (a rank waited?)"
+    assert {phase for phase, _ in frozen} == {"generate_until", "loglikelihood"}
+    assert all(count > 0 for _, count in frozen), frozen
+    assert gc.get_freeze_count() == 0
 
     assert text == expected_text
     assert len({len(t) for t in text}) > 2, f"generation lengths should differ: {text}"

@@ -254,6 +254,12 @@ def test_the_heap_is_frozen_while_request_types_run_and_unfrozen_after_the_last(
         held = [[i] for i in range(1000)]  # a part's objects, tracked by the collector
         heap.settle()
         assert gc.get_freeze_count() >= frozen + len(held)
+        frozen = gc.get_freeze_count()
+        answers = [[i] for i in range(1000)]
+        heap.settle(every_s=3600.0)  # the last freeze was under an hour ago: not yet
+        assert gc.get_freeze_count() == frozen
+        heap.settle(every_s=0.0)
+        assert gc.get_freeze_count() >= frozen + len(answers)
         with heap.frozen_while_running():  # another request type in the same process
             pass
         assert gc.get_freeze_count() > 0  # still frozen: the first has not ended

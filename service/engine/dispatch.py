@@ -39,6 +39,7 @@ from rayeval.actors.errors import (
     WorkerLostError,
 )
 from rayeval.actors.group import Replica, WorkerGroup, rank_failure
+from rayeval.service.engine import heap
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ CALL_SECONDS = 0.5
 MAX_STEPS_PER_CALL = 64
 #: How long an idle dispatcher waits for the next part of a plan before it looks again.
 FEED_WAIT_S = 1.0
+#: How often the answers gathered so far join the frozen heap (:mod:`.heap`).
+SETTLE_S = 1.0
 
 
 class CallSizer:
@@ -233,6 +236,7 @@ class Dispatcher:
                 for done in self._poll(index):
                     if on_step is not None:
                         on_step(done)
+            heap.settle(every_s=SETTLE_S)  # the answers so far: kept out of full GC passes
 
     def _waiting(self, index: int) -> list[Any]:
         """The refs (or streams that have not ended) of the replica's head call."""

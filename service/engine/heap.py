@@ -4,10 +4,14 @@ A million requests are lm-eval ``Instance``s, their arguments and what the drive
 millions of objects that live as long as the request type. Every full (oldest-generation) pass
 of Python's cyclic garbage collector walks all of them, and the parts' own allocations start
 such a pass every few seconds: ~20% of the driver's CPU in a 200,000-request generation run on
-the 2-core machine (``docs/performance.md``). While a request type runs in parts
+the 2-core machine (``docs/performance.md``), and a pass over a large plan stalls the hand-out
+long enough to idle every replica. While a request type runs in parts
 (:func:`rayeval.service.engine.streamed.run_parts`), what the process holds is frozen
 (``gc.freeze``: moved to the permanent generation, which no pass walks) when it starts and again
-after each part is planned, so a pass walks only what was made since; when it ends everything is
+after each part is planned, so a pass walks only what was made since; a request type planned
+whole is frozen once its plan is made, while its micro-batches are computed
+(``Executor._run``); and the dispatcher freezes the answers it gathered every
+:data:`~rayeval.service.engine.dispatch.SETTLE_S`. When the last such scope ends everything is
 unfrozen (``gc.unfreeze``) and the next full pass collects whatever cycles were dropped
 meanwhile. Objects still die by reference counting at once; only garbage in reference cycles
 waits for the end. Request types that overlap in one process unfreeze when the last one ends.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -27,6 +32,7 @@ class _Freezer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running = 0
+        self._settled = 0.0
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -41,10 +47,12 @@ class _Freezer:
                 if not self._running:
                     gc.unfreeze()
 
-    def settle(self) -> None:
+    def settle(self, every_s: float) -> None:
         with self._lock:
-            if self._running:
+            now = time.monotonic()
+            if self._running and now - self._settled >= every_s:
                 gc.freeze()
+                self._settled = now
 
 
 _FREEZER = _Freezer()
@@ -56,6 +64,7 @@ def frozen_while_running() -> AbstractContextManager[None]:
     return _FREEZER.running()
 
 
-def settle() -> None:
-    """Freeze what was made so far (a part just planned); nothing outside a running scope."""
-    _FREEZER.settle()
+def settle(every_s: float = 0.0) -> None:
+    """Freeze what was made so far (a part just planned, the answers gathered so far), unless
+    the last freeze was under ``every_s`` seconds ago; nothing outside a running scope."""
+    _FREEZER.settle(every_s)
