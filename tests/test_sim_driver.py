@@ -207,15 +207,18 @@ def test_parts_keep_a_contexts_requests_together() -> None:
 
 
 @pytest.mark.unit
-def test_calls_carry_more_steps_once_timed_and_fewer_as_the_queue_drains() -> None:
+def test_calls_grow_once_timed_and_shrink_as_the_queue_drains() -> None:
     from rayeval.service.engine.dispatch import CALL_SECONDS, CallSizer
 
     sizer = CallSizer()
-    assert sizer.size(pending=10_000, calls=16) == 1  # the first results after one step
+    assert sizer.size(pending=10_000, calls=16, replica=0) == 1  # first results after one step
     sizer.timed(0.02)
-    assert sizer.size(pending=10_000, calls=16) == int(CALL_SECONDS / 0.02)
-    assert sizer.size(pending=64, calls=16) == 4
-    assert sizer.size(pending=3, calls=16) == 1
+    # Twice the replica's last call at most: 2, 4, 8, 16, then CALL_SECONDS of steps.
+    grown = [sizer.size(pending=10_000, calls=16, replica=0) for _ in range(6)]
+    assert grown == [2, 4, 8, 16, int(CALL_SECONDS / 0.02), int(CALL_SECONDS / 0.02)]
+    assert sizer.size(pending=10_000, calls=16, replica=1) == 2  # each replica its own
+    assert sizer.size(pending=64, calls=16, replica=0) == 4  # the queue's share
+    assert sizer.size(pending=3, calls=16, replica=0) == 1
 
 
 @pytest.mark.unit

@@ -99,25 +99,32 @@ class CallSizer:
 
     One until steps have been timed, so the first results come back after one step; then enough
     for :data:`CALL_SECONDS` of the mean step so far, but never more than the queue's share of
-    every replica's calls, so calls shrink as the queue drains and the replicas end together.
-    Which replica computes which step never changes a result, so neither does this.
+    every replica's calls, so calls shrink as the queue drains and the replicas end together, and
+    never more than twice the replica's previous call: the first round of timed calls (one per
+    replica, each with a step or two queued) then costs the driver little and reaches every
+    replica before it runs dry. Which replica computes which step never changes a result, so
+    neither does this.
     """
 
     def __init__(self) -> None:
         self._seconds = 0.0
         self._steps = 0
+        self._last: dict[int, int] = {}  # per replica, the steps its last call was given
 
     def timed(self, seconds: float) -> None:
         """Count one finished step's compute time."""
         self._seconds += seconds
         self._steps += 1
 
-    def size(self, pending: int, calls: int) -> int:
-        """Steps for the next call, with ``pending`` steps queued for ``calls`` call slots."""
-        if not self._steps:
-            return 1
-        mean = max(self._seconds / self._steps, 1e-6)
-        return max(1, min(int(CALL_SECONDS / mean), pending // max(1, calls), MAX_STEPS_PER_CALL))
+    def size(self, pending: int, calls: int, replica: int) -> int:
+        """Steps for ``replica``'s next call, ``pending`` steps queued for ``calls`` call slots."""
+        count = 1
+        if self._steps:
+            mean = max(self._seconds / self._steps, 1e-6)
+            most = min(MAX_STEPS_PER_CALL, 2 * self._last.get(replica, 1), pending // max(1, calls))
+            count = max(1, min(int(CALL_SECONDS / mean), most))
+        self._last[replica] = count
+        return count
 
 
 class Dispatcher:
@@ -251,7 +258,8 @@ class Dispatcher:
                     continue
                 count = 1
                 if not self._streaming:
-                    count = self._sizer.size(len(self._pending), len(self._alive) * self._depth)
+                    calls = len(self._alive) * self._depth
+                    count = self._sizer.size(len(self._pending), calls, index)
                 steps = [self._pending.popleft() for _ in range(min(count, len(self._pending)))]
                 batches = [self._step_batches(step) for step in steps]
                 if self._streaming:
@@ -376,15 +384,8 @@ class Dispatcher:
             stats = tuple(stats for _, stats in step_outputs if stats is not None)
             if stats:
                 self._sizer.timed(max(s.seconds for s in stats))
-            done.append(
-                StepDone(
-                    step,
-                    index,
-                    tuple(self._steps[step]),
-                    stats,
-                    tuple(self._results[i] for i in self._steps[step]),
-                )
-            )
+            mbs = tuple(self._steps[step])
+            done.append(StepDone(step, index, mbs, stats, tuple(self._results[i] for i in mbs)))
         return done
 
     def _time_left(self) -> float:
