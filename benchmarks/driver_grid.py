@@ -66,9 +66,8 @@ def grid_point(lm: Any, pairs: list, replicas: int, step_ms: float, probe: Drive
     ranks_before = ranks_cpu_s(pids)
     with SubmitLog().recording() as submits:
         probe.submit()
-        lm._executor.score(
-            pairs, WINDOW, "loglikelihood", True
-        )  # the product path after tokenising
+        # The product path after tokenising.
+        lm._executor.score(pairs, WINDOW, "loglikelihood", True)
         end = probe.end()
     ranks = ranks_cpu_s(pids) - ranks_before
     shares = time_shares(submits.sent, rank_calls(replicas_now))

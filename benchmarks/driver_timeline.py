@@ -77,9 +77,7 @@ def time_shares(sent: dict[int, list[float]], calls: dict[int, list[Call]]) -> d
     ``sent[r]`` and ``calls[r]`` are replica ``r``'s calls in order; a replica whose counts differ
     (a call lost with its replica) is left out.
     """
-    pairs = {
-        r: (sent[r], calls[r]) for r in calls if calls[r] and len(sent.get(r, ())) == len(calls[r])
-    }
+    pairs = {r: (sent[r], c) for r, c in calls.items() if c and len(sent.get(r, ())) == len(c)}
     if not pairs:
         return dict.fromkeys(SHARES, 0.0)
     start = min(times[0] for times, _ in pairs.values())
