@@ -222,28 +222,31 @@ class Dispatcher:
         """
         self._on_piece = on_piece
         more = feed is not None
-        while True:
-            if more:
-                assert feed is not None
-                starving = not self._pending and not any(self._inflight.values())
-                more = feed(FEED_WAIT_S if starving else 0.0)
-            self._refill()
-            if not any(self._inflight.values()):
+        with heap.frozen_while_running():  # a full GC pass would stall every replica
+            while True:
                 if more:
-                    continue
-                return self._results
-            owners = {ref: r for r in self._alive if self._inflight[r] for ref in self._waiting(r)}
-            ready, _ = ray.wait(list(owners), num_returns=1, timeout=self._time_left())
-            if ready:  # everything that is ready now, in one call
-                ready, _ = ray.wait(list(owners), num_returns=len(owners), timeout=0)
-            now = time.monotonic()
-            due = {owners[ref] for ref in ready}
-            due |= {index for index, deadline in self._deadline.items() if now > deadline}
-            for index in sorted(due):
-                for done in self._poll(index):
-                    if on_step is not None:
-                        on_step(done)
-            heap.settle(every_s=SETTLE_S)  # the answers so far: kept out of full GC passes
+                    assert feed is not None
+                    starving = not self._pending and not any(self._inflight.values())
+                    more = feed(FEED_WAIT_S if starving else 0.0)
+                self._refill()
+                if not any(self._inflight.values()):
+                    if more:
+                        continue
+                    return self._results
+                owners = {
+                    ref: r for r in self._alive if self._inflight[r] for ref in self._waiting(r)
+                }
+                ready, _ = ray.wait(list(owners), num_returns=1, timeout=self._time_left())
+                if ready:  # everything that is ready now, in one call
+                    ready, _ = ray.wait(list(owners), num_returns=len(owners), timeout=0)
+                now = time.monotonic()
+                due = {owners[ref] for ref in ready}
+                due |= {index for index, deadline in self._deadline.items() if now > deadline}
+                for index in sorted(due):
+                    for done in self._poll(index):
+                        if on_step is not None:
+                            on_step(done)
+                heap.settle(every_s=SETTLE_S)  # the answers so far: kept out of full GC passes
 
     def _waiting(self, index: int) -> list[Any]:
         """The refs (or streams that have not ended) of the replica's head call."""

@@ -23,7 +23,6 @@ from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, Timeouts
 from rayeval.service.config import EngineConfig
-from rayeval.service.engine import heap
 from rayeval.service.engine.budgets import budget, slot_budget
 from rayeval.service.engine.dispatch import (
     Dispatcher,
@@ -310,14 +309,13 @@ class Executor:
                 on_piece(piece)
 
         try:
-            with heap.frozen_while_running():  # a full GC pass would stall every replica
-                results = run_steps(
-                    self._group,
-                    micro_batches,
-                    self._timeouts.step_s,
-                    on_step,
-                    on_piece=on_streamed if on_piece is not None else None,
-                )
+            results = run_steps(
+                self._group,
+                micro_batches,
+                self._timeouts.step_s,
+                on_step,
+                on_piece=on_streamed if on_piece is not None else None,
+            )
         finally:
             tracker.close()
         check_exactly_once(micro_batches, results)
