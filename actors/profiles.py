@@ -87,10 +87,13 @@ class ModelShape:
             self._config: Any = _Attrs(text if isinstance(text, Mapping) else config)
             #: None: not known without transformers' config class (a config.json alone).
             self.has_tp_plan: bool | None = None
+            self.tp_plan: dict[str, str] | None = None
         else:
             text = config.get_text_config() if hasattr(config, "get_text_config") else None
             self._config = text if text is not None else config
-            self.has_tp_plan = bool(getattr(self._config, "base_model_tp_plan", None))
+            #: The architecture's TP plan (pattern -> transformers style name).
+            self.tp_plan = dict(getattr(self._config, "base_model_tp_plan", None) or {})
+            self.has_tp_plan = bool(self.tp_plan)
         self.model_type = str(
             getattr(self._config, "model_type", None) or type(self._config).__name__
         )

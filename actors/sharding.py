@@ -13,9 +13,9 @@ Two are registered (:data:`STRATEGIES`, in the order ``auto`` prefers them):
 
 * **tensor parallelism** (``tp``, :mod:`rayeval.actors.tensor_parallel`): transformers' own
   ``tp_plan`` splits the heads and MLP columns; the ranks compute the same batch and exchange
-  activations only. Needs a TP plan, dimensions G divides, and a replica on one node; partial sums
-  are reduced, so results may differ from one G to another in the last bits (within the fidelity
-  invariant). The fast way to generate.
+  activations only. Needs a TP plan that splits no sum (rewritten so by
+  :mod:`rayeval.actors.tp_exact`), dimensions G divides, and a replica on one node; results are
+  bit-identical to one rank in every dtype. The fast way to generate.
 * **FSDP2** (``fsdp``, :mod:`rayeval.actors.fsdp`): every rank holds a slice of every weight and
   all-gathers each layer before computing it; each rank computes its own micro-batch. Any
   architecture, replicas across nodes, bit-identical results for every G. Also what a replica of
@@ -60,6 +60,8 @@ class RankContext:
         collective_timeout_s: Longest wait of one collective.
         shared_memory: Whether the configuration lets ranks on one node exchange activations
             through shared memory (``parallelism.shm_collectives``).
+        device_type: The rank's device type (``cpu`` or ``cuda``): shared memory is for CPU
+            ranks only.
     """
 
     replica: int
@@ -68,6 +70,7 @@ class RankContext:
     rendezvous: tuple[str, int]
     collective_timeout_s: float
     shared_memory: bool = True
+    device_type: str = "cpu"
 
 
 class ShardingStrategy(Protocol):

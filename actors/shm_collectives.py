@@ -1,15 +1,14 @@
 """Shared-memory collectives for the tensor-parallel ranks of one replica on a CPU node: the
-all-reduces of their activations.
+all-gathers of their activations.
 
-Tensor parallelism sums each block's partial activations over the ranks twice per forward (after
-attention and after the MLP). On CPU ranks gloo carries every one of those sums over a TCP
-socket: measured on the development machine, 2.3-4.3 ms for one decode step's 48 KiB and 0.5 ms
-or more for 4 bytes, about what the block's own compute costs (docs/performance.md). The ranks of
-a TP replica always share a node, so they can exchange partial sums through memory instead:
-each rank copies its partial into its slot of a file in ``/dev/shm``, publishes a sequence
-number, waits for every peer's, and adds the slots up in rank order. Every rank adds the same
-values in the same order, so every rank gets the same result; with two ranks it is the same
-``a + b`` gloo computes (float addition is commutative), bit for bit.
+Tensor parallelism gathers each block's activations over the ranks four times per forward (the
+attention heads and the attention output, the MLP columns and the MLP output:
+:mod:`rayeval.actors.tp_exact`). On CPU ranks gloo carries every one of those over a TCP socket:
+measured on the development machine, 2.3-4.3 ms for one decode step's 48 KiB and 0.5 ms or more
+for 4 bytes, about what the block's own compute costs (docs/performance.md). The ranks of a TP
+replica always share a node, so they can exchange activations through memory instead: each rank
+copies its piece into its slot of a file in ``/dev/shm``, publishes a sequence number, waits for
+every peer's, and copies the slots out in rank order: the same bytes gloo delivers.
 
 FSDP's all-gathers stay on gloo: through the same slots they took a third of gloo's time per
 14 MiB call, but FSDP decoding got no faster (gloo's all-gathers run in the background while the
@@ -32,7 +31,6 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -128,29 +126,29 @@ class ShmCollectives:
         made._peer_pids = [int(pid) for pid in made._header[:, 1]]
         return made
 
-    def all_reduce(self, tensor: torch.Tensor) -> bool:
-        """Sum ``tensor`` over the ranks, in place; False (nothing done) for a tensor this does
-        not handle (not a contiguous floating-point CPU tensor)."""
-        if tensor.dtype not in _DTYPES or tensor.device.type != "cpu" or not tensor.is_contiguous():
-            return False
-        flat = tensor.view(-1)
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``tensor`` (the same shape and dtype on each), stacked in rank order:
+        ``(world, *tensor.shape)``; None (nothing done) for a tensor this does not handle (not
+        a floating-point CPU tensor)."""
+        if tensor.dtype not in _DTYPES or tensor.device.type != "cpu":
+            return None
+        flat = tensor.contiguous().view(-1)
+        out = torch.empty((self.world, flat.numel()), dtype=tensor.dtype)
         piece = SLOT_BYTES // tensor.element_size()
         for start in range(0, flat.numel(), piece):
-            self._reduce_piece(flat[start : start + piece])
-        return True
+            self._gather_piece(flat[start : start + piece], out[:, start : start + piece])
+        return out.view(self.world, *tensor.shape)
 
-    def _reduce_piece(self, flat: torch.Tensor) -> None:
+    def _gather_piece(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """Publish ``flat`` (at most a slot) in this rank's slot, wait for every peer's, and
-        add the ranks' pieces up in rank order into ``flat``."""
+        copy the ranks' pieces into the rows of ``out``."""
         self._seq += 1
         seq = self._seq
         slots = self._slots[seq % 2].view(flat.dtype)[:, : flat.numel()]
         slots[self.rank].copy_(flat)
         self._header[self.rank, 0] = seq
         self._wait(seq)
-        torch.add(slots[0], slots[1], out=flat)
-        for peer in range(2, self.world):
-            flat.add_(slots[peer])
+        out.copy_(slots)
 
     def _wait(self, seq: int) -> None:
         header = self._header
@@ -192,68 +190,3 @@ class ShmCollectives:
 
 def _file_bytes(world: int) -> int:
     return _LINE * world + 2 * world * SLOT_BYTES
-
-
-class _Routed:
-    """``torch.distributed`` as transformers' tensor-parallel layers see it: sum-all-reduces
-    over ``ranks`` go through shared memory, everything else to torch.distributed."""
-
-    def __init__(self, shm: ShmCollectives, ranks: list[int]) -> None:
-        self._shm, self._ranks = shm, ranks
-        #: id(group) -> (group, whether its ranks are ``ranks``): asked once per group.
-        self._groups: dict[int, tuple[Any, bool]] = {}
-
-    def all_reduce(
-        self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
-        async_op: bool = False,
-    ) -> Any:  # fmt: skip
-        if (
-            op == dist.ReduceOp.SUM
-            and not async_op
-            and self._ours(group)
-            and self._shm.all_reduce(tensor)
-        ):
-            return None
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-    def _ours(self, group: Any) -> bool:
-        known = self._groups.get(id(group))
-        if known is None or known[0] is not group:
-            known = self._groups[id(group)] = (group, _ranks_of(group) == self._ranks)
-        return known[1]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(dist, name)
-
-
-def _ranks_of(group: Any) -> list[int]:
-    if group is None:
-        group = dist.group.WORLD
-    return list(dist.get_process_group_ranks(group))
-
-
-def route_tensor_parallel_all_reduces(shm: ShmCollectives) -> bool:
-    """Send the all-reduces that transformers' tensor-parallel layers make over the ranks of the
-    default process group (the replica's) through ``shm``.
-
-    transformers' row-parallel layers reduce their partial outputs with
-    ``torch.distributed.all_reduce`` when running inference on plain tensors; this swaps the
-    ``torch.distributed`` those modules see (in this rank process only) for one that routes
-    those calls. Other collectives (the logits' all-gather, DTensor redistributions) stay on the
-    process group.
-
-    Returns:
-        False (nothing routed) when this transformers does not reduce that way.
-    """
-    import importlib
-
-    routed = _Routed(shm, _ranks_of(None))
-    modules = []
-    for name in ("tensor_parallel", "parallel_utils"):
-        with contextlib.suppress(ImportError):
-            module = importlib.import_module(f"transformers.distributed.{name}")
-            if getattr(module, "dist", None) is dist:
-                modules.append(module)
-    for module in modules:
-        module.dist = routed  # type: ignore[attr-defined]
-    return bool(modules)

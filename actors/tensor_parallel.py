@@ -8,10 +8,13 @@ G), over a device mesh it builds on it; on CPU that is gloo. A training checkpoi
 ``checkpoint=`` (DCP or HF files) is read slice by slice into the TP model built from
 ``pretrained``'s config (:func:`_load_checkpoint`).
 
-The ranks of a replica then compute the same batch: every forward exchanges activations (an
-all-reduce after each attention and MLP block, an all-gather of the logits), never weights. On a
-CPU node those all-reduces go through shared memory where the ranks can
-(:mod:`rayeval.actors.shm_collectives`). Imports no torch until a rank loads.
+The plan is first rewritten so that no sum is split over the ranks (:mod:`rayeval.actors.tp_exact`):
+the layers transformers splits by input features (a block's output projections) are split by
+output features, so results are bit-identical to one device in every dtype. The ranks of a
+replica then compute the same batch: every forward exchanges activations (all-gathers of the heads,
+the MLP columns, each block's output and the logits), never weights. On a CPU node those go
+through shared memory where the ranks can (:mod:`rayeval.actors.shm_collectives`). Imports no
+torch until a rank loads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from rayeval.actors import tp_exact
 from rayeval.actors.errors import ModelLoadError
 from rayeval.actors.profiles import ModelShape
 from rayeval.actors.sharding import RankContext, ShardStrategy
@@ -37,11 +41,21 @@ class TensorParallel:
     same_batch = True
     one_node = True
 
+    def __init__(self) -> None:
+        self._gather = tp_exact.Gather()
+
     def model_obstacles(self, shape: ModelShape, shard_size: int) -> list[str]:
-        """No TP plan for the architecture, or a head count (or MLP width) G does not divide."""
+        """No TP plan for the architecture, one that splits sums rayeval cannot keep whole, or
+        a head count (or MLP width) G does not divide."""
         if shape.has_tp_plan is False:
             return [
                 f"transformers has no tensor-parallel plan for the {shape.model_type} architecture"
+            ]
+        _, inexact = tp_exact.exact_plan(shape.tp_plan or {})
+        if inexact:
+            return [
+                f"transformers' tensor-parallel plan for {shape.model_type} adds partial sums "
+                f"over the ranks ({', '.join(inexact)}): its results would depend on shard_size"
             ]
         dims = shape.tp_dimensions()
         if "num_attention_heads" not in dims:
@@ -71,13 +85,18 @@ class TensorParallel:
         if device.type == "cuda":
             # transformers binds the rank to device LOCAL_RANK: this rank's own GPU.
             os.environ["LOCAL_RANK"] = str(device.index or 0)
+        tp_exact.register(self._gather)
         try:
+            meta_model = _meta_model(spec, config)
+            distributed = DistributedConfig(
+                tp_size=shard_size, tp_plan=_exact_plan(meta_model, config)
+            )
             if spec.checkpoint is not None:
-                return _load_checkpoint(spec, config, dtype, DistributedConfig(tp_size=shard_size))
+                return _load_checkpoint(spec, meta_model, config, dtype, distributed)
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 spec.pretrained,
                 dtype=dtype,
-                distributed_config=DistributedConfig(tp_size=shard_size),
+                distributed_config=distributed,
                 **from_pretrained_kwargs(spec),
             )
         except OSError as exc:
@@ -91,15 +110,17 @@ class TensorParallel:
         return model
 
     def collectives(self, rank: RankContext) -> str | None:
-        """Shared memory for the activations' all-reduces where every rank of the replica can
-        use it (the rest stays on the process group), else the process group."""
+        """Shared memory for the activations' all-gathers where every rank of the replica is a
+        CPU rank that can use it (the rest stays on the process group), else the process
+        group (always on GPUs: NCCL carries them)."""
         import torch.distributed as dist
 
         from rayeval.actors import shm_collectives
 
         # Every rank takes part, so that all decide alike (a rank's environment could differ).
         able: list[Any] = [None] * rank.shard_size
-        dist.all_gather_object(able, rank.shared_memory and shm_collectives.available())
+        usable = rank.shared_memory and rank.device_type == "cpu" and shm_collectives.available()
+        dist.all_gather_object(able, usable)
         if not all(able):
             return "process group"
         shm = shm_collectives.ShmCollectives.create(
@@ -110,23 +131,49 @@ class TensorParallel:
         )
         if shm is None:
             return "process group"
-        if not shm_collectives.route_tensor_parallel_all_reduces(shm):
-            logger.warning("this transformers reduces TP activations otherwise: staying on gloo")
-            return "process group"
+        self._gather.shm = shm
         return "shared memory"
 
     def after_forward(self, model: Any) -> None:
         """Nothing to release: every rank keeps its slices."""
 
 
-def _load_checkpoint(spec: ModelSpec, config: Any, dtype: Any, distributed: Any) -> Any:
+def _meta_model(spec: ModelSpec, config: Any) -> Any:
+    """The causal-LM model of ``config``, built on the meta device (no memory)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(
+            config, trust_remote_code=spec.trust_remote_code
+        )
+
+
+def _exact_plan(meta_model: Any, config: Any) -> dict[str, str] | None:
+    """The overrides that make ``meta_model``'s TP plan split no sum (None: none needed).
+
+    Raises:
+        ModelLoadError: the plan splits sums that cannot be rewritten (the driver refuses such
+            a model first: :meth:`TensorParallel.model_obstacles`).
+    """
+    overrides, inexact = tp_exact.exact_plan(meta_model.tp_plan)
+    if inexact:
+        raise ModelLoadError(
+            f"transformers' tensor-parallel plan for {config.model_type} adds partial sums over "
+            f"the ranks ({', '.join(inexact)}): use --shard_strategy fsdp"
+        )
+    return overrides or None  # an empty plan would turn tensor parallelism off
+
+
+def _load_checkpoint(
+    spec: ModelSpec, meta_model: Any, config: Any, dtype: Any, distributed: Any
+) -> Any:
     """The TP model of ``spec.pretrained``'s config, its slices read from ``spec.checkpoint``.
 
     transformers builds the model and its TP plan with no weights to load (an empty state dict:
     each rank initialises only its own slices, which are then overwritten); every rank then reads
     exactly its DTensor slices of each tensor from the checkpoint (:mod:`rayeval.actors.weights`).
     """
-    import torch
     import transformers
 
     from rayeval.actors.checkpoints import load_generation_config
@@ -134,12 +181,7 @@ def _load_checkpoint(spec: ModelSpec, config: Any, dtype: Any, distributed: Any)
 
     assert spec.checkpoint is not None
     source = open_source(spec.checkpoint)
-    with torch.device("meta"):
-        model_class = type(
-            transformers.AutoModelForCausalLM.from_config(
-                config, trust_remote_code=spec.trust_remote_code
-            )
-        )
+    model_class = type(meta_model)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # every weight "MISSING": it is read next
     try:

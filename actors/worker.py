@@ -135,6 +135,7 @@ class ShardWorker:
                 rendezvous=rendezvous,
                 collective_timeout_s=options.collective_timeout_s,
                 shared_memory=options.shm_collectives,
+                device_type=device.type,
             )
         )
         model.get_input_embeddings().register_forward_pre_hook(self._count_input)

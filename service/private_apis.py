@@ -75,10 +75,18 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi(
         "transformers",
         "transformers.distributed.tensor_parallel",
-        "dist",
+        "TensorParallelLayer.transform_output_post_forward",
         "5.25.0",
-        "actors/shm_collectives.py: TP all-reduces routed through shared memory on CPU ranks",
-        "TP ranks sum their activations on gloo (slower per decode step)",
+        "actors/tp_exact.py: tensor-parallel layers split by output features (no split sums)",
+        "",
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.distributed.parallel_utils",
+        "ALL_PARALLEL_STYLES.register",
+        "5.25.0",
+        "actors/tp_exact.py: rayeval's exact tensor-parallel styles registered by name",
+        "",
     ),
     PrivateApi(
         "transformers",

@@ -1,9 +1,10 @@
-"""The shared-memory all-reduce of TP ranks (actors.shm_collectives), in real processes.
+"""The shared-memory all-gather of TP ranks (actors.shm_collectives), in real processes.
 
 Each case spawns real rank processes joined in a gloo process group (a file store), so the
-reference is gloo's own all-reduce on the same tensors: at two ranks the shared-memory sum is
-bit-identical to it, at three it is the rank-order sum. A peer that exits or never arrives is an
-error naming the cause, well within the waits the test gives it.
+reference is gloo's own all-gather on the same tensors: the same bytes, at two and three ranks,
+for tensors smaller and larger than a slot. transformers' TP layers, with rayeval's exact plan,
+gather through it. A peer that exits or never arrives is an error naming the cause, well within
+the waits the test gives it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rayeval.actors import shm_collectives
 from rayeval.actors.shm_collectives import SLOT_BYTES, ShmCollectives
 
 pytestmark = [
@@ -49,48 +49,35 @@ def _matches_gloo(rank: int, world: int, store: str, name: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for round_ in range(3):  # both slots, several times over
             for tensor in _tensors(rank * 10 + round_, dtype):
-                ours, theirs = tensor.clone(), tensor.clone()
-                assert shm.all_reduce(ours)
-                dist.all_reduce(theirs)
-                if world == 2:
-                    assert torch.equal(ours, theirs), (dtype, tensor.numel())
-                else:
-                    gathered = [torch.empty_like(tensor) for _ in range(world)]
-                    dist.all_gather(gathered, tensor)
-                    rank_order = gathered[0] + gathered[1]
-                    for part in gathered[2:]:
-                        rank_order += part
-                    assert torch.equal(ours, rank_order), (dtype, tensor.numel())
-                    # gloo adds in another order: apart by rounding, relative to the parts.
-                    bound = 2 * torch.finfo(dtype).eps * sum(part.abs() for part in gathered)
-                    assert bool(((ours - theirs).abs() <= bound).all()), (dtype, tensor.numel())
-    # Not handled (left to the process group, unchanged): integers, non-contiguous tensors.
-    ints, strided = torch.arange(4), torch.ones(4, 4).t()
-    assert not shm.all_reduce(ints) and torch.equal(ints, torch.arange(4))
-    assert not shm.all_reduce(strided)
+                ours = shm.all_gather(tensor.view(2, -1) if tensor.numel() % 2 == 0 else tensor)
+                theirs = [torch.empty_like(tensor) for _ in range(world)]
+                dist.all_gather(theirs, tensor)
+                assert ours is not None and ours.shape[0] == world
+                same = torch.equal(ours.reshape(world, -1), torch.stack(theirs))
+                assert same, (dtype, tensor.numel())
+    # Not handled (left to the process group): integers.
+    assert shm.all_gather(torch.arange(4)) is None
     dist.destroy_process_group()
 
 
-def _routes_transformers(rank: int, world: int, store: str, name: str) -> None:
-    """transformers' row-parallel reduction goes through shared memory; other reduce ops and
-    other collectives stay on gloo."""
+def _gathers_transformers_tensor_parallel(rank: int, world: int, store: str, name: str) -> None:
+    """rayeval's exact TP styles gather through shared memory when it is set, and over the
+    process group otherwise: the same result."""
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers.distributed import tensor_parallel
+
+    from rayeval.actors.tp_exact import Gather
 
     _join(rank, world, store)
     mesh = init_device_mesh("cpu", (world,))
-    shm = ShmCollectives.create(name, rank, world, timeout_s=60.0)
-    assert shm is not None and shm_collectives.route_tensor_parallel_all_reduces(shm)
-    routed = tensor_parallel.dist
-    partial = torch.full((3, 5), float(rank + 1))
-    routed.all_reduce(partial, group=mesh.get_group())
-    assert shm._seq == 1 and torch.equal(partial, torch.full((3, 5), 3.0))
-    maxed = torch.full((2,), float(rank))
-    routed.all_reduce(maxed, op=dist.ReduceOp.MAX, group=mesh.get_group())  # not a sum: gloo
-    assert shm._seq == 1 and torch.equal(maxed, torch.ones(2))
-    gathered = [torch.empty(1) for _ in range(world)]
-    routed.all_gather(gathered, torch.tensor([float(rank)]))
-    assert [t.item() for t in gathered] == [0.0, 1.0]
+    gather = Gather()
+    local = torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * rank
+    over_gloo = gather(local, mesh.get_group())
+    gather.shm = ShmCollectives.create(name, rank, world, timeout_s=60.0)
+    assert gather.shm is not None
+    over_shm = gather(local, mesh.get_group())
+    assert gather.shm._seq == 1
+    expected = torch.cat([torch.arange(6.0).view(2, 3) + 10 * r for r in range(world)], dim=-1)
+    assert torch.equal(over_gloo, expected) and torch.equal(over_shm, expected)
     dist.barrier()
     dist.destroy_process_group()
     # The device mesh leaves a C++ thread that the interpreter's exit sometimes destroys while
@@ -107,7 +94,7 @@ def _peer_exits(rank: int, world: int, store: str, name: str) -> None:
         os._exit(0)  # gone before the next call
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"collective: rank 1 of 2 \(pid \d+\) exited"):
-        shm.all_reduce(torch.ones(8))
+        shm.all_gather(torch.ones(8))
     assert time.monotonic() - started < 10  # noticed by its liveness check, not the timeout
     os._exit(0)  # without the interpreter's teardown of a group whose peer is gone (see _end)
 
@@ -123,7 +110,7 @@ def _peer_stuck(rank: int, world: int, store: str, name: str) -> None:
         _end()
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"did not arrive within 1s.*--collective_timeout"):
-        shm.all_reduce(torch.ones(8))
+        shm.all_gather(torch.ones(8))
     assert 1.0 <= time.monotonic() - started < 5
     dist.barrier()
     _end()
@@ -144,12 +131,12 @@ def _spawn(case: object, world: int, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sums_like_gloo(world: int, tmp_path: Path) -> None:
+def test_gathers_like_gloo(world: int, tmp_path: Path) -> None:
     _spawn(_matches_gloo, world, tmp_path)
 
 
-def test_routes_transformers_tensor_parallel_reductions(tmp_path: Path) -> None:
-    _spawn(_routes_transformers, 2, tmp_path)
+def test_tensor_parallel_gather_through_shared_memory(tmp_path: Path) -> None:
+    _spawn(_gathers_transformers_tensor_parallel, 2, tmp_path)
 
 
 def test_peer_that_exits_is_an_error_not_a_hang(tmp_path: Path) -> None:

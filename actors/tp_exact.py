@@ -1,0 +1,157 @@
+"""Tensor parallelism that never splits a sum: every output element is computed whole on one rank.
+
+transformers' TP plans split a block's output projection (``o_proj``, ``down_proj``) by its input
+features: each rank multiplies its slice and the ranks add their partial products
+(``rowwise``). In bfloat16 each partial is rounded before the addition and the sum rounded again,
+so ~37% of the outputs differ from the one-device product by one bf16 step (measured on the
+development CPU, DESIGN "round-4 pitfalls"): answers move with G. Here such a layer is split by
+its output features instead: the ranks gather the input slices (the heads or MLP columns each
+computed), each computes its share of the output columns over the whole input, and the ranks
+gather the columns. Every dot product then runs on one rank, over the same operands, as one
+device runs it: bit-identical results in bf16 for every shape measured (docs/performance.md,
+"Tensor parallelism in bf16"). The head's gathered logits use the same gather.
+
+Each rank still holds 1/G of every such weight (its output rows instead of its input columns). The
+cost is traffic: two all-gathers of ``rows x features / G`` per layer instead of one all-reduce of
+``rows x hidden``.
+
+A model's plan is rewritten by :func:`exact_plan` (driver side, no torch); the styles are
+registered in transformers' style registry by :func:`register` on a rank before loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: transformers' styles whose forward splits no sum: column splits (every output element on one
+#: rank), lookups (a vocabulary-parallel embedding adds zeros to one rank's rows), and styles
+#: that only replicate parameters.
+EXACT_STYLES = frozenset(
+    {
+        "colwise",
+        "embedding_rowwise",
+        "embedding_colwise",
+        "replicated_with_grad_allreduce",
+        "replicate",
+    }
+)
+#: Styles that gather a layer's output, rewritten to ``GATHERED``: their input is replicated.
+_GATHERED_REPLICATED_INPUT = frozenset({"colwise_gather_output", "colwise_rep"})
+#: Row-parallel styles, rewritten to split by output features instead.
+_ROWWISE_SHARDED_INPUT = frozenset({"rowwise"})
+_ROWWISE_REPLICATED_INPUT = frozenset({"rowwise_split_input", "rowwise_rep"})
+
+#: The names rayeval registers its styles under.
+GATHERED = "rayeval_gathered"  # input replicated: split output columns, gather them
+GATHER_INPUT = "rayeval_gather_input"  # input split on its last dim: gather it first
+
+
+def exact_plan(plan: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """A TP plan whose forward splits no sum, from a model's plan.
+
+    Args:
+        plan: The architecture's plan (module or parameter pattern -> style name).
+
+    Returns:
+        The overrides to pass as ``DistributedConfig(tp_plan=...)`` (transformers merges them
+        into the model's plan), and the styles of ``plan`` that split a sum this cannot rewrite
+        (empty: the whole plan is exact).
+    """
+    overrides: dict[str, str] = {}
+    inexact: list[str] = []
+    for name, style in plan.items():
+        if style in _ROWWISE_SHARDED_INPUT:
+            overrides[name] = GATHER_INPUT
+        elif style in _ROWWISE_REPLICATED_INPUT | _GATHERED_REPLICATED_INPUT:
+            overrides[name] = GATHERED
+        elif style not in EXACT_STYLES and style not in inexact:
+            inexact.append(style)
+    return overrides, inexact
+
+
+def register(gather: Gather) -> None:
+    """Register rayeval's styles in transformers' registry (rank side), gathering with
+    ``gather``."""
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    ALL_PARALLEL_STYLES.register(GATHERED, _style(gather_input=False, gather=gather))
+    ALL_PARALLEL_STYLES.register(GATHER_INPUT, _style(gather_input=True, gather=gather))
+
+
+class Gather:
+    """The ranks' activations concatenated along the last dimension, in rank order: through
+    shared memory once :attr:`shm` is set (CPU ranks of one node), else over the process group
+    (gloo, or NCCL on GPUs)."""
+
+    def __init__(self) -> None:
+        #: :class:`rayeval.actors.shm_collectives.ShmCollectives` of the default group, or None.
+        self.shm: Any = None
+
+    def __call__(self, tensor: Any, group: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        pieces = None
+        if self.shm is not None and dist.get_world_size(group) == dist.get_world_size():
+            pieces = self.shm.all_gather(tensor)
+        if pieces is None:
+            tensor = tensor.contiguous()
+            world = dist.get_world_size(group)
+            flat = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+            dist.all_gather_into_tensor(flat, tensor.view(-1), group=group)
+            pieces = flat.view(world, *tensor.shape)
+        return concat_pieces(pieces)
+
+
+def concat_pieces(pieces: Any) -> Any:
+    """``(world, *shape)`` pieces as one tensor concatenated along the last dimension."""
+    world, *shape = pieces.shape
+    return pieces.movedim(0, -2).reshape(*shape[:-1], world * shape[-1])
+
+
+def _style(gather_input: bool, gather: Gather) -> Any:
+    """A transformers ``TensorParallelLayer`` for a linear layer split by output features."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+    class OutputSplitLinear(TensorParallelLayer):  # type: ignore[misc]
+        """Weight and bias split by output features (``Shard(0)``); the input made whole on
+        every rank (gathered from the ranks' last-dim slices where ``gather_input``); the output
+        columns gathered."""
+
+        def should_use_local_tensors(self, module: Any) -> bool:
+            return True
+
+        def install_forward(self, module: Any, mesh: Any, *, config: Any = None, **kw: Any) -> Any:
+            if not isinstance(module, torch.nn.Linear):
+                raise ValueError(
+                    f"{type(module).__name__} is not a linear layer: rayeval's exact tensor "
+                    "parallelism splits linear layers only"
+                )
+            return super().install_forward(module, mesh, config=config, **kw)
+
+        def shard_param(self, module: Any, param: str, mesh: Any, **kw: Any) -> None:
+            meta = module._parameters.get(param)
+            if meta is None:
+                return
+            module._parameters[param] = torch.nn.Parameter(
+                distribute_tensor(meta, mesh, [Shard(0)], src_data_rank=None),
+                requires_grad=False,
+            )
+
+        def transform_inputs_pre_forward(self, module: Any, args: Any, kwargs: Any, mesh: Any):
+            x = args[0]
+            if isinstance(x, DTensor):
+                x = x.redistribute(placements=[Replicate()]).to_local()
+            elif gather_input:
+                x = gather(x, mesh.get_group())
+            return (x, *args[1:]), kwargs
+
+        def transform_output_post_forward(
+            self, module: Any, output: Any, mesh: Any, config: Any = None
+        ) -> Any:
+            return gather(output, mesh.get_group())
+
+    return OutputSplitLinear()
