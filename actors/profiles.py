@@ -62,6 +62,7 @@ PROFILES: dict[str, ModelProfile] = {
         ModelProfile("qwen2", packable=True, continuous=True),
         ModelProfile("qwen3", packable=True, continuous=True),
         ModelProfile("gpt2", packable=True, continuous=True),
+        ModelProfile("qwen3_moe", packable=True, continuous=True),
         ModelProfile("gemma", plain_embeddings=False),
         ModelProfile("gemma2", plain_embeddings=False),
         ModelProfile("gemma3_text", plain_embeddings=False),

@@ -28,14 +28,15 @@ def evaluate(model: Any, task_manager: Any, tasks: list[str], **kwargs: Any) -> 
 
 
 def hf_reference(
-    model_dir: Any, task_manager: Any, tasks: list[str], **kwargs: Any
+    model_dir: Any, task_manager: Any, tasks: list[str], dtype: str = "float32", **kwargs: Any
 ) -> dict[str, Any]:
-    """lm-eval's own ``hf`` backend on the CPU in fp32: the reference every result must match."""
+    """lm-eval's own ``hf`` backend on the CPU (fp32 unless ``dtype``): the reference every
+    result must match."""
     return evaluate(
         "hf",
         task_manager,
         tasks,
-        model_args={"pretrained": str(model_dir), "dtype": "float32"},
+        model_args={"pretrained": str(model_dir), "dtype": dtype},
         device="cpu",
         batch_size=4,
         **kwargs,

@@ -5,8 +5,8 @@ documents longer than the context window, and two generate_until tasks with diff
 gen_kwargs; it runs with ``num_fewshot`` and ``limit``. Each layout's per-sample results must match
 lm-eval's ``hf`` backend (|delta logprob| <= 1e-4, identical is_greedy, generations, metrics) and
 be bit-identical to the 1x1 layout, since micro-batches never depend on the layout. Sharded
-layouts run FSDP, the bit-exact strategy; tensor parallelism reduces partial sums, so its results
-match lm-eval within the tolerance but not bit for bit (tests/test_tensor_parallel.py).
+layouts here run FSDP; tensor parallelism is as exact (tests/test_tensor_parallel.py), and bf16
+at every layout and strategy is tests/test_dtype_layouts.py.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def layout_runs(demo: Any, task_manager: Any, ray_session: None) -> Any:
                 pretrained=str(demo.model_dir),
                 num_replicas=layout[0],
                 shard_size=layout[1],
-                shard_strategy="fsdp",  # the bit-exact strategy (TP: tests/test_tensor_parallel)
+                shard_strategy="fsdp",  # TP: tests/test_tensor_parallel, test_dtype_layouts
                 dtype="float32",
                 batch_size="auto",
                 max_batch_tokens=256,  # small, so every run has many micro-batches and steps

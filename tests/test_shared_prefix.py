@@ -259,9 +259,9 @@ def test_matches_hf_and_feeds_fewer_tokens(wide_reference: Any, wide_1x1: Any) -
 def test_sharded_and_replicated_layouts(
     layout: tuple[int, int], strategy: str, demo: Any, shaped: Any, wide_1x1: Any, ray_session: None
 ) -> None:
-    """FSDP and replicas are bit-identical to 1x1; TP reduces partial sums, so within tolerance."""
+    """FSDP, TP and replicas are bit-identical to 1x1."""
     ours, _ = _ours(demo.model_dir, shaped, layout, WIDE, shard_strategy=strategy)
-    assert_same_results(wide_1x1[0], ours, exact=strategy == "fsdp")
+    assert_same_results(wide_1x1[0], ours, exact=True)
 
 
 @pytest.mark.e2e

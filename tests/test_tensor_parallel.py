@@ -2,9 +2,9 @@
 
 Per sample against lm-eval's own hf backend (|delta logprob| <= 1e-4, identical is_greedy,
 greedy generations and metrics) on the demo group (loglikelihood, loglikelihood_rolling,
-generate_until), at 1x2 (the default strategy picks TP for the demo Llama; the ranks sum their
-activations through shared memory) and 2x2 (``tp`` asked, with the shared-memory all-reduce
-turned off: gloo sums them).
+generate_until), at 1x2 (the default strategy picks TP for the demo Llama; the ranks gather
+their activations through shared memory) and 2x2 (``tp`` asked, with shared memory turned off:
+gloo gathers them). Both are bit-identical to FSDP at 1x2: TP splits no sum.
 A model whose heads G does not divide falls back to FSDP under ``auto`` (still matching lm-eval),
 and ``tp`` is refused before anything starts, naming the reason.
 """
@@ -28,6 +28,20 @@ def reference(demo: Any, task_manager: Any) -> dict[str, Any]:
     return hf_reference(demo.model_dir, task_manager, ["demo"], **RUN)
 
 
+@pytest.fixture(scope="module")
+def fsdp_1x2(demo: Any, task_manager: Any, ray_session: None) -> dict[str, Any]:
+    from rayeval.service.engine.lm import RayEvalLM
+
+    with RayEvalLM(
+        pretrained=str(demo.model_dir),
+        shard_size=2,
+        shard_strategy="fsdp",
+        dtype="float32",
+        max_batch_tokens=256,
+    ) as lm:
+        return evaluate(lm, task_manager, ["demo"], **RUN)
+
+
 @pytest.mark.parametrize(
     ("layout", "strategy", "reduced_by"),
     [((1, 2), "auto", "shared memory"), ((2, 2), "tp", "process group")],
@@ -40,8 +54,8 @@ def test_tp_matches_lm_eval_hf(
     demo: Any,
     task_manager: Any,
     reference: dict[str, Any],
+    fsdp_1x2: dict[str, Any],
     ray_session: None,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import transformers
 
@@ -61,6 +75,7 @@ def test_tp_matches_lm_eval_hf(
         reports = lm.load_reports
         assert lm.shard_strategy is ShardStrategy.TP
     assert_same_results(reference, ours)
+    assert_same_results(fsdp_1x2, ours, exact=True)
     assert {"demo_mc", "demo_rolling", "demo_gen_short", "demo_gen_long"} <= set(ours["samples"])
     # Every rank holds its slices of the sharded projections, not the whole model.
     total = transformers.AutoModelForCausalLM.from_pretrained(demo.model_dir).num_parameters()

@@ -1,0 +1,87 @@
+"""bf16 results that do not depend on the layout, on models of the shapes users bring.
+
+A Qwen2-style model (sums of 256 and 704 terms, tied embeddings) and a Qwen3-MoE-style model (8
+experts, top-2 routing: random weights make near ties, so one bf16 step anywhere moves a token
+or an expert) run the demo group (multiple choice, loglikelihood, rolling loglikelihood, two
+generate_until tasks; continuous batching and shared prefixes on, as by default) at every layout
+under both strategies. Each layout's per-sample results must equal lm-eval's own ``hf`` backend
+in the same dtype: bit for bit in bf16 (DESIGN invariant 1; lm-eval's own answers do not move
+with its batch size on this CPU), and in float32 within the fidelity tolerance and bit for bit
+against the one-rank layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import assert_same_results, evaluate, hf_reference
+from tests.models import build_model
+
+pytestmark = pytest.mark.e2e
+
+RUN = {"num_fewshot": 1, "limit": 4, "bootstrap_iters": 0}
+#: name -> (replicas, shard size, strategy); ``auto`` takes tensor parallelism at G = 2.
+LAYOUTS = {
+    "1x1": (1, 1, "auto"),
+    "2x1": (2, 1, "auto"),
+    "1x2-tp": (1, 2, "auto"),
+    "1x2-fsdp": (1, 2, "fsdp"),
+    "2x2-tp": (2, 2, "tp"),
+}
+CASES = [("qwen2", "bfloat16"), ("qwen3_moe", "bfloat16"), ("qwen3_moe", "float32")]
+
+
+@pytest.fixture(scope="module")
+def models(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_model(arch, root / arch, demo.model_dir) for arch in ("qwen2", "qwen3_moe")}
+
+
+@pytest.fixture(scope="module")
+def runs(models: dict[str, Path], task_manager: Any, ray_session: None) -> Any:
+    """lm-eval hf's results and each layout's, per (model, dtype), computed once on demand."""
+    from rayeval.service.engine.lm import RayEvalLM
+
+    cache: dict[tuple[str, str, str], Any] = {}
+
+    def run(arch: str, dtype: str, layout: str) -> Any:
+        key = (arch, dtype, layout)
+        if key not in cache:
+            if layout == "hf":
+                cache[key] = hf_reference(models[arch], task_manager, ["demo"], dtype, **RUN)
+            else:
+                replicas, shard_size, strategy = LAYOUTS[layout]
+                with RayEvalLM(
+                    pretrained=str(models[arch]),
+                    num_replicas=replicas,
+                    shard_size=shard_size,
+                    shard_strategy=strategy,
+                    dtype=dtype,
+                    max_batch_tokens=512,  # several micro-batches, so replicas share the work
+                ) as lm:
+                    results = evaluate(lm, task_manager, ["demo"], **RUN)
+                    strategies = {report["strategy"] for report in lm.load_reports}
+                    assert lm.share_prefixes
+                    assert lm.stats["generate_until"].report()["batching"] == "continuous"
+                cache[key] = (results, strategies)
+        return cache[key]
+
+    return run
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(("arch", "dtype"), CASES, ids=lambda v: v)
+def test_layout_matches_lm_eval_hf(arch: str, dtype: str, layout: str, runs: Any) -> None:
+    reference = runs(arch, dtype, "hf")
+    ours, strategies = runs(arch, dtype, layout)
+    expected = {"1x2-tp": {"tp"}, "2x2-tp": {"tp"}, "1x2-fsdp": {"fsdp"}}.get(layout, {None})
+    assert strategies == expected
+    assert {"demo_mc", "demo_rolling", "demo_gen_short", "demo_gen_long"} <= set(ours["samples"])
+    if dtype == "float32":
+        assert_same_results(reference, ours)
+        assert_same_results(runs(arch, dtype, "1x1")[0], ours, exact=True)
+    else:
+        assert_same_results(reference, ours, exact=True)
