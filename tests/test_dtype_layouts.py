@@ -4,10 +4,10 @@ A Qwen2-style model (sums of 256 and 704 terms, tied embeddings) and a Qwen3-MoE
 experts, top-2 routing: random weights make near ties, so one bf16 step anywhere moves a token
 or an expert) run the demo group (multiple choice, loglikelihood, rolling loglikelihood, two
 generate_until tasks; continuous batching and shared prefixes on, as by default) at every layout
-under both strategies. Each layout's per-sample results must equal lm-eval's own ``hf`` backend
-in the same dtype: bit for bit in bf16 (DESIGN invariant 1; lm-eval's own answers do not move
-with its batch size on this CPU), and in float32 within the fidelity tolerance and bit for bit
-against the one-rank layout.
+under both strategies (and the Qwen2-style model in fp16 at 1x1 and under TP). Each layout's
+per-sample results must equal lm-eval's own ``hf`` backend in the same dtype: bit for bit in bf16
+and fp16 (DESIGN invariant 1; lm-eval's own answers do not move with its batch size on this
+CPU), and in float32 within the fidelity tolerance and bit for bit against the one-rank layout.
 """
 
 from __future__ import annotations
@@ -31,7 +31,11 @@ LAYOUTS = {
     "1x2-fsdp": (1, 2, "fsdp"),
     "2x2-tp": (2, 2, "tp"),
 }
-CASES = [("qwen2", "bfloat16"), ("qwen3_moe", "bfloat16"), ("qwen3_moe", "float32")]
+CASES = [
+    (arch, dtype, layout)
+    for arch, dtype in [("qwen2", "bfloat16"), ("qwen3_moe", "bfloat16"), ("qwen3_moe", "float32")]
+    for layout in LAYOUTS
+] + [("qwen2", "float16", "1x1"), ("qwen2", "float16", "1x2-tp")]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +76,7 @@ def runs(models: dict[str, Path], task_manager: Any, ray_session: None) -> Any:
     return run
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize(("arch", "dtype"), CASES, ids=lambda v: v)
+@pytest.mark.parametrize(("arch", "dtype", "layout"), CASES, ids=["-".join(c) for c in CASES])
 def test_layout_matches_lm_eval_hf(arch: str, dtype: str, layout: str, runs: Any) -> None:
     reference = runs(arch, dtype, "hf")
     ours, strategies = runs(arch, dtype, layout)
@@ -83,5 +86,5 @@ def test_layout_matches_lm_eval_hf(arch: str, dtype: str, layout: str, runs: Any
     if dtype == "float32":
         assert_same_results(reference, ours)
         assert_same_results(runs(arch, dtype, "1x1")[0], ours, exact=True)
-    else:
+    else:  # bf16 and fp16: bit for bit
         assert_same_results(reference, ours, exact=True)
