@@ -8,7 +8,7 @@ DEMO_OUT ?= .rayeval/demo-results
 PORT     ?= 8000
 SERVICE_DIR ?= .rayeval/service
 
-.PHONY: install browser postgres run demo-cli test test-fast lint format bench clean
+.PHONY: install browser postgres run demo-cli test test-fast lint format bench gpu-check clean
 
 install: $(STAMP)
 
@@ -75,6 +75,13 @@ format: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_engine.py
+
+# The prepared GPU check (benchmarks/gpu_check.py): a 0.8B random Llama, bf16 parity of rayeval
+# 1x1 (and 1x2, 2x1 on two GPUs) with lm-eval hf, tokens/s, memory and MFU, sized for under 8
+# minutes on one GPU; the JSON report goes to $OUT or .rayeval. Needs the CUDA build of torch in
+# the venv (the script names the command); GPU_CHECK_ARGS=--tiny runs it on the CPU.
+gpu-check: install
+	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf .rayeval build *.egg-info .pytest_cache .ruff_cache .mypy_cache .typecheck
