@@ -29,13 +29,14 @@ run: install
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/rayeval serve --demo --demo-dir $(DEMO_DIR) \
 	    --data-dir $(SERVICE_DIR) --host 127.0.0.1 --port $(PORT) $(if $(VERBOSE),--verbose)
 
-# The same demo evaluation once, through the CLI, writing lm-eval's files under $(DEMO_OUT).
+# The same demo evaluation once, through the CLI, writing lm-eval's files under $(DEMO_OUT). On
+# CPU on any machine (the tiny model gains nothing from a GPU; 2x1 would need two).
 demo-cli: install
 	$(BIN)/python -m rayeval.service.demo --root $(DEMO_DIR)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(BIN)/rayeval run --model hf \
 	    --model_args pretrained=$(DEMO_DIR)/model,dtype=float32 \
 	    --include_path $(DEMO_DIR)/tasks --tasks demo \
-	    --num_replicas 2 --shard_size 1 --batch_size auto \
+	    --num_replicas 2 --shard_size 1 --device cpu --batch_size auto \
 	    --output_path $(DEMO_OUT) --log_samples
 
 # Debian's chromium for the dashboard's browser test (Playwright drives it; no browser download).

@@ -10,14 +10,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
-#: The demo evaluation: the bundled tiny model on every demo task, on two replicas.
+#: The demo evaluation: the bundled tiny model on every demo task, on two replicas. On CPU
+#: whatever the machine holds: ``auto`` would pick CUDA as soon as Ray sees a GPU, and 2x1 would
+#: then be refused on a one-GPU machine (the tiny model gains nothing from a GPU).
 DEMO_BODY: dict[str, Any] = {
     "model": "hf",
     "tasks": ["demo"],
     "batch_size": "auto",
     "log_samples": True,
+    "device": "cpu",
     "parallelism": {"num_replicas": 2, "shard_size": 1},
 }
+
+
+def demo_body(model_dir: str) -> dict[str, Any]:
+    """What ``serve --demo`` submits: :data:`DEMO_BODY` on the bundled model in ``model_dir``."""
+    return {**DEMO_BODY, "model_args": {"pretrained": model_dir, "dtype": "float32"}}
 
 
 def submit_demo(settings: Any, model_dir: str, shown: Any, ready_timeout_s: float = 300.0) -> None:
@@ -43,7 +51,7 @@ def submit_demo(settings: Any, model_dir: str, shown: Any, ready_timeout_s: floa
             flush=True,
         )
         return
-    body = {**DEMO_BODY, "model_args": {"pretrained": model_dir, "dtype": "float32"}}
+    body = demo_body(model_dir)
     try:
         with RayEvalClient(base, token=token) as client:
             evaluation = client.submit(body)
