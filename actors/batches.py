@@ -66,6 +66,8 @@ class RankOptions:
             through shared memory (tensor parallelism on CPU).
         piece_interval_s: Least seconds between two pieces of a rank's continuous-batching
             stream (:func:`piece_due`): every rank's stream ends at the one driver.
+        split_replicas: The replicas whose ranks span nodes (their GPU ranks pin NCCL's
+            interface to the one Ray reaches the node by).
     """
 
     shard_size: int
@@ -75,6 +77,7 @@ class RankOptions:
     strategy: ShardStrategy = ShardStrategy.FSDP
     shm_collectives: bool = True
     piece_interval_s: float = 0.0
+    split_replicas: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,7 @@ class WorkerGroup:
                 strategy=group.strategy,
                 shm_collectives=shm_collectives,
                 piece_interval_s=layout.world / PIECES_PER_S,
+                split_replicas=tuple(split),
             )
             group._start_actors(placement, spec, options, benchmark_rank_class)
         except BaseException:
@@ -226,7 +227,7 @@ class WorkerGroup:
                     num_cpus=self.layout.cpus_per_rank,
                     num_gpus=1 if self.layout.device is DeviceKind.CUDA else 0,
                     max_restarts=0,
-                    runtime_env={"env_vars": rank_environment()},
+                    runtime_env={"env_vars": rank_environment(self.layout.device)},
                     # The bundle chosen for this rank, not bundle == rank: see actors.placement.
                     scheduling_strategy=placement.scheduling(coord.global_rank),
                 ).remote(spec, coord, options)

@@ -3,7 +3,7 @@
 Every environment variable set for a rank actor or a runner actor is built here
 (:func:`rank_environment`, :func:`runner_environment`), so that one place says what a process on
 another node sees. The rest are small readings a rank makes of its own process (memory) and
-the network interface its process group must listen on. No torch here.
+the network interfaces its process group must listen on. No torch here.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import resource
+
+from rayeval.actors.layout import DeviceKind
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,18 @@ FORWARDED_ENV = (
 )
 
 
+#: The one command that puts the CUDA build of torch in the venv (``make install`` pins the CPU
+#: build). ``benchmarks/gpu_check.py`` says the same (a test keeps the two identical).
+INSTALL_CUDA_TORCH = (
+    ".venv/bin/pip install torch==2.13.0+cu128 --index-url https://download.pytorch.org/whl/cu128"
+)
+
+#: The CUDA caching allocator's setting for GPU ranks unless the user gives one: segments that
+#: grow in place instead of new blocks, so that batches of changing shapes (scoring, then
+#: generation's prefills and decode steps) do not fragment the memory that the KV cache needs.
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
 #: Prefixes of the experiment trackers' variables a runner sees as the server does.
 TRACKER_ENV_PREFIXES = ("WANDB_", "MLFLOW_")
 
@@ -35,16 +49,28 @@ def _forwarded() -> dict[str, str]:
     return env
 
 
-def rank_environment() -> dict[str, str]:
-    """The environment of a rank actor.
+def rank_environment(device: DeviceKind) -> dict[str, str]:
+    """The environment of a rank actor (or another actor of the cluster) that computes on
+    ``device``.
 
     torch's CPU allocator backs allocations of 2 MiB or more with transparent huge pages (where
     the kernel's THP mode is "madvise"): a forward's activations then cost a page fault per 2 MiB
     instead of per 4 KiB. Measured on a 4-layer 512-wide Llama scoring a [38 x 101] batch on one
     core: 2.0 s with it, 2.6 s without (docs/performance.md). A user's own value is kept.
+
+    A CPU actor sees no GPU (``CUDA_VISIBLE_DEVICES`` empty): Ray 2.60 no longer hides the
+    node's GPUs from an actor that asked for none, and transformers' tensor parallelism would
+    then bind ``cuda:0`` and load a CPU rank onto a GPU that Ray gave another actor. A GPU
+    rank's ``CUDA_VISIBLE_DEVICES`` is Ray's (its one GPU), and its CUDA allocator grows
+    segments in place (:data:`CUDA_ALLOC_CONF`) unless the driver's
+    ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise.
     """
     env = _forwarded()
     env["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE", "1")
+    if device is DeviceKind.CUDA:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
@@ -80,23 +106,28 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def pin_gloo_interface(node_ip: str) -> None:
-    """Make gloo listen on the interface that holds this node's Ray address.
+def pin_socket_interfaces(node_ip: str) -> None:
+    """Make gloo and NCCL listen on the interface that holds this node's Ray address.
 
     Unless ``GLOO_SOCKET_IFNAME`` says otherwise, gloo listens on the address the host name
     resolves to, which on many hosts is a loopback address (Debian's ``127.0.1.1``, containers'
     ``/etc/hosts``). Ranks on other nodes are then told to connect to that address and are
-    refused ("Gloo connectFullMesh failed ... Connection refused"). Ray's node address is the one
-    the other nodes reach this node by, so its interface is the right one. A user's own
-    ``GLOO_SOCKET_IFNAME`` is kept; an address on no local interface (NAT) changes nothing.
+    refused ("Gloo connectFullMesh failed ... Connection refused"). NCCL picks its bootstrap and
+    socket interface by its own rules, which on hosts with several networks (docker bridges,
+    a management network) can be one the other nodes cannot reach. Ray's node address is the
+    one the other nodes reach this node by, so its interface is the right one for both
+    (``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``). A user's own value of either is kept;
+    an address on no local interface (NAT) changes nothing.
     """
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
+    unset = [key for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not os.environ.get(key)]
+    if not unset:
         return
     import psutil
 
     for name, addresses in psutil.net_if_addrs().items():
         if any(address.address == node_ip for address in addresses):
-            os.environ["GLOO_SOCKET_IFNAME"] = name
-            logger.debug("gloo listens on %s (%s), this node's Ray address", name, node_ip)
+            for key in unset:
+                os.environ[key] = name
+            logger.debug("%s: %s (%s), this node's Ray address", ", ".join(unset), name, node_ip)
             return
-    logger.debug("no local interface holds %s: gloo picks its own", node_ip)
+    logger.debug("no local interface holds %s: gloo and NCCL pick their own", node_ip)

@@ -88,7 +88,8 @@ class ShardingStrategy(Protocol):
         ...
 
     def prepare_process(self, shard_size: int) -> None:
-        """Tune the rank's process before anything is allocated (rank side)."""
+        """Tune the rank's process before anything is allocated (rank side; CPU ranks only:
+        a GPU rank's tensors live in device memory, not on the host's heap)."""
         ...
 
     def load(self, spec: ModelSpec, device: Any, shard_size: int) -> Any:

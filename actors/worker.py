@@ -36,10 +36,11 @@ from rayeval.actors.batches import (
     StepStats,
 )
 from rayeval.actors.continuous import generate_group
+from rayeval.actors.errors import ModelLoadError
 from rayeval.actors.generation import generate
 from rayeval.actors.layout import DeviceKind, RankCoord
 from rayeval.actors.placement import cuda_device_index
-from rayeval.actors.process import peak_rss_mib, pin_gloo_interface
+from rayeval.actors.process import INSTALL_CUDA_TORCH, peak_rss_mib, pin_socket_interfaces
 from rayeval.actors.rank_model import RankModel
 from rayeval.actors.scoring import Scorer
 from rayeval.actors.sharding import RankContext, strategy
@@ -67,7 +68,8 @@ class ShardWorker:
         #: Tokens fed to the model's input embeddings (see input_token_counts).
         self._fed = {"fed": 0, "real": 0, "calls": 0, "decode_rows": 0}
         self._cuda_index: int | None = None
-        self._strategy.prepare_process(options.shard_size)
+        if options.device is DeviceKind.CPU:  # host-allocator tuning: a GPU rank's tensors
+            self._strategy.prepare_process(options.shard_size)  # live in device memory
 
     # ----------------------------------------------------------------------------- lifecycle
     def node_info(self) -> dict[str, Any]:
@@ -94,13 +96,17 @@ class ShardWorker:
     def begin_evaluation(self, seed: int) -> int:
         """Start an evaluation on this loaded rank: seed torch as a new rank is seeded.
 
-        A rank kept warm for the next evaluation then samples what a new rank would.
+        A rank kept warm for the next evaluation then samples what a new rank would. A GPU rank
+        also gives the previous evaluation's cached blocks back to the device, so that the next
+        one starts from the weights alone, as a new rank would (its batch shapes differ).
 
         Returns:
             This rank's process id (the caller can tell a kept rank from a new one).
         """
         self._seed = seed
         torch.manual_seed(seed)
+        if self._options.device is DeviceKind.CUDA and self._rank is not None:
+            torch.cuda.empty_cache()
         return os.getpid()
 
     def reserve_port(self) -> tuple[str, int]:
@@ -125,7 +131,7 @@ class ShardWorker:
         torch.manual_seed(self._seed)
         device = self._select_device()
         if options.shard_size > 1:
-            self._join_process_group(rendezvous)
+            self._join_process_group(rendezvous, device)
         model = self._strategy.load(self._spec, device, options.shard_size)
         collectives = self._strategy.collectives(
             RankContext(
@@ -163,18 +169,22 @@ class ShardWorker:
             "peak_rss_mib": peak_rss_mib(),
         }
 
-    def _join_process_group(self, rendezvous: tuple[str, int]) -> None:
+    def _join_process_group(self, rendezvous: tuple[str, int], device: torch.device) -> None:
+        """Join the replica's process group: gloo on CPU ranks, NCCL bound to this rank's GPU
+        (``device_id``: its communicator is created at once, on the right device)."""
         options = self._options
-        if options.device is DeviceKind.CPU:
+        cuda = options.device is DeviceKind.CUDA
+        if not cuda or self._coord.replica in options.split_replicas:
             import ray
 
-            pin_gloo_interface(ray.util.get_node_ip_address())
+            pin_socket_interfaces(ray.util.get_node_ip_address())
         dist.init_process_group(
             backend=options.device.backend,
             init_method=f"tcp://{rendezvous[0]}:{rendezvous[1]}",
             rank=self._coord.shard_rank,
             world_size=options.shard_size,
             timeout=timedelta(seconds=options.collective_timeout_s),
+            **({"device_id": device} if cuda else {}),
         )
 
     def load_checkpoint(self, checkpoint: str) -> dict[str, Any]:
@@ -265,8 +275,19 @@ class ShardWorker:
                 self._fed["decode_rows"] += args[0].shape[0]
 
     def _select_device(self) -> torch.device:
-        """This rank's device; for CUDA also makes it the current device of the process."""
+        """This rank's device; for CUDA also makes it the current device of the process.
+
+        Raises:
+            ModelLoadError: CUDA is asked of a CPU build of torch (naming the install command).
+        """
         if self._options.device is DeviceKind.CUDA:
+            if not torch.backends.cuda.is_built():
+                raise ModelLoadError(
+                    f"this rank's torch {torch.__version__} is a CPU build, but the evaluation "
+                    "runs on GPUs (--device cuda, or auto on a cluster with GPUs). Install the "
+                    f"CUDA build of torch on every GPU node:\n  {INSTALL_CUDA_TORCH}\nor run "
+                    "on the CPU with --device cpu."
+                )
             index = self._local_cuda_index()
             torch.cuda.set_device(index)
             return torch.device("cuda", index)

@@ -47,9 +47,9 @@ class _TrainerRank:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from rayeval.actors.process import pin_gloo_interface
+        from rayeval.actors.process import pin_socket_interfaces
 
-        pin_gloo_interface(ray.util.get_node_ip_address())
+        pin_socket_interfaces(ray.util.get_node_ip_address())
         dist.init_process_group(
             "gloo", init_method=f"tcp://{rendezvous[0]}:{rendezvous[1]}",
             rank=self._rank, world_size=self._world,

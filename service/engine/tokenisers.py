@@ -93,9 +93,11 @@ class TokeniserPool:
             return
         import ray
 
+        from rayeval.actors.layout import DeviceKind
         from rayeval.actors.process import rank_environment
 
-        env = rank_environment() | {"TOKENIZERS_PARALLELISM": "false"}  # one CPU each
+        # One CPU each, no GPU.
+        env = rank_environment(DeviceKind.CPU) | {"TOKENIZERS_PARALLELISM": "false"}
         try:
             shared = ray.put(encoder)
         except Exception as exc:  # a tokenizer that does not pickle (custom code)
