@@ -166,7 +166,13 @@ class ParallelLayout:
             f"{need:g} {key} requested, {have:g} in the cluster"
             for key, (need, have) in short.items()
         )
+        if "GPU" in short and short["GPU"][1] == 0:
+            fix = (
+                "The cluster has no GPU: run on the CPU with --device cpu (or --device auto, "
+                "which takes GPUs only where the cluster has some)."
+            )
+        else:
+            fix = "Lower --num_replicas / --shard_size, or add nodes to the Ray cluster."
         raise LayoutError(
-            f"layout {self.describe()} needs more than the whole cluster has: {detail}. "
-            "Lower --num_replicas / --shard_size, or add nodes to the Ray cluster."
+            f"layout {self.describe()} needs more than the whole cluster has: {detail}. {fix}"
         )

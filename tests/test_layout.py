@@ -46,6 +46,16 @@ def test_fits_names_requested_and_available() -> None:
     ParallelLayout(2, 2).check_fits({"CPU": 4})
 
 
+def test_gpus_asked_of_a_cluster_without_any_name_the_cpu_device() -> None:
+    """No GPU at all: fewer replicas would not help; the fix is the CPU (or auto)."""
+    with pytest.raises(LayoutError) as info:
+        ParallelLayout(1, 1, device=DeviceKind.CUDA).check_fits({"CPU": 8})
+    message = str(info.value)
+    assert "1 GPU requested, 0 in the cluster" in message
+    assert "--device cpu" in message and "--device auto" in message
+    assert "--num_replicas" not in message
+
+
 def test_shard_strategy_is_settled_from_the_model_and_the_placement() -> None:
     """auto: TP where it can work, else FSDP; tp that cannot work is refused naming why."""
     import transformers
