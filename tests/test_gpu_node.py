@@ -1,0 +1,238 @@
+"""What a first run on a GPU node needs, checked without a GPU: the demo stays on the CPU, CPU
+ranks see no GPU, GPU ranks get their allocator setting and an NCCL group bound to their device,
+the interface pin covers NCCL, the host-allocator tuning stays off GPU ranks, and a CPU build of
+torch asked for CUDA names the one install command (the same as the GPU check's)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rayeval.actors.batches import ModelSpec, RankOptions
+from rayeval.actors.layout import DeviceKind, ParallelLayout, RankCoord
+from rayeval.actors.process import (
+    CUDA_ALLOC_CONF,
+    INSTALL_CUDA_TORCH,
+    pin_socket_interfaces,
+    rank_environment,
+)
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------ the demo on CPU
+def test_the_served_demo_evaluation_runs_on_the_cpu() -> None:
+    from rayeval.api.cli.demo import demo_body
+    from rayeval.service.config import EvaluationConfig
+
+    body = demo_body("/models/tiny")
+    assert body["device"] == "cpu"
+    assert body["model_args"] == {"pretrained": "/models/tiny", "dtype": "float32"}
+    config = EvaluationConfig.model_validate(body)
+    assert config.device == "cpu"
+    assert (config.parallelism.num_replicas, config.parallelism.shard_size) == (2, 1)
+
+
+def _demo_cli_command() -> list[str]:
+    """``make demo-cli``'s ``rayeval run`` arguments, with the Makefile's variables filled in."""
+    recipe = (ROOT / "Makefile").read_text().split("\ndemo-cli:", 1)[1].split("\n\n", 1)[0]
+    line = recipe.replace("\\\n", " ").split("rayeval run", 1)[1].split("\n", 1)[0]
+    line = re.sub(r"\$\((\w+)\)", lambda m: f"/tmp/{m.group(1).lower()}", line)
+    return ["run", *shlex.split(line)]
+
+
+def test_make_demo_cli_runs_on_the_cpu() -> None:
+    from rayeval.api.cli import build_parser
+    from rayeval.api.cli.evaluation_flags import config_from_args
+
+    argv = _demo_cli_command()
+    assert argv[argv.index("--device") + 1] == "cpu", argv
+    config, _ = config_from_args(build_parser().parse_args(argv))
+    assert config.device == "cpu"
+    assert (config.parallelism.num_replicas, config.parallelism.shard_size) == (2, 1)
+
+
+# ------------------------------------------------------------------------ ranks' environments
+def test_cpu_ranks_see_no_gpu_and_gpu_ranks_keep_ray_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    cpu = rank_environment(DeviceKind.CPU)
+    assert cpu["CUDA_VISIBLE_DEVICES"] == ""
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in cpu
+    gpu = rank_environment(DeviceKind.CUDA)
+    assert "CUDA_VISIBLE_DEVICES" not in gpu  # Ray sets it to the rank's one GPU
+    assert gpu["PYTORCH_CUDA_ALLOC_CONF"] == CUDA_ALLOC_CONF == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert rank_environment(DeviceKind.CUDA)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+class _FakeActor:
+    def __getattr__(self, method: str) -> Any:
+        return SimpleNamespace(remote=lambda *args, **kwargs: f"{method}-ref")
+
+
+class _FakeActorClass:
+    def __init__(self, started: list[dict[str, Any]]) -> None:
+        self.started = started
+
+    def options(self, **options: Any) -> Any:
+        self.started.append(options)
+        return SimpleNamespace(remote=lambda *args: _FakeActor())
+
+
+@pytest.mark.parametrize("device", [DeviceKind.CPU, DeviceKind.CUDA])
+def test_worker_group_starts_each_rank_with_its_device_s_environment(
+    device: DeviceKind, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rayeval.actors import group as group_module
+
+    started: list[dict[str, Any]] = []
+    monkeypatch.setattr(group_module.ray, "remote", lambda cls: _FakeActorClass(started))
+    layout = ParallelLayout(2, 1, device=device)
+    placement: Any = SimpleNamespace(scheduling=lambda rank: f"bundle-{rank}")
+    group = group_module.WorkerGroup("g", layout, pg=None, replicas=[])  # type: ignore[arg-type]
+    group._start_actors(placement, ModelSpec(pretrained="/m"), RankOptions(1, device))
+    assert len(started) == 2
+    for options in started:
+        env = options["runtime_env"]["env_vars"]
+        if device is DeviceKind.CPU:
+            assert options["num_gpus"] == 0 and env["CUDA_VISIBLE_DEVICES"] == ""
+        else:
+            assert options["num_gpus"] == 1 and "CUDA_VISIBLE_DEVICES" not in env
+            assert "PYTORCH_CUDA_ALLOC_CONF" in env
+
+
+def test_the_interface_pin_sets_gloo_s_and_nccl_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    interfaces = {
+        "lo": [SimpleNamespace(address="127.0.0.1")],
+        "eth1": [SimpleNamespace(address="10.0.0.7")],
+    }
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    pin_socket_interfaces("10.0.0.7")
+    import os
+
+    assert os.environ["GLOO_SOCKET_IFNAME"] == os.environ["NCCL_SOCKET_IFNAME"] == "eth1"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # a user's own value is kept
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    pin_socket_interfaces("10.0.0.7")
+    assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("eth1", "ib0")
+
+
+# --------------------------------------------------------------------------------- the ranks
+class _RecordingStrategy:
+    same_batch = False
+
+    def __init__(self) -> None:
+        self.prepared: list[int] = []
+
+    def prepare_process(self, shard_size: int) -> None:
+        self.prepared.append(shard_size)
+
+
+def _worker(
+    device: DeviceKind, monkeypatch: pytest.MonkeyPatch, replica: int = 0, **options: Any
+) -> Any:
+    from rayeval.actors import worker as worker_module
+
+    recorder = _RecordingStrategy()
+    monkeypatch.setattr(worker_module, "strategy", lambda name: recorder)
+    rank_options = RankOptions(2, device, **options)
+    return worker_module.ShardWorker(
+        ModelSpec(pretrained="/m"), RankCoord(replica, 1, 1), rank_options
+    )
+
+
+def test_host_allocator_tuning_is_for_cpu_ranks_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _worker(DeviceKind.CPU, monkeypatch)._strategy.prepared == [2]
+    assert _worker(DeviceKind.CUDA, monkeypatch)._strategy.prepared == []
+
+
+@pytest.mark.parametrize(
+    ("device", "replica", "pinned", "device_id"),
+    [
+        (DeviceKind.CPU, 0, True, False),
+        (DeviceKind.CUDA, 0, False, True),  # one node: NCCL finds its peers itself
+        (DeviceKind.CUDA, 1, True, True),  # replica 1 spans nodes
+    ],
+)
+def test_process_group_joins_bound_and_pinned(
+    device: DeviceKind,
+    replica: int,
+    pinned: bool,
+    device_id: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ray
+    import torch
+
+    from rayeval.actors import worker as worker_module
+
+    calls: list[dict[str, Any]] = []
+    pins: list[str] = []
+    monkeypatch.setattr(worker_module.dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(worker_module, "pin_socket_interfaces", pins.append)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
+    worker = _worker(device, monkeypatch, replica=replica, split_replicas=(1,))
+    target = torch.device("cuda", 3) if device is DeviceKind.CUDA else torch.device("cpu")
+    worker._join_process_group(("10.0.0.1", 29500), target)
+    (call,) = calls
+    assert call["backend"] == ("nccl" if device is DeviceKind.CUDA else "gloo")
+    assert (call["rank"], call["world_size"]) == (1, 2)
+    assert call.get("device_id") == (target if device_id else None)
+    assert pins == (["10.0.0.7"] if pinned else [])
+
+
+def test_kept_gpu_ranks_empty_the_cache_between_evaluations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    cpu = _worker(DeviceKind.CPU, monkeypatch)
+    cpu._rank = object()
+    cpu.begin_evaluation(7)
+    assert emptied == []
+    gpu = _worker(DeviceKind.CUDA, monkeypatch)
+    gpu._rank = object()
+    gpu.begin_evaluation(7)
+    assert emptied == [True]
+
+
+def test_a_cpu_torch_asked_for_cuda_names_the_install_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from rayeval.actors.errors import ModelLoadError
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    worker = _worker(DeviceKind.CUDA, monkeypatch)
+    with pytest.raises(ModelLoadError) as info:
+        worker._select_device()
+    message = str(info.value)
+    assert INSTALL_CUDA_TORCH in message and "--device cpu" in message, message
+
+
+def test_the_gpu_check_names_the_same_install_command() -> None:
+    """benchmarks/gpu_check.py imports nothing of the product's: its copy must stay the same."""
+    tree = ast.parse((ROOT / "benchmarks" / "gpu_check.py").read_text())
+    values = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "INSTALL_CUDA_TORCH" for t in node.targets)
+    ]
+    assert values == [INSTALL_CUDA_TORCH]
+    assert INSTALL_CUDA_TORCH in (ROOT / "README.md").read_text()
