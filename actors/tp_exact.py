@@ -24,18 +24,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-#: transformers' styles whose forward splits no sum: column splits (every output element on one
-#: rank), lookups (a vocabulary-parallel embedding adds zeros to one rank's rows), and styles
-#: that only replicate parameters.
+#: transformers' styles whose forward splits no sum: lookups (a vocabulary-parallel embedding
+#: adds zeros to one rank's rows) and styles that only replicate parameters.
 EXACT_STYLES = frozenset(
     {
-        "colwise",
         "embedding_rowwise",
         "embedding_colwise",
         "replicated_with_grad_allreduce",
         "replicate",
     }
 )
+#: Column splits (every output element on one rank), rewritten to ``LOCAL``: the same
+#: arithmetic, without transformers' per-call swapping of parameters.
+_COLWISE = frozenset({"colwise"})
 #: Styles that gather a layer's output, rewritten to ``GATHERED``: their input is replicated.
 _GATHERED_REPLICATED_INPUT = frozenset({"colwise_gather_output", "colwise_rep"})
 #: Row-parallel styles, rewritten to split by output features instead.
@@ -43,6 +44,7 @@ _ROWWISE_SHARDED_INPUT = frozenset({"rowwise"})
 _ROWWISE_REPLICATED_INPUT = frozenset({"rowwise_split_input", "rowwise_rep"})
 
 #: The names rayeval registers its styles under.
+LOCAL = "rayeval_local"  # input replicated: split output columns, keep this rank's
 GATHERED = "rayeval_gathered"  # input replicated: split output columns, gather them
 GATHER_INPUT = "rayeval_gather_input"  # input split on its last dim: gather it first
 
@@ -61,7 +63,9 @@ def exact_plan(plan: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     overrides: dict[str, str] = {}
     inexact: list[str] = []
     for name, style in plan.items():
-        if style in _ROWWISE_SHARDED_INPUT:
+        if style in _COLWISE:
+            overrides[name] = LOCAL
+        elif style in _ROWWISE_SHARDED_INPUT:
             overrides[name] = GATHER_INPUT
         elif style in _ROWWISE_REPLICATED_INPUT | _GATHERED_REPLICATED_INPUT:
             overrides[name] = GATHERED
@@ -75,14 +79,19 @@ def register(gather: Gather) -> None:
     ``gather``."""
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
-    ALL_PARALLEL_STYLES.register(GATHERED, _style(gather_input=False, gather=gather))
-    ALL_PARALLEL_STYLES.register(GATHER_INPUT, _style(gather_input=True, gather=gather))
+    for name, gather_input, gather_output in (
+        (LOCAL, False, False),
+        (GATHERED, False, True),
+        (GATHER_INPUT, True, True),
+    ):
+        ALL_PARALLEL_STYLES.register(name, _style(gather, gather_input, gather_output))
 
 
 class Gather:
     """The ranks' activations concatenated along the last dimension, in rank order: through
     shared memory once :attr:`shm` is set (CPU ranks of one node), else over the process group
-    (gloo, or NCCL on GPUs)."""
+    (gloo, or NCCL on GPUs). The group is always the replica's whole process group (the TP mesh
+    spans it), which is the group the shared memory serves."""
 
     def __init__(self) -> None:
         #: :class:`rayeval.actors.shm_collectives.ShmCollectives` of the default group, or None.
@@ -92,9 +101,7 @@ class Gather:
         import torch
         import torch.distributed as dist
 
-        pieces = None
-        if self.shm is not None and dist.get_world_size(group) == dist.get_world_size():
-            pieces = self.shm.all_gather(tensor)
+        pieces = None if self.shm is None else self.shm.all_gather(tensor)
         if pieces is None:
             tensor = tensor.contiguous()
             world = dist.get_world_size(group)
@@ -110,27 +117,46 @@ def concat_pieces(pieces: Any) -> Any:
     return pieces.movedim(0, -2).reshape(*shape[:-1], world * shape[-1])
 
 
-def _style(gather_input: bool, gather: Gather) -> Any:
+def _style(gather: Gather, gather_input: bool, gather_output: bool) -> Any:
     """A transformers ``TensorParallelLayer`` for a linear layer split by output features."""
     import torch
+    import torch.nn.functional as F
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from transformers.distributed.tensor_parallel import TensorParallelLayer
+    from transformers.distributed.tensor_parallel import ColwiseParallel
 
-    class OutputSplitLinear(TensorParallelLayer):  # type: ignore[misc]
+    def local(tensor: Any) -> Any:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    class OutputSplitLinear(ColwiseParallel):  # type: ignore[misc]
         """Weight and bias split by output features (``Shard(0)``); the input made whole on
         every rank (gathered from the ranks' last-dim slices where ``gather_input``); the output
-        columns gathered."""
-
-        def should_use_local_tensors(self, module: Any) -> bool:
-            return True
+        columns gathered where ``gather_output``. Its forward is the layer's own ``F.linear``
+        on the local slices, without transformers' per-call swapping of parameters (a decode
+        step makes hundreds of these calls); a layer that is not a plain ``nn.Linear`` (a
+        quantised one) keeps transformers' column-parallel forward where nothing is gathered,
+        and is refused otherwise."""
 
         def install_forward(self, module: Any, mesh: Any, *, config: Any = None, **kw: Any) -> Any:
-            if not isinstance(module, torch.nn.Linear):
+            if type(module) is not torch.nn.Linear:
+                if not gather_input and not gather_output:
+                    return super().install_forward(module, mesh, config=config, **kw)
                 raise ValueError(
-                    f"{type(module).__name__} is not a linear layer: rayeval's exact tensor "
-                    "parallelism splits linear layers only"
+                    f"{type(module).__name__} is not a plain linear layer: rayeval's exact "
+                    "tensor parallelism splits those only"
                 )
-            return super().install_forward(module, mesh, config=config, **kw)
+            group = mesh.get_group()
+
+            def forward(x: Any) -> Any:
+                if isinstance(x, DTensor):
+                    x = x.redistribute(placements=[Replicate()]).to_local()
+                elif gather_input:
+                    x = gather(x, group)
+                bias = module.bias
+                out = F.linear(x, local(module.weight), None if bias is None else local(bias))
+                return gather(out, group) if gather_output else out
+
+            module.forward = forward
+            return module
 
         def shard_param(self, module: Any, param: str, mesh: Any, **kw: Any) -> None:
             meta = module._parameters.get(param)
@@ -141,17 +167,4 @@ def _style(gather_input: bool, gather: Gather) -> Any:
                 requires_grad=False,
             )
 
-        def transform_inputs_pre_forward(self, module: Any, args: Any, kwargs: Any, mesh: Any):
-            x = args[0]
-            if isinstance(x, DTensor):
-                x = x.redistribute(placements=[Replicate()]).to_local()
-            elif gather_input:
-                x = gather(x, mesh.get_group())
-            return (x, *args[1:]), kwargs
-
-        def transform_output_post_forward(
-            self, module: Any, output: Any, mesh: Any, config: Any = None
-        ) -> Any:
-            return gather(output, mesh.get_group())
-
-    return OutputSplitLinear()
+    return OutputSplitLinear(input_layouts=Replicate(), output_layouts=Shard(-1))

@@ -30,6 +30,7 @@ def test_row_parallel_layers_are_rewritten_and_column_splits_kept() -> None:
     assert inexact == []
     assert overrides == {
         "lm_head": tp_exact.GATHERED,
+        "model.layers.*.self_attn.q_proj": tp_exact.LOCAL,
         "model.layers.*.self_attn.o_proj": tp_exact.GATHER_INPUT,
         "model.layers.*.mlp.down_proj": tp_exact.GATHER_INPUT,
         "model.layers.*.block.o_proj": tp_exact.GATHERED,
