@@ -62,13 +62,17 @@ def rank_environment(device: DeviceKind) -> dict[str, str]:
     node's GPUs from an actor that asked for none, and transformers' tensor parallelism would
     then bind ``cuda:0`` and load a CPU rank onto a GPU that Ray gave another actor. A GPU
     rank's ``CUDA_VISIBLE_DEVICES`` is Ray's (its one GPU), and its CUDA allocator grows
-    segments in place (:data:`CUDA_ALLOC_CONF`) unless the driver's
-    ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise.
+    segments in place (:data:`CUDA_ALLOC_CONF`) unless the driver's ``PYTORCH_CUDA_ALLOC_CONF``
+    or ``PYTORCH_ALLOC_CONF`` says otherwise (either is then passed on).
     """
     env = _forwarded()
     env["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE", "1")
     if device is DeviceKind.CUDA:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+        if os.environ.get("PYTORCH_ALLOC_CONF"):  # torch's newer name, read before the old one
+            env["PYTORCH_ALLOC_CONF"] = os.environ["PYTORCH_ALLOC_CONF"]
+        else:
+            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
+            env["PYTORCH_CUDA_ALLOC_CONF"] = conf
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env

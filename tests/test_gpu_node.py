@@ -63,6 +63,7 @@ def test_make_demo_cli_runs_on_the_cpu() -> None:
 # ------------------------------------------------------------------------ ranks' environments
 def test_cpu_ranks_see_no_gpu_and_gpu_ranks_keep_ray_s(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     cpu = rank_environment(DeviceKind.CPU)
     assert cpu["CUDA_VISIBLE_DEVICES"] == ""
     assert "PYTORCH_CUDA_ALLOC_CONF" not in cpu
@@ -71,6 +72,10 @@ def test_cpu_ranks_see_no_gpu_and_gpu_ranks_keep_ray_s(monkeypatch: pytest.Monke
     assert gpu["PYTORCH_CUDA_ALLOC_CONF"] == CUDA_ALLOC_CONF == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert rank_environment(DeviceKind.CUDA)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # torch's newer name
+    gpu = rank_environment(DeviceKind.CUDA)
+    assert gpu["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in gpu
 
 
 class _FakeActor:
