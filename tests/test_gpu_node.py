@@ -1,7 +1,9 @@
 """What a first run on a GPU node needs, checked without a GPU: the demo stays on the CPU, CPU
-ranks see no GPU, GPU ranks get their allocator setting and an NCCL group bound to their device,
-the interface pin covers NCCL, the host-allocator tuning stays off GPU ranks, and a CPU build of
-torch asked for CUDA names the one install command (the same as the GPU check's)."""
+ranks see no GPU and GPU ranks get their allocator setting, the interface pin covers NCCL, kept
+GPU ranks empty the CUDA cache, and a CPU build of torch asked for CUDA names the one install
+command (the same as the GPU check's). What needs a GPU itself (NCCL bound to the rank's device,
+the allocator setting taking effect) is `make gpu-check`'s: nothing here mocks Ray or
+torch.distributed."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 
 from rayeval.actors.batches import ModelSpec, RankOptions
-from rayeval.actors.layout import DeviceKind, ParallelLayout, RankCoord
+from rayeval.actors.layout import DeviceKind, RankCoord
 from rayeval.actors.process import (
     CUDA_ALLOC_CONF,
     INSTALL_CUDA_TORCH,
@@ -78,42 +80,6 @@ def test_cpu_ranks_see_no_gpu_and_gpu_ranks_keep_ray_s(monkeypatch: pytest.Monke
     assert "PYTORCH_CUDA_ALLOC_CONF" not in gpu
 
 
-class _FakeActor:
-    def __getattr__(self, method: str) -> Any:
-        return SimpleNamespace(remote=lambda *args, **kwargs: f"{method}-ref")
-
-
-class _FakeActorClass:
-    def __init__(self, started: list[dict[str, Any]]) -> None:
-        self.started = started
-
-    def options(self, **options: Any) -> Any:
-        self.started.append(options)
-        return SimpleNamespace(remote=lambda *args: _FakeActor())
-
-
-@pytest.mark.parametrize("device", [DeviceKind.CPU, DeviceKind.CUDA])
-def test_worker_group_starts_each_rank_with_its_device_s_environment(
-    device: DeviceKind, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from rayeval.actors import group as group_module
-
-    started: list[dict[str, Any]] = []
-    monkeypatch.setattr(group_module.ray, "remote", lambda cls: _FakeActorClass(started))
-    layout = ParallelLayout(2, 1, device=device)
-    placement: Any = SimpleNamespace(scheduling=lambda rank: f"bundle-{rank}")
-    group = group_module.WorkerGroup("g", layout, pg=None, replicas=[])  # type: ignore[arg-type]
-    group._start_actors(placement, ModelSpec(pretrained="/m"), RankOptions(1, device))
-    assert len(started) == 2
-    for options in started:
-        env = options["runtime_env"]["env_vars"]
-        if device is DeviceKind.CPU:
-            assert options["num_gpus"] == 0 and env["CUDA_VISIBLE_DEVICES"] == ""
-        else:
-            assert options["num_gpus"] == 1 and "CUDA_VISIBLE_DEVICES" not in env
-            assert "PYTORCH_CUDA_ALLOC_CONF" in env
-
-
 def test_the_interface_pin_sets_gloo_s_and_nccl_s(monkeypatch: pytest.MonkeyPatch) -> None:
     import psutil
 
@@ -135,67 +101,11 @@ def test_the_interface_pin_sets_gloo_s_and_nccl_s(monkeypatch: pytest.MonkeyPatc
 
 
 # --------------------------------------------------------------------------------- the ranks
-class _RecordingStrategy:
-    same_batch = False
+def _worker(device: DeviceKind) -> Any:
+    """A rank object as Ray would build it (its constructor only: nothing is loaded)."""
+    from rayeval.actors.worker import ShardWorker
 
-    def __init__(self) -> None:
-        self.prepared: list[int] = []
-
-    def prepare_process(self, shard_size: int) -> None:
-        self.prepared.append(shard_size)
-
-
-def _worker(
-    device: DeviceKind, monkeypatch: pytest.MonkeyPatch, replica: int = 0, **options: Any
-) -> Any:
-    from rayeval.actors import worker as worker_module
-
-    recorder = _RecordingStrategy()
-    monkeypatch.setattr(worker_module, "strategy", lambda name: recorder)
-    rank_options = RankOptions(2, device, **options)
-    return worker_module.ShardWorker(
-        ModelSpec(pretrained="/m"), RankCoord(replica, 1, 1), rank_options
-    )
-
-
-def test_host_allocator_tuning_is_for_cpu_ranks_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _worker(DeviceKind.CPU, monkeypatch)._strategy.prepared == [2]
-    assert _worker(DeviceKind.CUDA, monkeypatch)._strategy.prepared == []
-
-
-@pytest.mark.parametrize(
-    ("device", "replica", "pinned", "device_id"),
-    [
-        (DeviceKind.CPU, 0, True, False),
-        (DeviceKind.CUDA, 0, False, True),  # one node: NCCL finds its peers itself
-        (DeviceKind.CUDA, 1, True, True),  # replica 1 spans nodes
-    ],
-)
-def test_process_group_joins_bound_and_pinned(
-    device: DeviceKind,
-    replica: int,
-    pinned: bool,
-    device_id: bool,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import ray
-    import torch
-
-    from rayeval.actors import worker as worker_module
-
-    calls: list[dict[str, Any]] = []
-    pins: list[str] = []
-    monkeypatch.setattr(worker_module.dist, "init_process_group", lambda **kw: calls.append(kw))
-    monkeypatch.setattr(worker_module, "pin_socket_interfaces", pins.append)
-    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
-    worker = _worker(device, monkeypatch, replica=replica, split_replicas=(1,))
-    target = torch.device("cuda", 3) if device is DeviceKind.CUDA else torch.device("cpu")
-    worker._join_process_group(("10.0.0.1", 29500), target)
-    (call,) = calls
-    assert call["backend"] == ("nccl" if device is DeviceKind.CUDA else "gloo")
-    assert (call["rank"], call["world_size"]) == (1, 2)
-    assert call.get("device_id") == (target if device_id else None)
-    assert pins == (["10.0.0.7"] if pinned else [])
+    return ShardWorker(ModelSpec(pretrained="/m"), RankCoord(0, 1, 1), RankOptions(2, device))
 
 
 def test_kept_gpu_ranks_empty_the_cache_between_evaluations(
@@ -205,11 +115,11 @@ def test_kept_gpu_ranks_empty_the_cache_between_evaluations(
 
     emptied: list[bool] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
-    cpu = _worker(DeviceKind.CPU, monkeypatch)
+    cpu = _worker(DeviceKind.CPU)
     cpu._rank = object()
     cpu.begin_evaluation(7)
     assert emptied == []
-    gpu = _worker(DeviceKind.CUDA, monkeypatch)
+    gpu = _worker(DeviceKind.CUDA)
     gpu._rank = object()
     gpu.begin_evaluation(7)
     assert emptied == [True]
@@ -223,7 +133,7 @@ def test_a_cpu_torch_asked_for_cuda_names_the_install_command(
     from rayeval.actors.errors import ModelLoadError
 
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
-    worker = _worker(DeviceKind.CUDA, monkeypatch)
+    worker = _worker(DeviceKind.CUDA)
     with pytest.raises(ModelLoadError) as info:
         worker._select_device()
     message = str(info.value)
