@@ -391,14 +391,36 @@ def _get_or_raise(ref: ray.ObjectRef, error: type[RayEvalError], doing: str) -> 
 
 
 def rank_failure(
-    exc: ray.exceptions.RayTaskError, error: type[RayEvalError], doing: str, hint: str = ""
+    exc: ray.exceptions.RayTaskError, error: type[RayEvalError], doing: str, oom_hint: str = ""
 ) -> RayEvalError:
     """The driver-side error for an exception raised inside a rank actor.
 
     A rayeval error keeps its own class and message (it already names the fix); anything else
-    becomes ``error`` naming what the rank was doing, with ``hint`` appended.
+    becomes ``error`` naming what the rank was doing and the cause, with ``oom_hint`` (what to
+    lower) appended only when the cause was running out of memory (:func:`out_of_memory`): a
+    hint about memory under any other error would point the user away from the real cause.
     """
     cause = exc.cause
     if isinstance(cause, RayEvalError):
         return type(cause)(str(cause))
+    hint = oom_hint if out_of_memory(cause) else ""
     return error(f"a rank failed while {doing}: {type(cause).__name__}: {cause}{hint}")
+
+
+def out_of_memory(cause: BaseException | None) -> bool:
+    """Whether a rank's exception is running out of memory: a ``MemoryError`` (host), a
+    ``torch.OutOfMemoryError`` (device), or a ``RuntimeError`` whose message says so ("out of
+    memory" from CUDA and other device allocators; torch's CPU allocator's "can't allocate
+    memory"). Reads the class by name, so the driver needs no torch."""
+    if cause is None:
+        return False
+    if isinstance(cause, MemoryError):
+        return True
+    if any(cls.__name__ == "OutOfMemoryError" for cls in type(cause).__mro__):
+        return True
+    message = str(cause).lower()
+    return isinstance(cause, RuntimeError) and any(words in message for words in _OOM_WORDS)
+
+
+#: What an allocator's RuntimeError says when it ran out of memory.
+_OOM_WORDS = ("out of memory", "can't allocate memory")

@@ -43,9 +43,8 @@ from rayeval.service.engine import heap
 
 logger = logging.getLogger(__name__)
 
-_OOM_HINT = (
-    ". If it ran out of memory, lower --batch_size / --max_batch_tokens or raise --shard_size."
-)
+#: Appended to a rank's failure only when it ran out of memory (:func:`rank_failure`).
+_OOM_HINT = ". Lower --batch_size / --max_batch_tokens or raise --shard_size."
 
 
 @dataclass(frozen=True)
@@ -291,7 +290,7 @@ class Dispatcher:
             self._drop(index, exc)
             return []
         except ray.exceptions.RayTaskError as exc:
-            raise rank_failure(exc, RayEvalError, "computing a batch", hint=_OOM_HINT) from None
+            raise rank_failure(exc, RayEvalError, "computing a batch", oom_hint=_OOM_HINT) from None
         return self._accept(index, outputs)
 
     def _collect(self, index: int, head: _InFlight) -> list[list[Any]] | None:
