@@ -103,14 +103,30 @@ def match_key(aliases: Sequence[str], names: Collection[str], prefix: str) -> st
 
 def load_generation_config(model: Any, spec: ModelSpec) -> None:
     """Give a model built from its config the generation config ``from_pretrained`` would read
-    beside it (``generation_config.json``), where there is one."""
+    beside it (``generation_config.json``), where there is one.
+
+    Every way a rank builds a model without ``from_pretrained`` on ``spec.pretrained`` (FSDP's
+    sharded loading, a training checkpoint under either strategy) calls this, and the driver's
+    weightless shell reads the same file (:func:`read_generation_config`): ``generate`` reads
+    its settings (repetition penalty, n-gram bans, EOS ids, ...), so lm-eval's HF backend
+    applies them, and so must every strategy and every decision the driver takes.
+    """
+    config = read_generation_config(spec.pretrained, spec.revision or "main", spec.subfolder)
+    if config is not None:
+        model.generation_config = config
+
+
+def read_generation_config(
+    pretrained: str, revision: str = "main", subfolder: str = ""
+) -> transformers.GenerationConfig | None:
+    """``pretrained``'s ``generation_config.json`` as ``from_pretrained`` reads it, or None when
+    there is none (the config derived from the model config then stays)."""
     try:
-        config = transformers.GenerationConfig.from_pretrained(
-            spec.pretrained, revision=spec.revision or "main", subfolder=spec.subfolder
+        return transformers.GenerationConfig.from_pretrained(
+            pretrained, revision=revision, subfolder=subfolder
         )
-    except OSError:  # none saved: the one derived from the model config stays
-        return
-    model.generation_config = config  # type: ignore[assignment]
+    except OSError:
+        return None
 
 
 class CannotStream(Exception):

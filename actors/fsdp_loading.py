@@ -116,6 +116,7 @@ def _load_sharded(
         except CannotStream as exc:
             del model
             return _full_load_then_shard(spec, dtype, mesh, device, str(exc))
+    load_generation_config(model, spec)  # built from config.json: from_pretrained's file too
     return model
 
 

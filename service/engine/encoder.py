@@ -33,7 +33,7 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from rayeval.actors.batches import ModelSpec
-from rayeval.actors.checkpoints import resolve_dtype
+from rayeval.actors.checkpoints import read_generation_config, resolve_dtype
 from rayeval.actors.errors import ConfigError
 from rayeval.service.engine.generation_planner import GenerateRequest
 from rayeval.service.lm_eval_options import ENCODER_MODEL_ARGS
@@ -71,7 +71,8 @@ def build_encoder(pretrained: str, model_args: dict[str, Any]) -> tuple[HFLM, to
 
 
 def meta_model(pretrained: str, model_args: dict[str, Any]) -> tuple[Any, torch.dtype]:
-    """The model of ``pretrained``'s config on the meta device (no weights), and its dtype.
+    """The model of ``pretrained``'s config on the meta device (no weights), with the generation
+    config ``from_pretrained`` reads beside it, and its dtype.
 
     Raises:
         ConfigError: the model's config cannot be found.
@@ -89,6 +90,11 @@ def meta_model(pretrained: str, model_args: dict[str, Any]) -> tuple[Any, torch.
         shell = transformers.AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=common["trust_remote_code"]
         )
+    # As the ranks' models read it: what the driver decides from the shell (continuous or static
+    # batching) depends on the settings ``generate`` will apply.
+    generation = read_generation_config(pretrained, common["revision"], common["subfolder"])
+    if generation is not None:
+        shell.generation_config = generation
     return shell, dtype
 
 
