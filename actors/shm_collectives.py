@@ -52,6 +52,9 @@ _SLEEP_S = 50e-6
 #: Seconds between checks that a peer's process still exists while waiting for it.
 _LIVENESS_S = 0.5
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: The integer dtype of each element size: numpy copies a tensor's bits through it (numpy has
+#: no bfloat16).
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def available() -> bool:
@@ -79,7 +82,9 @@ class ShmCollectives:
         header_bytes = _LINE * world
         # numpy reads a peer's sequence number in ~0.1 us (a torch index costs microseconds).
         self._header = whole[:header_bytes].numpy().view(np.int64).reshape(world, _LINE // 8)
-        self._slots = whole[header_bytes:].view(2, world, SLOT_BYTES)
+        # numpy views: a decode step makes hundreds of small gathers, and a numpy copy or view
+        # costs well under a microsecond where a torch op costs several.
+        self._slots = whole[header_bytes:].numpy().reshape(2, world, SLOT_BYTES)
         self._peer_pids = [0] * world
         self._seq = 0
 
@@ -126,29 +131,39 @@ class ShmCollectives:
         made._peer_pids = [int(pid) for pid in made._header[:, 1]]
         return made
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's ``tensor`` (the same shape and dtype on each), stacked in rank order:
-        ``(world, *tensor.shape)``; None (nothing done) for a tensor this does not handle (not
-        a floating-point CPU tensor)."""
-        if tensor.dtype not in _DTYPES or tensor.device.type != "cpu":
-            return None
-        flat = tensor.contiguous().view(-1)
-        out = torch.empty((self.world, flat.numel()), dtype=tensor.dtype)
-        piece = SLOT_BYTES // tensor.element_size()
-        for start in range(0, flat.numel(), piece):
-            self._gather_piece(flat[start : start + piece], out[:, start : start + piece])
-        return out.view(self.world, *tensor.shape)
+    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``tensor`` (the same shape and dtype on each) concatenated along the
+        last dimension in rank order; None (nothing done) for a tensor this does not handle (not
+        a floating-point CPU tensor, or one whose last dimension alone overflows a slot).
 
-    def _gather_piece(self, flat: torch.Tensor, out: torch.Tensor) -> None:
-        """Publish ``flat`` (at most a slot) in this rank's slot, wait for every peer's, and
-        copy the ranks' pieces into the rows of ``out``."""
+        A tensor larger than a slot goes through in pieces of whole rows."""
+        if tensor.dtype not in _DTYPES or tensor.device.type != "cpu" or tensor.dim() == 0:
+            return None
+        width = tensor.shape[-1]
+        rows_per_piece = SLOT_BYTES // max(1, width * tensor.element_size())
+        if rows_per_piece == 0:
+            return None
+        mine = tensor.contiguous().view(_BITS[tensor.element_size()]).numpy().reshape(-1, width)
+        out = np.empty((mine.shape[0], self.world * width), dtype=mine.dtype)
+        for start in range(0, max(1, mine.shape[0]), rows_per_piece):
+            self._gather_rows(mine[start : start + rows_per_piece], out[start:], width)
+        gathered = torch.from_numpy(out).view(tensor.dtype)
+        return gathered.view(*tensor.shape[:-1], self.world * width)
+
+    def _gather_rows(self, rows: np.ndarray, out: np.ndarray, width: int) -> None:
+        """Publish ``rows`` (at most a slot) in this rank's slot, wait for every peer's, and
+        copy the ranks' rows side by side into ``out``'s first rows."""
         self._seq += 1
         seq = self._seq
-        slots = self._slots[seq % 2].view(flat.dtype)[:, : flat.numel()]
-        slots[self.rank].copy_(flat)
+        slots = self._slots[seq % 2]
+        count = rows.size
+        slots[self.rank].view(rows.dtype)[:count] = rows.reshape(-1)
         self._header[self.rank, 0] = seq
         self._wait(seq)
-        out.copy_(slots)
+        n = rows.shape[0]
+        for peer in range(self.world):
+            piece = slots[peer].view(rows.dtype)[:count].reshape(n, width)
+            out[:n, peer * width : (peer + 1) * width] = piece
 
     def _wait(self, seq: int) -> None:
         header = self._header

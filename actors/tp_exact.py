@@ -101,14 +101,15 @@ class Gather:
         import torch
         import torch.distributed as dist
 
-        pieces = None if self.shm is None else self.shm.all_gather(tensor)
-        if pieces is None:
-            tensor = tensor.contiguous()
-            world = dist.get_world_size(group)
-            flat = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-            dist.all_gather_into_tensor(flat, tensor.view(-1), group=group)
-            pieces = flat.view(world, *tensor.shape)
-        return concat_pieces(pieces)
+        if self.shm is not None:
+            gathered = self.shm.gather_last_dim(tensor)
+            if gathered is not None:
+                return gathered
+        tensor = tensor.contiguous()
+        world = dist.get_world_size(group)
+        flat = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(flat, tensor.view(-1), group=group)
+        return concat_pieces(flat.view(world, *tensor.shape))
 
 
 def concat_pieces(pieces: Any) -> Any:

@@ -37,9 +37,10 @@ def _join(rank: int, world: int, store: str) -> None:
 
 
 def _tensors(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One row; a decode step's activations; more rows than a slot holds (in pieces)."""
     generator = torch.Generator().manual_seed(rank)
-    numels = [1, 12 * 1024, SLOT_BYTES // 4 + 7, 3 * SLOT_BYTES // 4 // 2]
-    return [(torch.randn(n, generator=generator) * 1e3).to(dtype) for n in numels]
+    shapes = [(1, 1), (16, 384), (SLOT_BYTES // 4 // 96 + 7, 96), (3, 5, 64)]
+    return [(torch.randn(*shape, generator=generator) * 1e3).to(dtype) for shape in shapes]
 
 
 def _matches_gloo(rank: int, world: int, store: str, name: str) -> None:
@@ -49,14 +50,14 @@ def _matches_gloo(rank: int, world: int, store: str, name: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for round_ in range(3):  # both slots, several times over
             for tensor in _tensors(rank * 10 + round_, dtype):
-                ours = shm.all_gather(tensor.view(2, -1) if tensor.numel() % 2 == 0 else tensor)
+                ours = shm.gather_last_dim(tensor)
                 theirs = [torch.empty_like(tensor) for _ in range(world)]
                 dist.all_gather(theirs, tensor)
-                assert ours is not None and ours.shape[0] == world
-                same = torch.equal(ours.reshape(world, -1), torch.stack(theirs))
-                assert same, (dtype, tensor.numel())
-    # Not handled (left to the process group): integers.
-    assert shm.all_gather(torch.arange(4)) is None
+                assert ours is not None and ours.dtype == dtype
+                assert torch.equal(ours, torch.cat(theirs, dim=-1)), (dtype, tensor.shape)
+    # Not handled (left to the process group): integers, a row larger than a slot.
+    assert shm.gather_last_dim(torch.arange(4)) is None
+    assert shm.gather_last_dim(torch.zeros(SLOT_BYTES // 4 + 1)) is None
     dist.destroy_process_group()
 
 
@@ -94,7 +95,7 @@ def _peer_exits(rank: int, world: int, store: str, name: str) -> None:
         os._exit(0)  # gone before the next call
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"collective: rank 1 of 2 \(pid \d+\) exited"):
-        shm.all_gather(torch.ones(8))
+        shm.gather_last_dim(torch.ones(8))
     assert time.monotonic() - started < 10  # noticed by its liveness check, not the timeout
     os._exit(0)  # without the interpreter's teardown of a group whose peer is gone (see _end)
 
@@ -110,7 +111,7 @@ def _peer_stuck(rank: int, world: int, store: str, name: str) -> None:
         _end()
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"did not arrive within 1s.*--collective_timeout"):
-        shm.all_gather(torch.ones(8))
+        shm.gather_last_dim(torch.ones(8))
     assert 1.0 <= time.monotonic() - started < 5
     dist.barrier()
     _end()
