@@ -12,9 +12,14 @@ left-padded batch; columns no live row uses any more are trimmed.
 A row stops exactly where lm-eval's answer is settled: on an EOS token (``generate`` pads the row
 from there), after ``max_gen_toks`` tokens, or once one of its stop strings appears in its
 decoded text (lm-eval cuts its answer at the first stop string: what follows never reaches the
-answer). Greedy steps take the argmax of float32 logits as ``generate`` does; sampled steps apply
-transformers' own logits warpers, then draw from the request's own generator, so a sampled answer
-is the same whatever rows share its steps.
+answer; any of several EOS ids stops it, as ``generate``'s). Every step applies ``generate``'s own
+logits processors to the float32 logits (the model's generation config included: its
+``generation_config.json`` settings), then takes the argmax (greedy) or draws from the request's
+own generator (sampling), so a sampled answer is the same whatever rows share its steps.
+Processors that read the scores alone run over all rows at once; those that read the input ids
+(repetition penalty, n-gram bans, a least number of new tokens) run row by row on that row's own
+tokens, its context plus what it generated (:mod:`rayeval.actors.logits_setup` says which ids
+each reads, and why that gives ``generate``'s scores).
 
 The ranks of a replica that each compute their own group (FSDP) step together: before every
 step they agree, with one small all-reduce, on whether anyone admits or decodes, and a rank with
@@ -23,7 +28,8 @@ compute one group together (tensor parallelism) see the same logits and so make 
 decisions without agreeing. Which requests a group holds, the slots and
 the budget come from the driver's plan, so a request's steps never depend on the layout or on
 timing. :func:`unsupported` says when this engine cannot give ``generate``'s tokens (beams,
-repetition penalties, other cache kinds): the driver then uses the static path.
+processors it does not reproduce, other cache kinds): the driver then uses the static path and
+records why (the phase's ``batching`` figure, and the log).
 """
 
 from __future__ import annotations
@@ -37,15 +43,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from rayeval.actors.batches import (
     ADMIT_FRACTION,
@@ -54,31 +53,8 @@ from rayeval.actors.batches import (
     SlotRequest,
     piece_due,
 )
-from rayeval.actors.generation import lm_eval_generation_kwargs
+from rayeval.actors.logits_setup import GENERATED, SCORES, sampling_setup
 from rayeval.actors.rank_model import RankModel
-
-#: Warpers that read the scores alone (never the input ids), so rows can be processed together.
-_ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-
-
-def sampling_setup(model: Any, kwargs: dict[str, Any]) -> tuple[GenerationConfig, Any] | str:
-    """The generation config ``generate`` would use for ``kwargs`` and its logits processors, or
-    why this engine cannot reproduce them (then the static path runs).
-
-    Uses transformers' own ``_prepare_generation_config`` and ``_get_logits_processor`` (private;
-    see rayeval.service.private_apis), so every default of the model's generation config applies.
-    """
-    try:
-        config, _ = model._prepare_generation_config(None, **lm_eval_generation_kwargs(kwargs))
-        processors = model._get_logits_processor(generation_config=config, device=str(model.device))
-    except (AttributeError, TypeError, ValueError) as exc:
-        return f"transformers' generation set-up changed ({type(exc).__name__}: {exc})"
-    if (config.num_beams or 1) > 1:
-        return "beam search"
-    others = sorted({type(p).__name__ for p in processors if not isinstance(p, _ROW_WISE)})
-    if others:
-        return f"logits processors that read the input ids ({', '.join(others)})"
-    return config, processors
 
 
 def unsupported(model: Any, kwargs: dict[str, Any]) -> str | None:
@@ -102,6 +78,15 @@ class _Row:
     request: SlotRequest
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    #: Its context then generated tokens, room for all (only where a processor reads ids).
+    history: torch.Tensor | None = None
+
+    def ids(self, reads: str) -> torch.Tensor:
+        """The ids a processor reads (``TOKENS`` or ``GENERATED``: :mod:`.logits_setup`), as a
+        1-row batch."""
+        assert self.history is not None
+        start = len(self.request.context) if reads == GENERATED else 0
+        return self.history[None, start : len(self.request.context) + len(self.generated)]
 
     @property
     def next_position(self) -> int:
@@ -135,13 +120,13 @@ class ContinuousGenerator:
         self._fed = self._real = 0
         self._busy_s = 0.0
         self._sent = time.monotonic()  # when the last piece went out
-        eos = rank.model.generation_config.eos_token_id
-        self._eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         setup = sampling_setup(rank.model, group.kwargs) if group.requests else None
         if isinstance(setup, str):
             raise ValueError(f"this group cannot be generated here: {setup}")
-        self._sample = bool(setup and setup[0].do_sample)
-        self._processors = setup[1] if setup else LogitsProcessorList()
+        self._eos = setup.eos if setup else set()
+        self._sample = bool(setup and setup.config.do_sample)
+        self._processors = setup.processors if setup else ()
+        self._history = bool(setup and setup.reads_ids)
         self._lookbacks: dict[tuple[str, ...], int] = {}
         accepted = inspect.signature(rank.model.forward).parameters
         self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
@@ -262,7 +247,11 @@ class ContinuousGenerator:
         if self._sample:
             generator = torch.Generator(device=self._rank.device)
             generator.manual_seed(request.seed if request.seed is not None else 0)
-        return _Row(position, request, generator=generator)
+        history = None
+        if self._history:
+            history = torch.zeros(request.kv_tokens, dtype=torch.long, device=self._rank.device)
+            history[: len(request.context)] = torch.tensor(request.context, dtype=torch.long)
+        return _Row(position, request, generator=generator, history=history)
 
     def _advance(self, logits: torch.Tensor, first: int) -> None:
         """Append the next token of the live rows from ``first`` on (``logits``: theirs, in
@@ -271,6 +260,8 @@ class ContinuousGenerator:
         stopped = set()
         for offset, (row, token) in enumerate(zip(rows, self._choose(rows, logits), strict=True)):
             row.generated.append(token)
+            if row.history is not None:
+                row.history[len(row.request.context) + len(row.generated) - 1] = token
             if self._stopped(row):
                 self._finished.append((row.position, tuple(row.generated)))
                 stopped.add(first + offset)
@@ -278,16 +269,29 @@ class ContinuousGenerator:
             self._keep_rows([i for i in range(len(self._rows)) if i not in stopped])
 
     def _choose(self, rows: Sequence[_Row], logits: torch.Tensor) -> list[int]:
-        """Each row's next token: the argmax (greedy), or a draw from its own generator after
-        transformers' warpers (sampling)."""
+        """Each row's next token after ``generate``'s processors: the argmax (greedy), or a
+        draw from its own generator (sampling)."""
+        scores = self._process(rows, logits)
         if not self._sample:
-            return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
-        no_ids = torch.zeros((len(rows), 0), dtype=torch.long, device=logits.device)
-        probs = torch.softmax(self._processors(no_ids, logits), dim=-1)  # type: ignore[arg-type]
+            return [int(t) for t in torch.argmax(scores, dim=-1).tolist()]
+        probs = torch.softmax(scores, dim=-1)
         return [
             int(torch.multinomial(probs[i], 1, generator=row.generator))
             for i, row in enumerate(rows)
         ]
+
+    def _process(self, rows: Sequence[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """The processors in ``generate``'s order: those that read the scores alone over all
+        rows at once, those that read ids row by row, each on its row's own ids."""
+        no_ids = torch.zeros((len(rows), 0), dtype=torch.long, device=logits.device)
+        for processor, reads in self._processors:
+            if reads == SCORES:
+                logits = processor(no_ids, logits)
+            else:
+                logits = torch.cat(
+                    [processor(row.ids(reads), logits[i : i + 1]) for i, row in enumerate(rows)]
+                )
+        return logits
 
     def _stopped(self, row: _Row) -> bool:
         """EOS, ``max_gen_toks``, or a stop string in the decoded text (lm-eval's answer is

@@ -101,7 +101,15 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.generation.utils",
         "GenerationMixin._prepare_generation_config",
         "5.25.0",
-        "actors/continuous.py: continuous batching applies generate's own generation config",
+        "actors/logits_setup.py: continuous batching applies generate's own generation config",
+        "generate_until runs in static batches",
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.generation.utils",
+        "GenerationMixin._prepare_special_tokens",
+        "5.25.0",
+        "actors/logits_setup.py: the EOS ids that generate's length processors read",
         "generate_until runs in static batches",
     ),
     PrivateApi(
@@ -109,7 +117,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.generation.utils",
         "GenerationMixin._get_logits_processor",
         "5.25.0",
-        "actors/continuous.py: continuous batching applies generate's own logits processors",
+        "actors/logits_setup.py: continuous batching applies generate's own logits processors",
         "generate_until runs in static batches",
     ),
     PrivateApi(
