@@ -4,7 +4,8 @@ A Qwen2-style model (sums of 256 and 704 terms, tied embeddings) and a Qwen3-MoE
 experts, top-2 routing: random weights make near ties, so one bf16 step anywhere moves a token
 or an expert) run the demo group (multiple choice, loglikelihood, rolling loglikelihood, two
 generate_until tasks; continuous batching and shared prefixes on, as by default) at every layout
-under both strategies (and the Qwen2-style model in fp16 at 1x1 and under TP). Each layout's
+under both strategies (the Qwen2-style model in fp16, and the bundled trained Llama in bf16, at
+1x1 and under TP). Each layout's
 per-sample results must equal lm-eval's own ``hf`` backend in the same dtype: bit for bit in bf16
 and fp16 (DESIGN invariant 1; lm-eval's own answers do not move with its batch size on this
 CPU), and in float32 within the fidelity tolerance and bit for bit against the one-rank layout.
@@ -35,13 +36,22 @@ CASES = [
     (arch, dtype, layout)
     for arch, dtype in [("qwen2", "bfloat16"), ("qwen3_moe", "bfloat16"), ("qwen3_moe", "float32")]
     for layout in LAYOUTS
-] + [("qwen2", "float16", "1x1"), ("qwen2", "float16", "1x2-tp")]
+] + [
+    ("qwen2", "float16", "1x1"),
+    ("qwen2", "float16", "1x2-tp"),
+    ("llama", "bfloat16", "1x1"),
+    ("llama", "bfloat16", "1x2-tp"),
+    ("llama", "bfloat16", "2x2-tp"),
+]
 
 
 @pytest.fixture(scope="module")
 def models(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {arch: build_model(arch, root / arch, demo.model_dir) for arch in ("qwen2", "qwen3_moe")}
+    built = {
+        arch: build_model(arch, root / arch, demo.model_dir) for arch in ("qwen2", "qwen3_moe")
+    }
+    return {"llama": demo.model_dir, **built}  # the bundled Llama: trained, meaningful answers
 
 
 @pytest.fixture(scope="module")
