@@ -188,21 +188,27 @@ class WorkerGroup:
             group.strategy = settle(strategy, layout.shard_size, obstacles or {}, split)
             if layout.sharded:
                 logger.info("%s: replicas shard the model with %s", name, group.strategy.value)
-            options = RankOptions(
-                shard_size=layout.shard_size,
-                device=layout.device,
-                collective_timeout_s=timeouts.collective_s,
-                seed=seed,
-                strategy=group.strategy,
-                shm_collectives=shm_collectives,
-                piece_interval_s=layout.world / PIECES_PER_S,
-                split_replicas=tuple(split),
-            )
+            options = group._rank_options(timeouts, seed, shm_collectives, split)
             group._start_actors(placement, spec, options, benchmark_rank_class)
         except BaseException:
             group.shutdown()
             raise
         return group
+
+    def _rank_options(
+        self, timeouts: Timeouts, seed: int, shm_collectives: bool, split: Sequence[int]
+    ) -> RankOptions:
+        """What every rank of the group is told (the strategy is settled)."""
+        return RankOptions(
+            shard_size=self.layout.shard_size,
+            device=self.layout.device,
+            collective_timeout_s=timeouts.collective_s,
+            seed=seed,
+            strategy=self.strategy,
+            shm_collectives=shm_collectives,
+            piece_interval_s=self.layout.world / PIECES_PER_S,
+            split_replicas=tuple(split),
+        )
 
     def _start_actors(
         self,
