@@ -54,6 +54,10 @@ _DCP_METADATA = ".metadata"
 #: accelerate's FSDP sharded-state-dict folders (their files are described too).
 _NESTED_DIR_PREFIX = "pytorch_model_fsdp_"
 _HEAD_BYTES = 1 << 20
+#: Part of every model fingerprint: raised when rayeval computes some answers differently, so
+#: that answers cached before never answer for the new code. 2: generation_config.json applies
+#: under every strategy (FSDP at G > 1 ignored it), tensor parallelism splits no sum.
+ANSWERS_VERSION = 2
 
 
 def cache_file(use_cache: str) -> Path:
@@ -72,7 +76,12 @@ def model_fingerprint(model_args: Mapping[str, Any]) -> str:
             local = Path(value).expanduser().resolve()
             args[key] = str(local)
             files[key] = _describe_files(local)
-    payload = {"pretrained": pretrained, "model_args": args, "files": files}
+    payload = {
+        "pretrained": pretrained,
+        "model_args": args,
+        "files": files,
+        "answers_version": ANSWERS_VERSION,
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
