@@ -156,7 +156,7 @@ def _style(gather: Gather, gather_input: bool, gather_output: bool) -> Any:
                 out = F.linear(x, local(module.weight), None if bias is None else local(bias))
                 return gather(out, group) if gather_output else out
 
-            module.forward = forward
+            module.forward = forward  # type: ignore[method-assign,assignment]
             return module
 
         def shard_param(self, module: Any, param: str, mesh: Any, **kw: Any) -> None:

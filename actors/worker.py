@@ -184,7 +184,7 @@ class ShardWorker:
             rank=self._coord.shard_rank,
             world_size=options.shard_size,
             timeout=timedelta(seconds=options.collective_timeout_s),
-            **({"device_id": device} if cuda else {}),
+            device_id=device if cuda else None,
         )
 
     def load_checkpoint(self, checkpoint: str) -> dict[str, Any]:
