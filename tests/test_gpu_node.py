@@ -88,8 +88,11 @@ def test_the_interface_pin_sets_gloo_s_and_nccl_s(monkeypatch: pytest.MonkeyPatc
         "eth1": [SimpleNamespace(address="10.0.0.7")],
     }
     monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces)
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        # setenv first, so that the undo restores this process's own state: the pin writes
+        # os.environ itself, and a fake interface left there breaks every later gloo group.
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     pin_socket_interfaces("10.0.0.7")
     import os
 
