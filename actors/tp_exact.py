@@ -8,8 +8,12 @@ development CPU, DESIGN "round-4 pitfalls"): answers move with G. Here such a la
 its output features instead: the ranks gather the input slices (the heads or MLP columns each
 computed), each computes its share of the output columns over the whole input, and the ranks
 gather the columns. Every dot product then runs on one rank, over the same operands, as one
-device runs it: bit-identical results in bf16 for every shape measured (docs/performance.md,
-"Tensor parallelism in bf16"). The head's gathered logits use the same gather.
+device runs it. The results are one device's bits wherever the matrix library computes a slice of
+the columns with the kernel it uses for the whole layer: on the development CPU always at 32 rows
+or fewer (every decode step) and at most prefill sizes; where oneDNN picks another bf16 kernel
+for the slice, ~0.01% of a layer's outputs land one bf16 step apart (docs/performance.md,
+"Tensor parallelism that splits no sum"; ``benchmarks/bench_split_sums.py --sweep``). The head's
+gathered logits use the same gather.
 
 Each rank still holds 1/G of every such weight (its output rows instead of its input columns). The
 cost is traffic: two all-gathers of ``rows x features / G`` per layer instead of one all-reduce of
