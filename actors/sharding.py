@@ -15,7 +15,8 @@ Two are registered (:data:`STRATEGIES`, in the order ``auto`` prefers them):
   ``tp_plan`` splits the heads and MLP columns; the ranks compute the same batch and exchange
   activations only. Needs a TP plan that splits no sum (rewritten so by
   :mod:`rayeval.actors.tp_exact`), dimensions G divides, and a replica on one node; results are
-  bit-identical to one rank in every dtype. The fast way to generate.
+  one rank's results (in bf16 up to the matrix library's kernel choice for a slice:
+  :mod:`rayeval.actors.tp_exact`). The fast way to generate.
 * **FSDP2** (``fsdp``, :mod:`rayeval.actors.fsdp`): every rank holds a slice of every weight and
   all-gathers each layer before computing it; each rank computes its own micro-batch. Any
   architecture, replicas across nodes, bit-identical results for every G. Also what a replica of

@@ -10,7 +10,7 @@ G), over a device mesh it builds on it; on CPU that is gloo. A training checkpoi
 
 The plan is first rewritten so that no sum is split over the ranks (:mod:`rayeval.actors.tp_exact`):
 the layers transformers splits by input features (a block's output projections) are split by
-output features, so results are bit-identical to one device in every dtype. The ranks of a
+output features, so each dot product is computed whole, as on one device. The ranks of a
 replica then compute the same batch: every forward exchanges activations (all-gathers of the heads,
 the MLP columns, each block's output and the logits), never weights. On a CPU node those go
 through shared memory where the ranks can (:mod:`rayeval.actors.shm_collectives`). Imports no
