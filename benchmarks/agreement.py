@@ -108,7 +108,7 @@ def _compare_samples(
 
 
 def _compare_responses(agreement: Agreement, ours: Any, theirs: Any) -> None:
-    for a, b in _leaves(ours, theirs):
+    for a, b in leaves(ours, theirs):
         if isinstance(a, float) and isinstance(b, float) and not isinstance(a, bool):
             if abs(a - b) > logprob_tolerance(a, b):
                 agreement.beyond_tolerance += 1
@@ -119,9 +119,11 @@ def _compare_responses(agreement: Agreement, ours: Any, theirs: Any) -> None:
             agreement.discrete_diffs += 1
 
 
-def _leaves(a: Any, b: Any) -> Iterator[tuple[Any, Any]]:
+def leaves(a: Any, b: Any) -> Iterator[tuple[Any, Any]]:
+    """Pairs of leaves of two nested responses, walked together (a list against a list of
+    the same length is walked into; anything else is one pair)."""
     if isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
         for x, y in zip(a, b, strict=True):
-            yield from _leaves(x, y)
+            yield from leaves(x, y)
     else:
         yield a, b

@@ -64,7 +64,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -74,6 +74,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.agreement import leaves  # noqa: E402
 from benchmarks.bench_generate import build_requests  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     format_table,
@@ -504,7 +505,7 @@ def _compare_samples(parity: Parity, reference: dict[str, Any], ours: dict[str, 
                 parity.problems.append(f"{where}: {'missing' if other is None else 'prompts'}")
                 continue
             parity.samples += 1
-            for a, b in _leaves(sample["resps"], other["resps"]):
+            for a, b in leaves(sample["resps"], other["resps"]):
                 parity.add(a, b, where)
             for metric in sample.get("metrics", []):  # a flipped choice shows here
                 continuous = any(name in metric for name in CONTINUOUS_METRICS)
@@ -535,14 +536,6 @@ def _metric_close(key: str, a: float, b: float, rtol: float) -> bool:
     if "perplexity" in key and a > 0 and b > 0:
         a, b = math.log(a), math.log(b)
     return abs(a - b) <= rtol * max(abs(a), abs(b))
-
-
-def _leaves(a: Any, b: Any) -> Iterator[tuple[Any, Any]]:
-    if isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
-        for x, y in zip(a, b, strict=True):
-            yield from _leaves(x, y)
-    else:
-        yield a, b
 
 
 def workload_agreement(reference: Row, row: Row) -> dict[str, Any]:
