@@ -11,6 +11,7 @@ from __future__ import annotations
 import pickle
 import struct
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -283,12 +284,41 @@ class GenerateGroup:
         slots: Most rows decoded at once.
         kv_tokens: Most KV-cache positions held at once (sum of the rows' ``kv_tokens``).
         kwargs: Generation settings shared by the requests (lm-eval's gen_kwargs, sampling).
+        prefill_tokens: Most positions one prefill wave feeds (rows x the widest context), or
+            None for no bound; a request wider than this is prefilled alone.
     """
 
     requests: tuple[SlotRequest, ...] = ()
     slots: int = 1
     kv_tokens: int = 1
     kwargs: dict[str, Any] = field(default_factory=dict)
+    prefill_tokens: int | None = None
+
+    def admit(self, live: Sequence[int], pending: Sequence[int]) -> list[int]:
+        """The next pending positions, in order, that join the ``live`` ones now: as many as
+        fit the free slots, the KV-cache budget and a prefill wave, once enough slots are free
+        (:data:`ADMIT_FRACTION`): each prefill is a forward of its own, so slots are refilled in
+        waves. A later, smaller request never overtakes one that does not fit yet; with no live
+        row, the first pending request is admitted whatever it needs."""
+        wave = max(1, int(self.slots * ADMIT_FRACTION))
+        if live and self.slots - len(live) < min(wave, len(pending)):
+            return []
+        held = sum(self.requests[p].kv_tokens for p in live)
+        admitted: list[int] = []
+        width = 0
+        for position in pending:
+            if len(live) + len(admitted) >= self.slots:
+                break
+            request = self.requests[position]
+            wider = max(width, len(request.context))
+            if (live or admitted) and held + request.kv_tokens > self.kv_tokens:
+                break
+            if admitted and (len(admitted) + 1) * wider > (self.prefill_tokens or 2**62):
+                break
+            admitted.append(position)
+            held += request.kv_tokens
+            width = wider
+        return admitted
 
 
 @dataclass(frozen=True)

@@ -77,10 +77,17 @@ def from_pretrained_kwargs(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
-def load_plain(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
+def load_plain(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device | None = None
+) -> nn.Module:
+    """The whole model by ``from_pretrained``: in host memory, or with ``device`` read straight
+    onto it (lm-eval's ``device_map={"": device}``), never whole in host memory first."""
+    kwargs = from_pretrained_kwargs(spec)
+    if device is not None and "device_map" not in kwargs:
+        kwargs["device_map"] = {"": str(device)}
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(
-            spec.pretrained, dtype=dtype, **from_pretrained_kwargs(spec)
+            spec.pretrained, dtype=dtype, **kwargs
         )
     except OSError as exc:
         raise ModelLoadError(f"cannot load {spec.pretrained!r}: {exc}") from exc

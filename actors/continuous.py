@@ -47,7 +47,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rayeval.actors.batches import (
-    ADMIT_FRACTION,
     GenerateGroup,
     GenerationPiece,
     SlotRequest,
@@ -152,24 +151,8 @@ class ContinuousGenerator:
 
     # ------------------------------------------------------------------------------ steps
     def _admissible(self) -> list[int]:
-        """The next requests in order that fit the free slots and the KV-cache budget, once
-        enough slots are free to prefill them together (:data:`ADMIT_FRACTION`): each prefill
-        is a forward of its own, so slots are refilled in waves."""
-        free = self._group.slots - len(self._rows)
-        wave = max(1, int(self._group.slots * ADMIT_FRACTION))
-        if self._rows and free < min(wave, len(self._pending)):
-            return []
-        held = sum(row.request.kv_tokens for row in self._rows)
-        admit: list[int] = []
-        for position in self._pending:
-            if len(self._rows) + len(admit) >= self._group.slots:
-                break
-            need = self._group.requests[position].kv_tokens
-            if held + need > self._group.kv_tokens and (self._rows or admit):
-                break  # in order: a later, smaller request does not overtake it
-            admit.append(position)
-            held += need
-        return admit
+        """The next requests in order to prefill together (:meth:`GenerateGroup.admit`)."""
+        return self._group.admit([row.position for row in self._rows], self._pending)
 
     def _agree(self, wants: list[int]) -> tuple[bool, bool]:
         """Whether any rank of the replica prefills, and whether any still works."""
@@ -199,7 +182,7 @@ class ContinuousGenerator:
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         cache = DynamicCache(config=self._rank.model.config)
         logits = self._forward(ids.to(device), mask.to(device), positions.to(device), cache)
-        self._count(ids, mask)
+        self._count(ids.numel(), int(mask.sum()))  # (a host tensor: no device sync)
         self._join(rows, cache, mask.to(device))
         self._advance(logits, first=len(self._rows) - len(rows))
 
@@ -214,7 +197,7 @@ class ContinuousGenerator:
         ones = torch.ones((len(self._rows), 1), dtype=torch.long, device=device)
         self._mask = torch.cat([self._mask, ones], dim=1)
         logits = self._forward(ids, self._mask, positions, self._cache)
-        self._count(ids, ones)
+        self._count(len(self._rows), len(self._rows))
         self._advance(logits, first=0)
 
     def _forward(
@@ -270,15 +253,13 @@ class ContinuousGenerator:
 
     def _choose(self, rows: Sequence[_Row], logits: torch.Tensor) -> list[int]:
         """Each row's next token after ``generate``'s processors: the argmax (greedy), or a
-        draw from its own generator (sampling)."""
+        draw from its own generator (sampling); read back to the host once for all rows."""
         scores = self._process(rows, logits)
         if not self._sample:
             return [int(t) for t in torch.argmax(scores, dim=-1).tolist()]
         probs = torch.softmax(scores, dim=-1)
-        return [
-            int(torch.multinomial(probs[i], 1, generator=row.generator))
-            for i, row in enumerate(rows)
-        ]
+        draws = [torch.multinomial(probs[i], 1, generator=r.generator) for i, r in enumerate(rows)]
+        return [int(t) for t in torch.cat(draws).tolist()]
 
     def _process(self, rows: Sequence[_Row], logits: torch.Tensor) -> torch.Tensor:
         """The processors in ``generate``'s order: those that read the scores alone over all
@@ -357,9 +338,9 @@ class ContinuousGenerator:
         self._mask = self._mask[:, first:]
 
     # --------------------------------------------------------------------------- figures
-    def _count(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        self._fed += ids.numel()
-        self._real += int(mask.sum())
+    def _count(self, fed: int, real: int) -> None:
+        self._fed += fed
+        self._real += real
 
     def _piece_due(self) -> bool:
         since = time.monotonic() - self._sent

@@ -5,16 +5,21 @@ device, cut into FSDP units (:func:`rayeval.actors.fsdp_units.shard_model`), and
 reads only its own dim-0 slice of every tensor from the checkpoint
 (:mod:`rayeval.actors.checkpoints`). Peak host memory per rank is therefore about model/G plus one
 unit. Only checkpoints whose tensor names do not match the model, or legacy (pre-zip) ``.bin``
-files that cannot be memory-mapped, fall back to a full load on every rank followed by sharding,
-with a warning. A training checkpoint named by ``checkpoint=`` (a DCP directory, or HF files)
-is read the same way, region by region (:mod:`rayeval.actors.weights`), into the model of
-``pretrained``'s config, at any G.
+files that cannot be memory-mapped, fall back to a full load followed by sharding, one rank of
+the replica at a time (a node holds one whole copy at once, not G), with a warning. The whole
+model of G = 1 is read straight onto the rank's device, as lm-eval's hf backend reads it. A
+training checkpoint named by ``checkpoint=`` (a DCP directory, or HF files) is read the same
+way, region by region (:mod:`rayeval.actors.weights`), into the model of ``pretrained``'s
+config, at any G.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import transformers
@@ -26,7 +31,6 @@ from torch.distributed.tensor import DTensor, Shard
 from rayeval.actors.batches import ModelSpec
 from rayeval.actors.checkpoints import (
     CannotStream,
-    Checkpoint,
     find_checkpoint,
     load_config,
     load_generation_config,
@@ -58,13 +62,10 @@ def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -
     dtype = resolve_dtype(spec.dtype, config)
     if spec.checkpoint is not None:
         return _load_checkpoint(spec, config, dtype, mesh, device)
-    model = (
-        load_plain(spec, dtype)
-        if mesh is None
-        else _load_sharded(spec, config, dtype, mesh, device)
-    )
     if mesh is None:
-        model.to(device)
+        model = load_plain(spec, dtype, device)
+    else:
+        model = _load_sharded(spec, config, dtype, mesh, device)
     model.eval()
     return model
 
@@ -77,32 +78,45 @@ def _load_sharded(
     mesh: DeviceMesh,
     device: torch.device,
 ) -> nn.Module:
+    model = _meta_model(spec, config, dtype)
     try:
         checkpoint = find_checkpoint(spec)
     except CannotStream as exc:
-        return _full_load_then_shard(spec, dtype, mesh, device, str(exc))
+        return _full_load_then_shard(spec, model, dtype, mesh, device, str(exc))
     if checkpoint is None:
-        return _full_load_then_shard(
-            spec, dtype, mesh, device, "no safetensors or .bin checkpoint file found"
-        )
-    model = _meta_model(spec, config, dtype)
+        why = "no safetensors or .bin checkpoint file found"
+        return _full_load_then_shard(spec, model, dtype, mesh, device, why)
     keys = {name: checkpoint.key_for(aliases, model) for name, aliases in _aliases(model).items()}
     missing = sorted(name for name, key in keys.items() if key is None)
     if missing:
-        return _full_load_then_shard(
-            spec,
-            dtype,
-            mesh,
-            device,
+        why = (
             f"checkpoint tensor names do not match {len(missing)} model parameters "
-            f"(e.g. {missing[0]})",
+            f"(e.g. {missing[0]})"
         )
+        return _full_load_then_shard(spec, model, dtype, mesh, device, why)
+    offsets = _shard_empty(model, keys, mesh, device)
+    try:
+        with checkpoint.reader() as reader, torch.no_grad():
+            _read_local_shards(model, keys, reader.rows, mesh, offsets)
+    except CannotStream as exc:
+        return _full_load_then_shard(
+            spec, _meta_model(spec, config, dtype), dtype, mesh, device, str(exc)
+        )
+    load_generation_config(model, spec)  # built from config.json: from_pretrained's file too
+    return model
+
+
+def _shard_empty(
+    model: nn.Module, keys: dict[str, str | None], mesh: DeviceMesh, device: torch.device
+) -> dict[str, int]:
+    """Shard the meta ``model`` over ``mesh`` and give this rank's shards (empty) and the
+    buffers a place on ``device``; a vocabulary chunk's key is its whole tensor's. Returns the
+    first source row of each parameter that is a row chunk of a source tensor."""
     # Parameters on meta, buffers real: non-persistent buffers (rotary inv_freq) are computed in
     # __init__ and are not in the checkpoint, so they must survive to_empty().
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     first_names = {id(param): name for name, param in model.named_parameters()}
     origins = shard_model(model, mesh)
-    # A vocabulary chunk reads its rows of the tensor it was cut from.
     offsets: dict[str, int] = {}
     for name, (origin, start) in origins.items():
         keys[name] = keys[first_names[id(origin)]]
@@ -111,13 +125,7 @@ def _load_sharded(
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-        try:
-            _read_local_shards(model, keys, checkpoint, mesh, offsets)
-        except CannotStream as exc:
-            del model
-            return _full_load_then_shard(spec, dtype, mesh, device, str(exc))
-    load_generation_config(model, spec)  # built from config.json: from_pretrained's file too
-    return model
+    return offsets
 
 
 def _load_checkpoint(
@@ -148,18 +156,46 @@ def _load_checkpoint(
 
 
 def _full_load_then_shard(
-    spec: ModelSpec, dtype: torch.dtype, mesh: DeviceMesh, device: torch.device, why: str
+    spec: ModelSpec,
+    model: nn.Module,
+    dtype: torch.dtype,
+    mesh: DeviceMesh,
+    device: torch.device,
+    why: str,
 ) -> nn.Module:
-    logger.warning(
-        "%s for %s: every rank loads the whole model before sharding (peak memory = the whole "
-        "model per rank). Save the checkpoint as safetensors to load only each rank's shard.",
-        why,
-        spec.pretrained,
-    )
-    model = load_plain(spec, dtype)
-    shard_model(model, mesh)
-    model.to(device)
+    """Shard the meta ``model``, then fill each rank's shards from the whole model as
+    ``from_pretrained`` loads it, one rank after another: each frees the whole model before
+    the next loads it, so that a node holds one whole copy at a time, not G."""
+    keys: dict[str, str | None] = {name: name for name in _aliases(model)}
+    offsets = _shard_empty(model, keys, mesh, device)
+    rank, size = mesh.get_local_rank(), mesh.size()
+    for turn in range(size):
+        if turn == rank:
+            started = time.monotonic()
+            state = load_plain(spec, dtype).state_dict()
+            with torch.no_grad():
+                _read_local_shards(model, keys, partial(_rows, state), mesh, offsets)
+            del state
+            logger.warning(
+                "%s for %s: rank %d of %d loaded the whole model in %.2f s to take its shard "
+                "(one rank at a time: each holds the whole model while it loads). Save the "
+                "checkpoint as safetensors to load only each rank's shard.",
+                why,
+                spec.pretrained,
+                rank,
+                size,
+                time.monotonic() - started,
+            )
+        torch.distributed.barrier(group=mesh.get_group())
+    load_generation_config(model, spec)
     return model
+
+
+def _rows(
+    state: dict[str, torch.Tensor], key: str, start: int | None = None, stop: int | None = None
+) -> torch.Tensor:
+    """Rows ``start:stop`` of ``state[key]`` (all of it when both are None)."""
+    return state[key] if start is None else state[key][start:stop]
 
 
 def _meta_model(
@@ -186,31 +222,30 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
 def _read_local_shards(
     model: nn.Module,
     keys: dict[str, str | None],
-    checkpoint: Checkpoint,
+    rows: Callable[..., torch.Tensor],
     mesh: DeviceMesh,
     offsets: dict[str, int],
 ) -> None:
-    """Copy each parameter's local rows from the checkpoint (``offsets``: first checkpoint row
-    of a parameter that is a row chunk of a checkpoint tensor)."""
+    """Copy each parameter's local rows from its source tensor, ``rows(key, start, stop)``
+    (``offsets``: first source row of a parameter that is a row chunk of a source tensor)."""
     rank, world = mesh.get_local_rank(), mesh.size()
-    with checkpoint.reader() as reader:
-        for name, param in model.named_parameters():
-            key = keys[name]
-            assert key is not None
-            local = param.to_local() if isinstance(param, DTensor) else param
-            if isinstance(param, DTensor):
-                if tuple(param.placements) != (Shard(0),):
-                    raise ModelLoadError(f"unexpected FSDP placement {param.placements} for {name}")
-                # FSDP2's dim-0 chunks: ceil(rows / world) each, the last ones shorter or empty.
-                chunk = math.ceil(param.shape[0] / world) if param.dim() else 0
-                start = min(rank * chunk, param.shape[0]) + offsets.get(name, 0)
-                value = reader.rows(key, start, start + local.shape[0])
-            else:
-                value = reader.rows(key)
-            if tuple(value.shape) != tuple(local.shape):
-                raise ModelLoadError(
-                    f"checkpoint tensor {key} has shape {tuple(value.shape)} for this rank, the "
-                    f"model expects {tuple(local.shape)}: the checkpoint does not match its config"
-                )
-            local.copy_(value)  # converts the dtype too; the slice is the only temporary
-            del value
+    for name, param in model.named_parameters():
+        key = keys[name]
+        assert key is not None
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if isinstance(param, DTensor):
+            if tuple(param.placements) != (Shard(0),):
+                raise ModelLoadError(f"unexpected FSDP placement {param.placements} for {name}")
+            # FSDP2's dim-0 chunks: ceil(rows / world) each, the last ones shorter or empty.
+            chunk = math.ceil(param.shape[0] / world) if param.dim() else 0
+            start = min(rank * chunk, param.shape[0]) + offsets.get(name, 0)
+            value = rows(key, start, start + local.shape[0])
+        else:
+            value = rows(key)
+        if tuple(value.shape) != tuple(local.shape):
+            raise ModelLoadError(
+                f"checkpoint tensor {key} has shape {tuple(value.shape)} for this rank, the "
+                f"model expects {tuple(local.shape)}: the checkpoint does not match its config"
+            )
+        local.copy_(value)  # converts the dtype too; the slice is the only temporary
+        del value

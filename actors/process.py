@@ -110,6 +110,17 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def host_memory_share(rank_cpus: float, node_cpus: float, meminfo: str = "/proc/meminfo") -> int:
+    """A CPU rank's share of its node's available memory (bytes): ``MemAvailable`` times its
+    share of the node's CPUs (a node holds at most ``node_cpus / rank_cpus`` such ranks)."""
+    with open(meminfo) as lines:
+        for line in lines:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                return int(available * min(1.0, rank_cpus / max(node_cpus, rank_cpus)))
+    return 0
+
+
 def pin_socket_interfaces(node_ip: str) -> None:
     """Make gloo and NCCL listen on the interface that holds this node's Ray address.
 

@@ -52,6 +52,10 @@ class ModelProfile:
     block_classes: tuple[str, ...] = ()
 
 
+#: Share of a GPU rank's free memory after loading that its KV cache may take: the rest holds a
+#: prefill wave's activations and the allocator's slack.
+KV_MEMORY_SHARE = 0.6
+
 #: Every architecture rayeval knows something about; others get :class:`ModelProfile` defaults
 #: (no packing; vocabulary chunks only where the modules are plain ``nn.Embedding``/``nn.Linear``).
 PROFILES: dict[str, ModelProfile] = {
@@ -124,6 +128,15 @@ class ModelShape:
         hidden = self.attribute("hidden_size") or self.attribute("n_embd") or 0
         head_dim = self.attribute("head_dim") or (hidden // heads if heads else 0)
         return int(2 * layers * kv_heads * head_dim * itemsize)
+
+    def kv_capacity_tokens(self, free_bytes: int, itemsize: int, kv_shards: int) -> int | None:
+        """The KV-cache positions :data:`KV_MEMORY_SHARE` of ``free_bytes`` holds on a rank that
+        keeps 1/``kv_shards`` of every position's keys and values (tensor parallelism splits the
+        heads), or None when the config does not say how big a position is."""
+        per_token = self.kv_bytes_per_token(itemsize) / max(1, kv_shards)
+        if per_token <= 0:
+            return None
+        return max(0, int(free_bytes * KV_MEMORY_SHARE // per_token))
 
     def packing_unsupported(self, attn_implementation: str | None) -> str | None:
         """Why packed rows cannot be scored exactly with this model, or None when they can.

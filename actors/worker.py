@@ -40,7 +40,13 @@ from rayeval.actors.errors import ModelLoadError
 from rayeval.actors.generation import generate
 from rayeval.actors.layout import DeviceKind, RankCoord
 from rayeval.actors.placement import cuda_device_index
-from rayeval.actors.process import INSTALL_CUDA_TORCH, peak_rss_mib, pin_socket_interfaces
+from rayeval.actors.process import (
+    INSTALL_CUDA_TORCH,
+    host_memory_share,
+    peak_rss_mib,
+    pin_socket_interfaces,
+)
+from rayeval.actors.profiles import ModelShape
 from rayeval.actors.rank_model import RankModel
 from rayeval.actors.scoring import Scorer
 from rayeval.actors.sharding import RankContext, strategy
@@ -67,6 +73,7 @@ class ShardWorker:
         self._scorer: Scorer | None = None
         #: Tokens fed to the model's input embeddings (see input_token_counts).
         self._fed = {"fed": 0, "real": 0, "calls": 0, "decode_rows": 0}
+        self._real_ids: torch.Tensor | None = None
         self._cuda_index: int | None = None
         if options.device is DeviceKind.CPU:  # host-allocator tuning: a GPU rank's tensors
             self._strategy.prepare_process(options.shard_size)  # live in device memory
@@ -122,9 +129,9 @@ class ShardWorker:
         """Join the replica's process group at ``rendezvous`` (address, port) and load the model.
 
         Returns:
-            Load figures: seconds, local parameter count, the device's total memory (MiB; None
-            on CPU), strategy (None for G = 1), what carries the replica's collectives
-            (``collectives``), peak resident memory (MiB).
+            Load figures: seconds, local parameter count, the KV-cache positions its free
+            device memory holds (None on CPU), strategy (None for G = 1), what carries the
+            replica's collectives (``collectives``), peak resident memory (MiB).
         """
         started = time.monotonic()
         options = self._options
@@ -157,17 +164,32 @@ class ShardWorker:
         local_params = sum(
             (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
         )
-        total_mib = None
-        if device.type == "cuda":
-            total_mib = torch.cuda.get_device_properties(device).total_memory / 2**20
         return {
             "seconds": time.monotonic() - started,
             "local_parameters": local_params,
-            "device_total_mib": total_mib,
+            "kv_capacity_tokens": self._kv_capacity(model, device),
             "strategy": self._strategy.name.value if options.shard_size > 1 else None,
             "collectives": collectives,
             "peak_rss_mib": peak_rss_mib(),
         }
+
+    def _kv_capacity(self, model: Any, device: torch.device) -> int | None:
+        """The KV-cache positions this rank's free memory holds after loading: the GPU's free
+        memory, or on CPU its share of the node's available memory (by its CPUs)."""
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        else:
+            import ray
+
+            mine, node_cpus = 1.0, float(os.cpu_count() or 1)
+            if ray.is_initialized():  # (outside Ray, as tests build a rank: one CPU's share)
+                context = ray.get_runtime_context()
+                mine = context.get_assigned_resources().get("CPU", mine)
+                nodes = [n for n in ray.nodes() if n["NodeID"] == context.get_node_id()]
+                node_cpus = nodes[0]["Resources"].get("CPU", node_cpus) if nodes else node_cpus
+            free = host_memory_share(mine, node_cpus)
+        kv_shards = self._options.shard_size if self._strategy.same_batch else 1
+        return ModelShape(model.config).kv_capacity_tokens(free, model.dtype.itemsize, kv_shards)
 
     def _join_process_group(self, rendezvous: tuple[str, int], device: torch.device) -> None:
         """Join the replica's process group: gloo on CPU ranks, NCCL bound to this rank's GPU
@@ -263,13 +285,17 @@ class ShardWorker:
             ``calls``: the embedding's calls; ``decode_rows``: the rows of the calls fed one
             position per row (one-token decode steps), finished rows included.
         """
+        if self._real_ids is not None:  # summed on the device, read here (no sync per step)
+            self._fed["real"] += int(self._real_ids)
+            self._real_ids = None
         return dict(self._fed)
 
     # ------------------------------------------------------------------------------- helpers
     def _count_input(self, module: Any, args: tuple[Any, ...]) -> None:
         if args and isinstance(args[0], torch.Tensor):
             self._fed["fed"] += args[0].numel()
-            self._fed["real"] += int((args[0] != self._spec.pad_token_id).sum())
+            real = (args[0] != self._spec.pad_token_id).sum()
+            self._real_ids = real if self._real_ids is None else self._real_ids + real
             self._fed["calls"] += 1
             if args[0].dim() == 2 and args[0].shape[1] == 1:
                 self._fed["decode_rows"] += args[0].shape[0]

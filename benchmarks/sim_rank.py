@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayeval.actors.batches import (
-    ADMIT_FRACTION,
     GenerateGroup,
     GenerateMicroBatch,
     GenerationPiece,
@@ -288,21 +287,10 @@ class _SlotModel:
             yield self._piece(finished, fed, clock - sent, started + clock)
 
     def _admit(self) -> list[int]:
-        group = self._group
-        free = group.slots - len(self._live)
-        wave = max(1, int(group.slots * ADMIT_FRACTION))
-        if self._live and free < min(wave, len(self._pending)):
-            return []
-        held = sum(group.requests[p].kv_tokens for p in self._live)
-        admitted: list[int] = []
-        while self._pending and len(self._live) < group.slots:
-            need = group.requests[self._pending[0]].kv_tokens
-            if held + need > group.kv_tokens and self._live:
-                break
-            position = self._pending.popleft()
+        admitted = self._group.admit(list(self._live), list(self._pending))
+        for position in admitted:
+            self._pending.remove(position)
             self._live[position] = len(self._answers[position])
-            admitted.append(position)
-            held += need
         return admitted
 
     def _piece(

@@ -154,8 +154,8 @@ class EngineConfig(_Frozen):
         le=2**40,
         description="KV-cache positions one rank holds while generating with continuous "
         "batching (a request holds its context plus its max_gen_toks); default: "
-        "max_batch_tokens if set, else on GPUs what half the memory left beside the model holds, "
-        f"else {DEFAULT_MAX_BATCH_TOKENS}.",
+        "max_batch_tokens if set, else what the slots' requests need, bounded only where a rank's "
+        "free memory after loading holds less.",
     )
     tokenizer_workers: int | None = Field(
         default=None,

@@ -185,7 +185,10 @@ def test_tied_embeddings_gpt2_sharded(tmp_path: Path, task_manager: Any, ray_ses
         assert [(r["strategy"], r["collectives"]) for r in lm.load_reports] == [
             ("fsdp", "process group")
         ] * 2
+        # Each rank reports the KV-cache positions its share of the node's memory holds.
+        held = [report["kv_capacity_tokens"] for report in lm.load_reports]
     assert_same_results(reference, ours)
+    assert all(isinstance(h, int) and h > 100_000 for h in held)
     assert sum(local) == model.num_parameters()
     assert max(local) <= model.num_parameters() / 2 + 1024
 

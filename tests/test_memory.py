@@ -35,7 +35,7 @@ import pytest
 from rayeval.actors.batches import ModelSpec, ScoreMicroBatch, ScoreRow
 
 G = 2
-FULL_LOAD_WARNING = "every rank loads the whole model"
+FULL_LOAD_WARNING = "loaded the whole model"
 #: A Llama of ~29 MiB: large enough for a leak or an unsharded unit to show in RssAnon.
 LLAMA = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "vocab_size": 8192}
 
@@ -115,7 +115,7 @@ class _Rank:
             report = self._worker.setup(rendezvous)
         finally:
             logging.getLogger().removeHandler(handler)
-        return {**report, "warnings": handler.messages}
+        return {**report, "warnings": handler.messages, "warned_at": handler.times}
 
     def local_bytes(self) -> int:
         """Bytes of the parameter tensors this rank holds right now."""
@@ -138,9 +138,11 @@ class _Recorder(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
+        self.times: list[float] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+        self.times.append(record.created)
 
 
 def _rss_anon() -> int:
@@ -323,6 +325,42 @@ def test_multi_file_checkpoint_loads_shard_by_shard(
         model = _save_llama(tmp_path / "single", demo.model_dir)
         _split_bin(model, model_dir, demo.model_dir)
     _assert_holds_its_shard(ranks, _load(ranks, model_dir), model)
+
+
+@pytest.mark.service
+def test_a_legacy_bin_loads_whole_one_rank_at_a_time(
+    tmp_path: Path, demo: Any, ranks: list[Any]
+) -> None:
+    """A legacy (pre-zip) ``.bin`` cannot be memory-mapped: each rank loads the whole model and
+    shards it, but not at once: the second starts once the first holds only its shard, so a
+    node holds one whole copy at a time, not G. It scores like the whole model."""
+    import re
+
+    import torch
+
+    model = _save_llama(tmp_path / "single", demo.model_dir)
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (legacy / name).write_bytes((tmp_path / "single" / name).read_bytes())
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    torch.save(state, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    reports = _load(ranks, legacy)
+    windows = []
+    for report in reports:
+        [(message, at)] = [
+            (m, t)
+            for m, t in zip(report["warnings"], report["warned_at"], strict=True)
+            if FULL_LOAD_WARNING in m
+        ]
+        assert "cannot be memory-mapped" in message and "safetensors" in message
+        seconds = float(re.search(r"in ([0-9.]+) s", message).group(1))  # type: ignore[union-attr]
+        windows.append((at - seconds, at))
+    (_, first_done), (second_started, _) = sorted(windows)
+    assert second_started >= first_done - 0.05, windows  # (the clocks of one node)
+    local = [report["local_parameters"] for report in reports]
+    assert sum(local) == sum(p.numel() for p in model.parameters())
+    _assert_scores_like(model, ranks)
 
 
 @pytest.mark.unit

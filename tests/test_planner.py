@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +126,88 @@ def test_contexts_as_32_bit_buffers_are_planned_and_seeded_as_tuples() -> None:
         assert [r.context for r in group.requests] == [tuple(r.context) for r in other.requests]
     plan = plan_generate(tuples, TokenBudget(max_tokens=40))
     assert plan.locations == plan_generate(arrays, TokenBudget(max_tokens=40)).locations
+
+
+def test_the_kv_budget_is_the_plan_and_memory_only_bounds_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Without a KV-cache setting, the slots alone bound a group (what its `slots` largest
+    # requests need): the plan depends on the requests and settings only. A rank's memory
+    # bounds it only where it holds less; a request that needs more is refused, naming why.
+    from rayeval.service.config import EngineConfig
+    from rayeval.service.engine.budgets import MEMORY_SETTING, memory_kv_tokens, slot_budget
+    from rayeval.service.engine.generation_planner import SlotBudget, plan_generate_groups
+
+    requests = [GenerateRequest((1,) * n, 4, ("\n",)) for n in (30, 90, 50, 900, 10)]
+    seeds = [None] * len(requests)
+    free = slot_budget(EngineConfig(model_args="pretrained=m", batch_size=2), None)
+    assert (free.slots, free.kv_tokens, free.prefill_tokens) == (2, None, 8192)
+    [group] = plan_generate_groups(requests, free, seeds).groups
+    assert group.kv_tokens == 904 + 94 and group.prefill_tokens == 8192
+    assert memory_kv_tokens([{"kv_capacity_tokens": None}, {}]) is None
+    held = memory_kv_tokens([{"kv_capacity_tokens": 5000}, {"kv_capacity_tokens": 900}])
+    assert held == 900
+    [bounded] = plan_generate_groups(
+        requests[:3] + requests[4:], SlotBudget(2, held, MEMORY_SETTING), seeds[:4]
+    ).groups
+    assert bounded.kv_tokens == 94 + 54  # memory holds more than this group needs
+    with caplog.at_level(logging.WARNING):
+        [tight] = plan_generate_groups(
+            requests[:3], SlotBudget(2, 100, MEMORY_SETTING), seeds[:3]
+        ).groups
+    assert tight.kv_tokens == 100 and "which rows decode together can differ" in caplog.text
+    with pytest.raises(ConfigError, match=r"needs 904 KV-cache positions.*more than the budget "):
+        plan_generate_groups(requests, SlotBudget(2, held, MEMORY_SETTING), seeds)
+    options = EngineConfig(
+        model_args="pretrained=m", batch_size=2, kv_cache_tokens=100, max_batch_tokens=300
+    )
+    assert slot_budget(options, None) == SlotBudget(2, 100, "--kv_cache_tokens", 300)
+
+
+def test_a_group_admits_by_slots_kv_cache_and_prefill_wave() -> None:
+    from rayeval.actors.batches import GenerateGroup, SlotRequest
+
+    def group(widths: list[int], **bounds: int) -> GenerateGroup:
+        return GenerateGroup(tuple(SlotRequest((1,) * w, 10) for w in widths), **bounds)
+
+    every = list(range(6))
+    assert group([5] * 6, slots=4, kv_tokens=1000).admit([], every) == [0, 1, 2, 3]
+    assert group([5] * 6, slots=4, kv_tokens=45).admit([], every) == [0, 1, 2]
+    # a prefill wave feeds at most rows x the widest context positions
+    wide = group([40, 30, 30, 30, 30, 30], slots=8, kv_tokens=10**6, prefill_tokens=100)
+    assert wide.admit([], every) == [0, 1]
+    assert wide.admit([0, 1], [2, 3, 4, 5]) == [2, 3, 4]
+    alone = group([500, 5], slots=8, kv_tokens=10**6, prefill_tokens=100)
+    assert alone.admit([], [0, 1]) == [0]  # wider than a wave: prefilled alone
+    # slots refill in waves of an eighth of them, or once every pending request fits
+    many = group([5] * 20, slots=16, kv_tokens=10**6)
+    assert many.admit(list(range(15)), [15, 16, 17]) == []
+    assert many.admit(list(range(14)), [14, 15, 16]) == [14, 15]
+    assert many.admit(list(range(15)), [19]) == [19]
+
+
+def test_a_rank_holds_the_kv_cache_its_free_memory_allows(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from rayeval.actors.process import host_memory_share
+    from rayeval.actors.profiles import KV_MEMORY_SHARE, ModelShape
+
+    config = SimpleNamespace(
+        model_type="llama",
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        hidden_size=256,
+    )
+    shape = ModelShape(config)
+    per_token = 2 * 4 * 4 * 32 * 2  # keys and values, layers, kv heads, head dim, bf16
+    assert shape.kv_bytes_per_token(2) == per_token
+    free = 10 * 2**30
+    assert shape.kv_capacity_tokens(free, 2, 1) == int(free * KV_MEMORY_SHARE // per_token)
+    # tensor parallelism over 2 ranks keeps half of every position on each
+    assert shape.kv_capacity_tokens(free, 2, 2) == int(free * KV_MEMORY_SHARE // (per_token / 2))
+    assert ModelShape(SimpleNamespace(model_type="x")).kv_capacity_tokens(free, 2, 1) is None
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   16000000 kB\n")
+    assert host_memory_share(2, 8, str(meminfo)) == 16000000 * 1024 // 4
+    assert host_memory_share(8, 4, str(meminfo)) == 16000000 * 1024

@@ -1,6 +1,6 @@
 """How big the planners may make a micro-batch or a continuous-batching group, from the
-evaluation's configuration (and, for the KV cache on GPUs, the device's memory): the same for
-every layout of one cluster, so plans never depend on R or G."""
+evaluation's configuration, so plans never depend on R or G (the device's memory only bounds how
+much of a continuous-batching group runs at once)."""
 
 from __future__ import annotations
 
@@ -18,45 +18,43 @@ from rayeval.service.engine.generation_planner import SlotBudget
 from rayeval.service.engine.planner import TokenBudget
 
 
-def slot_budget(
-    config: EngineConfig, device: DeviceKind, group: WorkerGroup | None, shell: Any
-) -> SlotBudget:
-    """The continuous-batching engine's slots and KV-cache budget, from the configuration
-    (and on GPUs the device's memory: the same for every layout of one cluster).
+def slot_budget(config: EngineConfig, group: WorkerGroup | None) -> SlotBudget:
+    """The continuous-batching engine's slots and KV-cache budget.
+
+    The plan is fixed by the requests and settings alone (invariant 2): ``--kv_cache_tokens``
+    or ``--max_batch_tokens`` when given, else the slots alone bound a group (each group may
+    hold what its ``slots`` largest requests need). Memory only decides how much of that runs
+    at once: where a rank reported that its device holds fewer KV-cache positions after
+    loading (GPUs: ``torch.cuda.mem_get_info``), the fewest bound the groups, and a request
+    that needs more than that is refused before it runs. Prefill waves are capped by the
+    micro-batch token budget.
 
     Args:
         config: The evaluation's engine configuration.
-        device: What the ranks hold.
-        group: The ranks (their device memory), or None.
-        shell: The model on the meta device (its KV-cache bytes per token), or None.
+        group: The ranks (their load reports: KV-cache positions their memory holds), or None.
     """
     slots = config.batch_size if isinstance(config.batch_size, int) else None
     slots = slots or config.max_batch_size or DEFAULT_MAX_BATCH_ROWS
+    prefill = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
     if config.kv_cache_tokens:
-        return SlotBudget(slots, config.kv_cache_tokens, "--kv_cache_tokens")
+        return SlotBudget(slots, config.kv_cache_tokens, "--kv_cache_tokens", prefill)
     if config.max_batch_tokens:
-        return SlotBudget(slots, config.max_batch_tokens, "--max_batch_tokens")
-    derived = _kv_tokens_from_memory(device, group, shell)
-    return SlotBudget(slots, derived or DEFAULT_MAX_BATCH_TOKENS, "--kv_cache_tokens")
+        return SlotBudget(slots, config.max_batch_tokens, "--max_batch_tokens", prefill)
+    held = memory_kv_tokens(group.wait_ready()) if group is not None else None
+    if held is None:
+        return SlotBudget(slots, None, "--kv_cache_tokens", prefill)
+    return SlotBudget(slots, held, MEMORY_SETTING, prefill)
 
 
-def _kv_tokens_from_memory(device: DeviceKind, group: WorkerGroup | None, shell: Any) -> int | None:
-    """On GPUs: the KV-cache positions half the device memory left beside the whole model
-    holds (the whole model, whatever G: the budget must not depend on the layout)."""
-    if device is not DeviceKind.CUDA or group is None or shell is None:
-        return None
-    reports = group.wait_ready()
-    totals = [float(r["device_total_mib"]) for r in reports if r.get("device_total_mib")]
-    if not totals or len(totals) < len(reports):
-        return None
-    from rayeval.actors.profiles import ModelShape
+#: How an error names the memory bound (after "raise").
+MEMORY_SETTING = "the device memory each rank has free after loading (a larger --shard_size)"
 
-    itemsize = shell.dtype.itemsize
-    per_token = ModelShape(shell.config).kv_bytes_per_token(itemsize)
-    free = min(totals) * 2**20 * 0.9 - shell.num_parameters() * itemsize
-    if per_token <= 0 or free <= 0:
-        return None
-    return max(1, int(free * 0.5 // per_token))
+
+def memory_kv_tokens(reports: list[dict[str, Any]]) -> int | None:
+    """The fewest KV-cache positions a rank's free device memory holds (its load report's
+    ``kv_capacity_tokens``), or None when no rank bounds it (CPU ranks)."""
+    held = [r["kv_capacity_tokens"] for r in reports if r.get("kv_capacity_tokens") is not None]
+    return min(held) if held else None
 
 
 def budget(config: EngineConfig, score_on: DeviceKind | None = None) -> TokenBudget:

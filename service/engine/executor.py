@@ -251,7 +251,7 @@ class Executor:
         return [list(outputs[group][position]) for group, position in plan.locations]
 
     def _slot_budget(self) -> SlotBudget:
-        return slot_budget(self._config, self._device, self._group, self._shell)
+        return slot_budget(self._config, self._group)
 
     def _cached(self, keys: Sequence[Any], phase: str) -> tuple[dict[int, Any], list[int]]:
         """Answers the response cache has (position -> answer), and the positions to compute."""

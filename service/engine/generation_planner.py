@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sys
 from array import array
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ from typing import Any
 from rayeval.actors.batches import GenerateGroup, GenerateMicroBatch, SlotRequest
 from rayeval.actors.errors import ConfigError
 from rayeval.service.engine.planner import TokenBudget, cut_by_budget
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,13 +107,22 @@ class SlotBudget:
     Args:
         slots: Most rows decoded together.
         kv_tokens: Most KV-cache positions held together (a request holds its context plus
-            its ``max_gen_toks``).
-        setting: The option that sets ``kv_tokens``, for error messages.
+            its ``max_gen_toks``), or None: as many as the slots' requests need.
+        setting: What sets ``kv_tokens``, for error messages: an option, or the device memory.
+        prefill_tokens: Most positions one prefill wave feeds, or None for no bound.
     """
 
     slots: int
-    kv_tokens: int
+    kv_tokens: int | None
     setting: str = "--max_batch_tokens"
+    prefill_tokens: int | None = None
+
+    def group_kv_tokens(self, needs: Sequence[int], bound: bool = True) -> int:
+        """The KV-cache positions a group of requests needing ``needs`` may hold at once: the
+        budget (unless not ``bound``), or what its ``slots`` largest requests need together
+        (the slots alone bound it), whichever is smaller."""
+        together = sum(sorted(needs, reverse=True)[: self.slots])
+        return together if self.kv_tokens is None or not bound else min(self.kv_tokens, together)
 
 
 @dataclass(frozen=True)
@@ -158,15 +170,32 @@ def plan_generate_groups(
             chunk = indices[start : start + size]
             for position, index in enumerate(chunk):
                 locations[index] = (len(groups), position)
+            slotted = tuple(_slot_request(requests[i], seeds[i]) for i in chunk)
             groups.append(
                 GenerateGroup(
-                    requests=tuple(_slot_request(requests[i], seeds[i]) for i in chunk),
+                    requests=slotted,
                     slots=budget.slots,
-                    kv_tokens=budget.kv_tokens,
+                    kv_tokens=budget.group_kv_tokens([r.kv_tokens for r in slotted]),
                     kwargs=dict(requests[chunk[0]].kwargs),
+                    prefill_tokens=budget.prefill_tokens,
                 )
             )
+    bound = [g for g in groups if g.kv_tokens < budget.group_kv_tokens(_needs(g), bound=False)]
+    if bound and not budget.setting.startswith("--"):
+        logger.warning(
+            "%d of %d continuous-batching groups hold fewer rows at once than their slots: %s "
+            "holds %d KV-cache positions per rank, so which rows decode together can differ "
+            "between layouts. Set --kv_cache_tokens to fix the plan.",
+            len(bound),
+            len(groups),
+            budget.setting,
+            budget.kv_tokens,
+        )
     return GroupPlan(groups, locations)
+
+
+def _needs(group: GenerateGroup) -> list[int]:
+    return [request.kv_tokens for request in group.requests]
 
 
 def check_fits(
@@ -177,6 +206,8 @@ def check_fits(
     Raises:
         ConfigError: naming the first such request and the settings that make it fit.
     """
+    if budget.kv_tokens is None:
+        return
     for index, request in enumerate(requests):
         need = len(request.context) + request.max_gen_toks
         if need > budget.kv_tokens:

@@ -168,7 +168,7 @@ class Prompts:
             ConfigError: as :func:`~rayeval.service.engine.generation_planner.check_fits`.
         """
         max_length = self._encoder.max_length
-        if budget.kv_tokens >= max_length:
+        if budget.kv_tokens is None or budget.kv_tokens >= max_length:
             return  # lm-eval's truncation keeps every request within max_length
         default, previous, max_gen_toks = self._encoder.max_gen_toks, None, 0
         for instance in self._instances:
