@@ -151,7 +151,7 @@ class SimulatedRank:
         return {
             "seconds": 0.0,
             "local_parameters": 0,
-            "device_total_mib": None,
+            "kv_capacity_tokens": None,
             "strategy": None,
             "collectives": None,
             "peak_rss_mib": 0.0,
