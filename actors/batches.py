@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from rayeval.actors.layout import DeviceKind
-from rayeval.actors.sharding import ShardStrategy
+from rayeval.actors.layout import DeviceKind, ShardStrategy
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ class ScoreRow:
     prefix (the choices of one question, or questions behind the same few-shot examples), the
     shared tokens stored once. Token ``i`` sees exactly its ancestors (``parents[i]``,
     ``parents[parents[i]]``, ...) and sits at position id = its depth, so each request's tokens are
-    computed as if its input were a row of its own (see :mod:`rayeval.actors.packing`).
+    computed as if its input were a row of its own (see :mod:`rayeval.actors.compute.packing`).
 
     Args:
         tokens: Plain: the model input, already truncated:
@@ -106,7 +105,7 @@ class ScoreRow:
     A row travels compactly (:meth:`__reduce__`): its token ids and parents as 32-bit integers
     in one buffer each, so a rank receives them as an ``array('i')`` (not a tuple of Python
     ints, which cost a rank more to unpickle than the rest of the micro-batch) and builds its
-    input tensor straight from the buffer (:func:`rayeval.actors.packing.padded_ids`).
+    input tensor straight from the buffer (:func:`rayeval.actors.compute.packing.padded_ids`).
     """
 
     tokens: tuple[int, ...] | array[int]

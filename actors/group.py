@@ -3,10 +3,10 @@
 ``WorkerGroup.create`` refuses a layout the cluster can never hold, reserves the placement group
 (``rayeval.actors.placement``: waits with a timeout that reports requested vs available resources,
 then maps bundles to ranks so that a replica sits on one node when it fits there), settles how
-replicas shard the model (``rayeval.actors.sharding``: tensor parallelism needs a replica's ranks
-on one node), starts one actor per bundle and has every replica form its process group and load the
-model. A partial start is cleaned up: no actor or placement group outlives a failed ``create``.
-``shutdown`` releases everything.
+replicas shard the model (``rayeval.actors.parallel.sharding``: tensor parallelism needs a replica's
+ranks on one node), starts one actor per bundle and has every replica form its process group and
+load the model. A partial start is cleaned up: no actor or placement group outlives a failed
+``create``. ``shutdown`` releases everything.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from rayeval.actors.errors import (
     ModelLoadError,
     RayEvalError,
 )
-from rayeval.actors.layout import DeviceKind, ParallelLayout, Timeouts
+from rayeval.actors.layout import DeviceKind, ParallelLayout, ShardStrategy, Timeouts
+from rayeval.actors.parallel.strategies import settle, strategy
 from rayeval.actors.placement import Placement, reserve
 from rayeval.actors.process import rank_environment
-from rayeval.actors.sharding import ShardStrategy, settle, strategy
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,8 @@ class WorkerGroup:
             strategy: How replicas shard the model (``auto``: the first registered strategy
                 that can run it).
             obstacles: Per strategy, why it cannot shard this model at this G
-                (:func:`rayeval.actors.sharding.model_obstacles`; None: nothing in the way).
+                (:func:`rayeval.actors.parallel.strategies.model_obstacles`; None: nothing
+                in the way).
             shm_collectives: Whether ranks of a replica on one node may exchange activations
                 through shared memory.
             benchmark_rank_class: Benchmarks only (``benchmarks/sim_rank.py``; the product never

@@ -28,6 +28,15 @@ class DeviceKind(StrEnum):
         return "nccl" if self is DeviceKind.CUDA else "gloo"
 
 
+class ShardStrategy(StrEnum):
+    """The strategies a configuration may name: ``auto`` or a registered one
+    (:mod:`rayeval.actors.parallel.strategies`)."""
+
+    AUTO = "auto"
+    FSDP = "fsdp"
+    TP = "tp"
+
+
 class PlacementPolicy(StrEnum):
     """How the ranks of a layout are placed on the cluster's nodes.
 

@@ -7,16 +7,16 @@ per-architecture knowledge that a config does not say:
 
 - **packing**: whether the attention is plain causal attention over position ids whose custom 4D
   mask transformers passes through unchanged (``masking_utils._preprocess_mask_arguments``), so
-  that packed rows (shared prefixes, :mod:`rayeval.actors.packing`) score exactly;
+  that packed rows (shared prefixes, :mod:`rayeval.actors.compute.packing`) score exactly;
 - **vocabulary chunks**: whether the input embeddings are a plain lookup, so that a large
-  vocabulary may be cut into FSDP row chunks (:mod:`rayeval.actors.vocab_chunks`): Gemma
+  vocabulary may be cut into FSDP row chunks (:mod:`rayeval.actors.parallel.vocab_chunks`): Gemma
   multiplies its embeddings by ``sqrt(hidden_size)`` in its embedding module, so its vocabulary
   stays whole;
 - **decoder blocks**: the class names of the repeated blocks FSDP wraps one by one, where the
   model's own ``_no_split_modules`` does not name them (none known today);
 - **continuous batching**: whether rayeval's continuous-batching engine
-  (:mod:`rayeval.actors.continuous`) was checked against ``generate`` for the architecture (its
-  cache is transformers' plain dynamic cache, its forward takes position ids and a 2D mask);
+  (:mod:`rayeval.actors.compute.continuous`) was checked against ``generate`` for the architecture
+  (its cache is transformers' plain dynamic cache, its forward takes position ids and a 2D mask);
 - **tensor parallelism**: the dimensions a TP plan splits over the ranks (each must be divisible
   by G); whether transformers has a plan for the architecture at all is the config class's
   ``base_model_tp_plan``.

@@ -1,10 +1,10 @@
 """One rank: a plain class that Ray turns into an actor where the worker group creates it.
 
 A :class:`ShardWorker` joins its replica's torch process group (gloo on CPU, NCCL on GPU), has the
-replica's sharding strategy (:mod:`rayeval.actors.sharding`) load its part of the model and set up
-its collectives, and computes micro-batches: scores (:mod:`rayeval.actors.scoring`) and
-generations (:mod:`rayeval.actors.generation`). Every call that involves other ranks (a forward,
-``generate`` with ``synced_gpus``) is issued by all ranks of the replica in the same order,
+replica's sharding strategy (:mod:`rayeval.actors.parallel.sharding`) load its part of the model and
+set up its collectives, and computes micro-batches: scores (:mod:`rayeval.actors.compute.scoring`)
+and generations (:mod:`rayeval.actors.compute.generation`). Every call that involves other ranks (a
+forward, ``generate`` with ``synced_gpus``) is issued by all ranks of the replica in the same order,
 because the driver sends each step to all of them: under FSDP each rank its own micro-batch, under
 tensor parallelism the same micro-batch to every rank.
 """
@@ -35,10 +35,14 @@ from rayeval.actors.batches import (
     ScoreResult,
     StepStats,
 )
-from rayeval.actors.continuous import generate_group
+from rayeval.actors.compute.continuous import generate_group
+from rayeval.actors.compute.generation import generate
+from rayeval.actors.compute.rank_model import RankModel
+from rayeval.actors.compute.scoring import Scorer
 from rayeval.actors.errors import ModelLoadError
-from rayeval.actors.generation import generate
 from rayeval.actors.layout import DeviceKind, RankCoord
+from rayeval.actors.parallel.sharding import RankContext
+from rayeval.actors.parallel.strategies import strategy
 from rayeval.actors.placement import cuda_device_index
 from rayeval.actors.process import (
     INSTALL_CUDA_TORCH,
@@ -47,9 +51,6 @@ from rayeval.actors.process import (
     pin_socket_interfaces,
 )
 from rayeval.actors.profiles import ModelShape
-from rayeval.actors.rank_model import RankModel
-from rayeval.actors.scoring import Scorer
-from rayeval.actors.sharding import RankContext, strategy
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,7 @@ class ShardWorker:
 
     def load_checkpoint(self, checkpoint: str) -> dict[str, Any]:
         """Swap in the weights of another checkpoint of the same model, in place: this rank
-        reads only the regions it holds (:func:`rayeval.actors.weights.fill`).
+        reads only the regions it holds (:func:`rayeval.actors.weights.sources.fill`).
 
         Args:
             checkpoint: A DCP directory or HF weight files, of the loaded model's architecture.
@@ -225,7 +226,7 @@ class ShardWorker:
         """
         from dataclasses import replace
 
-        from rayeval.actors.weights import fill, open_source
+        from rayeval.actors.weights.sources import fill, open_source
 
         assert self._rank is not None, "setup() loads the model first"
         started = time.monotonic()
@@ -246,7 +247,8 @@ class ShardWorker:
 
     # ------------------------------------------------------------------------------- compute
     def score(self, batch: ScoreMicroBatch) -> tuple[ScoreResult, StepStats]:
-        """Log-likelihood of each target continuation (:class:`rayeval.actors.scoring.Scorer`)."""
+        """Log-likelihood of each target continuation
+        (:class:`rayeval.actors.compute.scoring.Scorer`)."""
         assert self._scorer is not None, "setup() loads the model first"
         return self._scorer.score(batch)
 
@@ -269,7 +271,7 @@ class ShardWorker:
 
     def generate_stream(self, group: GenerateGroup) -> Iterator[GenerationPiece]:
         """Continuous batching over a group's requests, streaming each answer as its request
-        finishes (:mod:`rayeval.actors.continuous`); a Ray streaming generator."""
+        finishes (:mod:`rayeval.actors.compute.continuous`); a Ray streaming generator."""
         assert self._rank is not None, "setup() loads the model first"
         # Ranks that compute one batch together (TP) make the same decisions from the same
         # logits; ranks that each compute their own (FSDP) agree on every step.

@@ -79,7 +79,7 @@ def compare(batches: list[Any], repeats: int) -> dict[str, tuple[float, float]]:
     """Per stage: (microseconds per micro-batch as tuples, as buffers)."""
     import torch
 
-    from rayeval.actors.packing import padded_ids
+    from rayeval.actors.compute.packing import padded_ids
 
     n = len(batches)
     old, new = as_tuples(batches), pickle.dumps(batches, protocol=5)

@@ -23,7 +23,7 @@ def main() -> int:
     import torch
 
     from rayeval.actors.batches import ScoreRow
-    from rayeval.actors.scoring import Scorer, _answer
+    from rayeval.actors.compute.scoring import Scorer, _answer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vocab", type=int, default=128_256, help="Llama 3's by default")

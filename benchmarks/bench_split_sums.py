@@ -1,5 +1,5 @@
 """How far a linear layer split over G ranks lands from the one-device product, per dtype and way
-of splitting: the measurement behind rayeval's tensor parallelism (actors/tp_exact.py).
+of splitting: the measurement behind rayeval's tensor parallelism (actors/parallel/tp_exact.py).
 
 For random matrices (``x``: M x K, ``w``: N x K, this machine's kernels, one thread) it compares
 ``F.linear(x, w)`` on one device with:

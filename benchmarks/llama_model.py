@@ -52,7 +52,7 @@ def model_figures(model_dir: Path) -> dict[str, int]:
     import torch
     import transformers
 
-    from rayeval.actors.fsdp_units import decoder_blocks, embedding_units
+    from rayeval.actors.parallel.fsdp_units import decoder_blocks, embedding_units
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):

@@ -29,8 +29,13 @@ from pydantic import (
 )
 
 from rayeval.actors.errors import ConfigError
-from rayeval.actors.layout import DeviceKind, ParallelLayout, PlacementPolicy, Timeouts
-from rayeval.actors.sharding import ShardStrategy
+from rayeval.actors.layout import (
+    DeviceKind,
+    ParallelLayout,
+    PlacementPolicy,
+    ShardStrategy,
+    Timeouts,
+)
 from rayeval.service.config_groups import Frozen as _Frozen
 from rayeval.service.config_groups import Scheduling, SweepSpec, TimeoutSettings
 from rayeval.service.lm_eval_options import (
@@ -114,7 +119,7 @@ class EngineConfig(_Frozen):
 
     :class:`EvaluationConfig` adds the tasks and lm-eval's options; the Python API
     (``RayEvalLM(pretrained=..., num_replicas=...)``) builds this part alone with
-    :meth:`from_kwargs`.
+    :func:`~rayeval.service.config_fields.config_from_keywords`.
     """
 
     model_args: dict[str, Any] = Field(
@@ -176,41 +181,6 @@ class EngineConfig(_Frozen):
     parallelism: Parallelism = Parallelism()
     timeouts: TimeoutSettings = TimeoutSettings()
     scheduling: Scheduling = Scheduling()
-
-    @classmethod
-    def from_kwargs(cls, pretrained: str, **options: Any) -> EngineConfig:
-        """The Python API's keywords: this class's fields, the layout's and the timeouts' fields
-        given flat (``num_replicas=2``, ``step_s=60``), and lm-eval HF model args for the rest.
-
-        Raises:
-            ConfigError: naming every bad keyword.
-        """
-        from pydantic import ValidationError
-
-        from rayeval.service.config_fields import describe_errors
-
-        data: dict[str, Any] = {"model_args": {"pretrained": pretrained}}
-        flat: dict[str, dict[str, Any]] = {group: {} for group in _GROUPS}
-        for key, value in options.items():
-            group = next((g for g, model in _GROUPS.items() if key in model.model_fields), None)
-            if key in cls.model_fields and key != "model_args":
-                data[key] = value
-            elif group is not None:
-                flat[group][key] = value
-            else:
-                data["model_args"][key] = value
-        for group, values in flat.items():  # flat keys refine a group given whole
-            if values:
-                whole = data.get(group) or {}
-                if isinstance(whole, Timeouts):
-                    whole = asdict(whole)
-                elif isinstance(whole, BaseModel):
-                    whole = whole.model_dump()
-                data[group] = {**whole, **values}
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise ConfigError(describe_errors(exc, lambda path: path[-1])) from None
 
     @property
     def pretrained(self) -> str:

@@ -9,11 +9,14 @@ flag (:func:`cli_flag`), so an error names the field in the words of whoever mad
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from rayeval.service.config import EvaluationConfig
+from rayeval.actors.errors import ConfigError
+from rayeval.actors.layout import Timeouts
+from rayeval.service.config import _GROUPS, EngineConfig, EvaluationConfig
 
 #: ``rayeval run`` flags of the config fields that lm-eval's own parser does not have; every other
 #: field has lm-eval's flag of the same name.
@@ -105,3 +108,35 @@ def describe_errors(exc: Any, name: Any) -> str:
         else:
             problems.append(f"{where}: {message}")
     return "; ".join(dict.fromkeys(problems))
+
+
+def config_from_keywords(pretrained: str, **options: Any) -> EngineConfig:
+    """The engine configuration of the Python API's keywords (``RayEvalLM(...)``, lm-eval's
+    ``model="rayeval"``): :class:`EngineConfig`'s fields, the layout's and the timeouts' fields
+    given flat (``num_replicas=2``, ``step_s=60``), and lm-eval HF model args for the rest.
+
+    Raises:
+        ConfigError: naming every bad keyword.
+    """
+    data: dict[str, Any] = {"model_args": {"pretrained": pretrained}}
+    flat: dict[str, dict[str, Any]] = {group: {} for group in _GROUPS}
+    for key, value in options.items():
+        group = next((g for g, model in _GROUPS.items() if key in model.model_fields), None)
+        if key in EngineConfig.model_fields and key != "model_args":
+            data[key] = value
+        elif group is not None:
+            flat[group][key] = value
+        else:
+            data["model_args"][key] = value
+    for group, values in flat.items():  # flat keys refine a group given whole
+        if values:
+            whole = data.get(group) or {}
+            if isinstance(whole, Timeouts):
+                whole = asdict(whole)
+            elif isinstance(whole, BaseModel):
+                whole = whole.model_dump()
+            data[group] = {**whole, **values}
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_errors(exc, lambda path: path[-1])) from None

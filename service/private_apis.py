@@ -53,7 +53,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "torch.distributed.fsdp",
         "FSDPModule._set_unshard_async_op",
         "2.13.0",
-        "actors/fsdp_units.py: CPU ranks free each all-gathered unit at once",
+        "actors/parallel/fsdp_units.py: CPU ranks free each all-gathered unit at once",
         "keeps one more all-gathered unit alive per forward (more memory per rank)",
     ),
     PrivateApi(
@@ -61,15 +61,15 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "torch.distributed.tensor",
         "DTensor.__create_chunk_list__",
         "2.13.0",
-        "actors/weights.py: where a rank's DTensor shard lies in a checkpoint tensor (DCP's own "
-        "description of it)",
+        "actors/weights/sources.py: where a rank's DTensor shard lies in a checkpoint tensor "
+        "(DCP's own description of it)",
     ),
     PrivateApi(
         "transformers",
         "transformers.modeling_utils",
         "PreTrainedModel._no_split_modules",
         "5.25.0",
-        "actors/fsdp_units.py: which modules are decoder blocks (one FSDP unit each)",
+        "actors/parallel/fsdp_units.py: which modules are decoder blocks (one FSDP unit each)",
         "the children of the model's longest ModuleList are taken as its blocks",
     ),
     PrivateApi(
@@ -77,7 +77,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.distributed.tensor_parallel",
         "TensorParallelLayer.transform_output_post_forward",
         "5.25.0",
-        "actors/tp_exact.py: tensor-parallel layers split by output features (no split sums)",
+        "actors/parallel/tp_exact.py: tensor-parallel layers split by output features "
+        "(no split sums)",
         "",
     ),
     PrivateApi(
@@ -85,7 +86,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.distributed.parallel_utils",
         "ALL_PARALLEL_STYLES.register",
         "5.25.0",
-        "actors/tp_exact.py: rayeval's exact tensor-parallel styles registered by name",
+        "actors/parallel/tp_exact.py: rayeval's exact tensor-parallel styles registered by name",
         "",
     ),
     PrivateApi(
@@ -93,7 +94,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.configuration_utils",
         "PretrainedConfig._attn_implementation",
         "5.25.0",
-        "actors/scoring.py, engine/lm.py: which attention takes a packed row's 4D mask",
+        "actors/compute/scoring.py, engine/lm.py: which attention takes a packed row's 4D mask",
         "",
     ),
     PrivateApi(
@@ -101,7 +102,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.generation.utils",
         "GenerationMixin._prepare_generation_config",
         "5.25.0",
-        "actors/logits_setup.py: continuous batching applies generate's own generation config",
+        "actors/compute/logits_setup.py: continuous batching applies generate's own "
+        "generation config",
         "generate_until runs in static batches",
     ),
     PrivateApi(
@@ -109,7 +111,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.generation.utils",
         "GenerationMixin._prepare_special_tokens",
         "5.25.0",
-        "actors/logits_setup.py: the EOS ids that generate's length processors read",
+        "actors/compute/logits_setup.py: the EOS ids that generate's length processors read",
         "generate_until runs in static batches",
     ),
     PrivateApi(
@@ -117,7 +119,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.generation.utils",
         "GenerationMixin._get_logits_processor",
         "5.25.0",
-        "actors/logits_setup.py: continuous batching applies generate's own logits processors",
+        "actors/compute/logits_setup.py: continuous batching applies generate's own "
+        "logits processors",
         "generate_until runs in static batches",
     ),
     PrivateApi(
@@ -125,7 +128,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "transformers.cache_utils",
         "DynamicLayer.keys",
         "5.25.0",
-        "actors/continuous.py: rows' KV caches joined, dropped and trimmed",
+        "actors/compute/continuous.py: rows' KV caches joined, dropped and trimmed",
         "generate_until runs in static batches",
         instance=True,
     ),

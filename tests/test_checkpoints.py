@@ -299,7 +299,7 @@ def test_tied_head_reads_the_one_tensor_the_checkpoint_has(stored: str, tmp_path
     import transformers
 
     from rayeval.actors.batches import ModelSpec
-    from rayeval.actors.fsdp_loading import load_model
+    from rayeval.actors.parallel.fsdp_loading import load_model
     from rayeval.service.demo import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "gpt2", arch="gpt2", train_steps=0)
@@ -333,7 +333,7 @@ def test_response_cache_remembers_what_was_evaluated(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_checkpoint_directories_complete_ordered_and_named(tmp_path: Path) -> None:
-    from rayeval.actors.checkpoint_dirs import by_step, expand, inspect_dir, labels, step_of
+    from rayeval.actors.weights.checkpoint_dirs import by_step, expand, inspect_dir, labels, step_of
 
     assert [step_of(n) for n in ("step-1000", "checkpoint-500", "global_step20", "final")] == [
         1000, 500, 20, None,

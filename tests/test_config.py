@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from rayeval.service.config import EngineConfig, EvaluationConfig, HostOptions
+from rayeval.service.config import EvaluationConfig, HostOptions
 from rayeval.service.config_fields import (
     OTHER_DOORS,
     RAYEVAL_FLAGS,
     cli_flag,
     config_field_paths,
+    config_from_keywords,
     describe_errors,
 )
 from rayeval.service.lm_eval_options import LM_EVAL_HOST_FIELDS
@@ -108,7 +109,7 @@ def test_placement_reaches_the_layout_from_every_door() -> None:
     config = EvaluationConfig.model_validate(body)
     assert config.layout(cpu).placement is PlacementPolicy.SPREAD
     assert EvaluationConfig.from_json(config.to_json()) == config
-    assert EngineConfig.from_kwargs("org/model", placement="pack").layout(cpu).placement == "pack"
+    assert config_from_keywords("org/model", placement="pack").layout(cpu).placement == "pack"
     with pytest.raises(ValidationError, match="placement"):
         EvaluationConfig.model_validate({**BASE, "parallelism": {"placement": "scatter"}})
     with pytest.raises(ValidationError, match='under "parallelism"'):
@@ -124,15 +125,15 @@ def test_python_keywords_split_into_layout_timeouts_and_model_args() -> None:
     from rayeval.actors.errors import ConfigError
     from rayeval.actors.layout import Timeouts
 
-    config = EngineConfig.from_kwargs(
+    config = config_from_keywords(
         "org/model", num_replicas=2, step_s=5, timeouts=Timeouts(load_s=9), dtype="float32"
     )
     assert config.parallelism.num_replicas == 2 and config.model_args["dtype"] == "float32"
     assert config.timeouts.load_s == 9 and config.timeouts.step_s == 5
     with pytest.raises(ConfigError, match="shard_size: Input should be greater than or equal"):
-        EngineConfig.from_kwargs("org/model", shard_size=-2)
+        config_from_keywords("org/model", shard_size=-2)
     with pytest.raises(ConfigError, match="parallelize: rayeval shards"):
-        EngineConfig.from_kwargs("org/model", parallelize=True)
+        config_from_keywords("org/model", parallelize=True)
 
 
 def test_host_options_take_only_lm_eval_host_fields() -> None:
@@ -148,13 +149,13 @@ def test_auto_budgets_per_device_and_request_type() -> None:
     from rayeval.actors.layout import DeviceKind
     from rayeval.service.engine.budgets import budget as _budget
 
-    auto = EngineConfig.from_kwargs("org/model")
+    auto = config_from_keywords("org/model")
     assert _budget(auto, score_on=DeviceKind.CPU).max_tokens == 2048
     assert _budget(auto, score_on=DeviceKind.CUDA).max_tokens == 8192
     assert _budget(auto).max_tokens == 8192  # generation
     assert _budget(auto).max_rows == 64
-    given = EngineConfig.from_kwargs("org/model", max_batch_tokens=4096)
+    given = config_from_keywords("org/model", max_batch_tokens=4096)
     assert _budget(given, score_on=DeviceKind.CPU).max_tokens == 4096
-    rows = EngineConfig.from_kwargs("org/model", batch_size=16)
+    rows = config_from_keywords("org/model", batch_size=16)
     assert _budget(rows, score_on=DeviceKind.CPU).max_rows == 16
     assert _budget(rows, score_on=DeviceKind.CPU).max_tokens == 2**62

@@ -1,6 +1,6 @@
-"""Continuous batching (actors/continuous.py): lm-eval hf's greedy answers in every layout, the same
-bits in every layout and rerun, sampled answers that do not depend on the layout, a request too
-large for the KV-cache budget refused before any batch runs, progress counted per request, and
+"""Continuous batching (actors/compute/continuous.py): lm-eval hf's greedy answers in every layout,
+the same bits in every layout and rerun, sampled answers that do not depend on the layout, a request
+too large for the KV-cache budget refused before any batch runs, progress counted per request, and
 the static path where continuous batching cannot be exact.
 
 Slots are few (``batch_size=3``: three rows decode together, a group holds 12 requests), so the

@@ -7,7 +7,7 @@ least number of new tokens together (each of the three changes answers beyond wh
 do: checked here against lm-eval hf on copies without it, so a layout that ignored one would
 differ). At 1x1, 2x1, 1x2 under FSDP and 1x2 under tensor parallelism every answer must equal
 lm-eval hf's, in continuous batching (these processors read each row's own tokens:
-actors/continuous.py). A setting continuous batching cannot reproduce (``min_length`` alone)
+actors/compute/continuous.py). A setting continuous batching cannot reproduce (``min_length`` alone)
 takes static batches and still matches.
 """
 
@@ -130,7 +130,7 @@ def test_layout_matches_lm_eval_hf(
 def test_a_setting_continuous_batching_cannot_reproduce_takes_static_batches(
     models: dict[str, Path], references: Any, task_manager: Any, ray_session: None
 ) -> None:
-    from rayeval.actors.continuous import unsupported
+    from rayeval.actors.compute.continuous import unsupported
     from rayeval.service.engine.encoder import meta_model
 
     shell, _ = meta_model(str(models["min_length"]), {})

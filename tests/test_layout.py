@@ -61,7 +61,8 @@ def test_shard_strategy_is_settled_from_the_model_and_the_placement() -> None:
     import transformers
 
     from rayeval.actors.errors import ConfigError
-    from rayeval.actors.sharding import ShardStrategy, model_obstacles, settle
+    from rayeval.actors.layout import ShardStrategy
+    from rayeval.actors.parallel.strategies import model_obstacles, settle
 
     def tp_obstacles(config, shard_size):
         return model_obstacles(config, shard_size)[ShardStrategy.TP]

@@ -1,6 +1,6 @@
 """Which of ``generate``'s logits processors continuous batching runs, and that running them row
 by row on each row's own tokens gives ``generate``'s scores over a left-padded batch
-(actors/logits_setup.py)."""
+(actors/compute/logits_setup.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from rayeval.actors.logits_setup import GENERATED, SCORES, TOKENS, Sampling, sampling_setup
+from rayeval.actors.compute.logits_setup import GENERATED, SCORES, TOKENS, Sampling, sampling_setup
 
 pytestmark = pytest.mark.unit
 

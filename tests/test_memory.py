@@ -53,7 +53,7 @@ def _meta_model(config: Any) -> Any:
 def test_tied_head_is_one_unit_with_the_embeddings() -> None:
     import transformers
 
-    from rayeval.actors.fsdp_units import embedding_units
+    from rayeval.actors.parallel.fsdp_units import embedding_units
 
     gpt2 = _meta_model(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
@@ -67,8 +67,8 @@ def test_tied_head_is_one_unit_with_the_embeddings() -> None:
 def test_tied_parameter_maps_to_the_one_checkpoint_tensor() -> None:
     import transformers
 
-    from rayeval.actors.checkpoints import Checkpoint as _Checkpoint
-    from rayeval.actors.fsdp_loading import _aliases
+    from rayeval.actors.parallel.fsdp_loading import _aliases
+    from rayeval.actors.weights.hf_files import Checkpoint as _Checkpoint
 
     gpt2 = _meta_model(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
     aliases = _aliases(gpt2)
@@ -374,8 +374,8 @@ def test_large_vocabulary_is_cut_into_units_with_bit_identical_logits() -> None:
     import torch
     import transformers
 
-    from rayeval.actors.fsdp_units import decoder_blocks
-    from rayeval.actors.vocab_chunks import ChunkedEmbedding, ChunkedHead, split_vocabulary
+    from rayeval.actors.parallel.fsdp_units import decoder_blocks
+    from rayeval.actors.parallel.vocab_chunks import ChunkedEmbedding, ChunkedHead, split_vocabulary
 
     torch.manual_seed(0)
     llama = _llama_config(vocab_size=3001, hidden_size=64, num_hidden_layers=2)
@@ -418,7 +418,7 @@ def test_large_vocabulary_is_cut_into_units_with_bit_identical_logits() -> None:
 def test_embedding_subclasses_and_small_vocabularies_stay_whole() -> None:
     import transformers
 
-    from rayeval.actors.vocab_chunks import split_vocabulary
+    from rayeval.actors.parallel.vocab_chunks import split_vocabulary
 
     gemma = transformers.Gemma3TextConfig(
         hidden_size=32,

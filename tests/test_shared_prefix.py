@@ -77,7 +77,7 @@ def test_rows_travel_as_32_bit_buffers_and_give_the_same_model_inputs() -> None:
     import torch
 
     from rayeval.actors.batches import ScoreMicroBatch, ScoreRow
-    from rayeval.actors.packing import packed_inputs, padded_ids
+    from rayeval.actors.compute.packing import packed_inputs, padded_ids
 
     rng = random.Random(1)
     prefix = [rng.randrange(5, 60_000) for _ in range(12)]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rayeval.actors.shm_collectives import SLOT_BYTES, ShmCollectives
+from rayeval.actors.parallel.shm_collectives import SLOT_BYTES, ShmCollectives
 
 pytestmark = [
     pytest.mark.service,
@@ -66,7 +66,7 @@ def _gathers_transformers_tensor_parallel(rank: int, world: int, store: str, nam
     process group otherwise: the same result."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rayeval.actors.tp_exact import Gather
+    from rayeval.actors.parallel.tp_exact import Gather
 
     _join(rank, world, store)
     mesh = init_device_mesh("cpu", (world,))

@@ -59,7 +59,7 @@ def test_tp_matches_lm_eval_hf(
 ) -> None:
     import transformers
 
-    from rayeval.actors.sharding import ShardStrategy
+    from rayeval.actors.layout import ShardStrategy
     from rayeval.service.engine.lm import RayEvalLM
 
     with RayEvalLM(
@@ -106,7 +106,7 @@ def test_heads_g_does_not_divide_fall_back_to_fsdp_or_are_refused(
     import ray
 
     from rayeval.actors.errors import ConfigError
-    from rayeval.actors.sharding import ShardStrategy
+    from rayeval.actors.layout import ShardStrategy
     from rayeval.service.engine.lm import RayEvalLM
 
     model_dir = _odd_heads_llama(tmp_path / "odd", demo.model_dir)

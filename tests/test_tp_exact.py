@@ -1,4 +1,5 @@
-"""Which tensor-parallel plans rayeval can run without splitting a sum (actors/tp_exact.py).
+"""Which tensor-parallel plans rayeval can run without splitting a sum
+(actors/parallel/tp_exact.py).
 
 Row-parallel layers are rewritten to split by output features; plans with styles that add
 partial sums rayeval cannot rewrite make TP an obstacle, so that ``auto`` takes FSDP and ``tp``
@@ -10,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from rayeval.actors import tp_exact
-from rayeval.actors.sharding import ShardStrategy, model_obstacles, settle
+from rayeval.actors.layout import ShardStrategy
+from rayeval.actors.parallel import tp_exact
+from rayeval.actors.parallel.strategies import model_obstacles, settle
 
 pytestmark = pytest.mark.unit
 

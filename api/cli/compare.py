@@ -116,9 +116,19 @@ def _token(args: argparse.Namespace) -> str | None:
 
 # ----------------------------------------------------------------------------- the table
 _COLUMNS = (
-    "task", "metric", "filter", "docs", "A", "B", "B - A", "paired 95% interval", "p", "test",
-    "unpaired 95% interval", "flipped +/-",
-)  # fmt: skip
+    "task",
+    "metric",
+    "filter",
+    "docs",
+    "A",
+    "B",
+    "B - A",
+    "paired 95% interval",
+    "p",
+    "test",
+    "unpaired 95% interval",
+    "flipped +/-",
+)
 
 
 def render(answer: dict[str, Any]) -> str:
@@ -152,11 +162,19 @@ def _row(metric: dict[str, Any]) -> list[Any]:
     mark = " *" if metric["significant"] else ""
     flipped = metric["flipped"]
     return [
-        metric["task"], metric["metric"], metric["filter"], metric["documents"],
-        _number(metric["a"]), _number(metric["b"]), _number(metric["difference"], signed=True),
-        _interval(metric["paired_interval"]), _number(metric["p_value"]) + mark, metric["test"],
-        _interval(metric["unpaired_interval"]), f"+{flipped['better']}/-{flipped['worse']}",
-    ]  # fmt: skip
+        metric["task"],
+        metric["metric"],
+        metric["filter"],
+        metric["documents"],
+        _number(metric["a"]),
+        _number(metric["b"]),
+        _number(metric["difference"], signed=True),
+        _interval(metric["paired_interval"]),
+        _number(metric["p_value"]) + mark,
+        metric["test"],
+        _interval(metric["unpaired_interval"]),
+        f"+{flipped['better']}/-{flipped['worse']}",
+    ]
 
 
 def _number(value: float | None, signed: bool = False) -> str:

@@ -112,8 +112,8 @@ def run_sweep_command(
     Returns:
         0; 1 when a checkpoint was refused or failed; 2 for input that cannot run.
     """
-    from rayeval.actors.checkpoint_dirs import expand
     from rayeval.actors.errors import RayEvalError
+    from rayeval.actors.weights.checkpoint_dirs import expand
     from rayeval.service.engine.sweep import run_sweep
 
     out = out or sys.stdout
@@ -162,8 +162,10 @@ def results_command(args: argparse.Namespace) -> int | None:
     try:
         summary = read_summary(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"rayeval results: error: {path} is not a readable sweep summary: {exc}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"rayeval results: error: {path} is not a readable sweep summary: {exc}",
+            file=sys.stderr,
+        )
         return 2
     if args.json:
         import json
@@ -176,8 +178,9 @@ def results_command(args: argparse.Namespace) -> int | None:
 
 def _print_record(record: Any, out: TextIO | None = None) -> None:
     seconds = record.seconds
-    timing = ", ".join(f"{name} {seconds[name]:.2f}s" for name in ("swap", "compute", "total")
-                       if name in seconds)  # fmt: skip
+    timing = ", ".join(
+        f"{name} {seconds[name]:.2f}s" for name in ("swap", "compute", "total") if name in seconds
+    )
     line = f"{record.label}: {record.status}" + (f" ({timing})" if timing else "")
     print(line, file=out or sys.stdout, flush=True)
 

@@ -60,13 +60,24 @@ class LayoutSpec:
 def lm_eval_args(model_dir: str, tasks_dir: str, tasks: str, limit: int) -> list[str]:
     """The options rayeval and lm-eval's reference run share (lm-eval's own flags)."""
     return [
-        "--model", "hf",
-        "--model_args", f"pretrained={model_dir},dtype=float32",
-        "--include_path", tasks_dir,
-        "--tasks", tasks,
-        "--limit", str(limit), "--num_fewshot", "2", "--gen_kwargs", "max_gen_toks=5",
-        "--seed", "7", "--log_samples",
-    ]  # fmt: skip
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model_dir},dtype=float32",
+        "--include_path",
+        tasks_dir,
+        "--tasks",
+        tasks,
+        "--limit",
+        str(limit),
+        "--num_fewshot",
+        "2",
+        "--gen_kwargs",
+        "max_gen_toks=5",
+        "--seed",
+        "7",
+        "--log_samples",
+    ]
 
 
 def evaluate(
@@ -74,10 +85,25 @@ def evaluate(
 ) -> dict[str, Any]:
     """``rayeval run`` on the cluster from the head's namespace; where its ranks ran."""
     rayeval = str(Path(sys.executable).with_name("rayeval"))
-    argv = [rayeval, "run", "--address", cluster.address, *shared, "--device", "cpu",
-            "--batch_size", "auto", "--num_replicas", str(layout.replicas),
-            "--shard_size", str(layout.shard_size), "--placement", layout.placement,
-            "--output_path", str(out)]  # fmt: skip
+    argv = [
+        rayeval,
+        "run",
+        "--address",
+        cluster.address,
+        *shared,
+        "--device",
+        "cpu",
+        "--batch_size",
+        "auto",
+        "--num_replicas",
+        str(layout.replicas),
+        "--shard_size",
+        str(layout.shard_size),
+        "--placement",
+        layout.placement,
+        "--output_path",
+        str(out),
+    ]
     log = cluster.work_dir / f"driver-{layout.name.replace(':', '-')}.log"
     command = in_ns(cluster.head_ns, argv)
     logger.info("$ %s  > %s", shlex.join(command), log)
@@ -137,8 +163,17 @@ def check_layout(cluster: Cluster, layout: LayoutSpec, ranks: list[dict[str, Any
 def reference(shared: list[str], out: Path, env: dict[str, str], log: Path) -> None:
     """lm-eval's own ``hf`` backend, in this (the root) namespace, on the CPU in fp32."""
     lm_eval = str(Path(sys.executable).with_name("lm_eval"))
-    command = [lm_eval, "run", *shared, "--device", "cpu", "--batch_size", "4",
-               "--output_path", str(out)]  # fmt: skip
+    command = [
+        lm_eval,
+        "run",
+        *shared,
+        "--device",
+        "cpu",
+        "--batch_size",
+        "4",
+        "--output_path",
+        str(out),
+    ]
     logger.info("$ %s  > %s", shlex.join(command), log)
     with log.open("wb") as sink:
         done = subprocess.run(

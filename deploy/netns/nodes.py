@@ -106,8 +106,23 @@ def make_network(cluster: Cluster) -> None:
     head_link, worker_link = cluster.links
     for ns in (cluster.head_ns, cluster.worker_ns):
         run_logged(["ip", "netns", "add", ns])
-    run_logged(["ip", "link", "add", head_link, "netns", cluster.head_ns, "type", "veth",
-          "peer", "name", worker_link, "netns", cluster.worker_ns])  # fmt: skip
+    run_logged(
+        [
+            "ip",
+            "link",
+            "add",
+            head_link,
+            "netns",
+            cluster.head_ns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            worker_link,
+            "netns",
+            cluster.worker_ns,
+        ]
+    )
     for ns, link, ip in (
         (cluster.head_ns, head_link, cluster.head_ip),
         (cluster.worker_ns, worker_link, cluster.worker_ip),
@@ -161,12 +176,24 @@ def ray_start(cluster: Cluster, head: bool, num_cpus: int) -> list[str]:
     ray = str(Path(sys.executable).with_name("ray"))
     common = [f"--num-cpus={num_cpus}", "--disable-usage-stats", "--block"]
     if head:
-        return [ray, "start", "--head", f"--node-ip-address={cluster.head_ip}",
-                f"--port={cluster.port}", f"--temp-dir={cluster.work_dir / 'h'}",
-                "--include-dashboard=false", *common]  # fmt: skip
-    return [ray, "start", f"--address={cluster.address}",
-            f"--node-ip-address={cluster.worker_ip}", f"--temp-dir={cluster.work_dir / 'w'}",
-            *common]  # fmt: skip
+        return [
+            ray,
+            "start",
+            "--head",
+            f"--node-ip-address={cluster.head_ip}",
+            f"--port={cluster.port}",
+            f"--temp-dir={cluster.work_dir / 'h'}",
+            "--include-dashboard=false",
+            *common,
+        ]
+    return [
+        ray,
+        "start",
+        f"--address={cluster.address}",
+        f"--node-ip-address={cluster.worker_ip}",
+        f"--temp-dir={cluster.work_dir / 'w'}",
+        *common,
+    ]
 
 
 def wait_running(process: subprocess.Popen[bytes], log: Path, probe: Any) -> Any:

@@ -128,18 +128,38 @@ def bring_up(cluster: Cluster, env: dict[str, str], num_cpus: int) -> Any:
         RehearsalError: A node did not start or join, with the tail of both nodes' logs.
     """
     make_network(cluster)
-    head = start_node(cluster, "head", ray_start(cluster, True, num_cpus), env,
-                      cluster.head_ns)  # fmt: skip
-    wait_running(head, cluster.work_dir / "head.log", lambda: helper(
-        cluster, cluster.worker_ns, env, "port", cluster.address, str(NODE_TIMEOUT_S),
-        timeout_s=NODE_TIMEOUT_S))  # fmt: skip
-    worker = start_node(cluster, "worker", ray_start(cluster, False, num_cpus), env,
-                        cluster.worker_ns)  # fmt: skip
+    head = start_node(cluster, "head", ray_start(cluster, True, num_cpus), env, cluster.head_ns)
+    wait_running(
+        head,
+        cluster.work_dir / "head.log",
+        lambda: helper(
+            cluster,
+            cluster.worker_ns,
+            env,
+            "port",
+            cluster.address,
+            str(NODE_TIMEOUT_S),
+            timeout_s=NODE_TIMEOUT_S,
+        ),
+    )
+    worker = start_node(
+        cluster, "worker", ray_start(cluster, False, num_cpus), env, cluster.worker_ns
+    )
     try:
-        return wait_running(worker, cluster.work_dir / "worker.log", lambda: helper(
-            cluster, cluster.head_ns, env, "nodes", cluster.address,
-            f"{cluster.head_ip},{cluster.worker_ip}", str(NODE_TIMEOUT_S),
-            timeout_s=NODE_TIMEOUT_S))  # fmt: skip
+        return wait_running(
+            worker,
+            cluster.work_dir / "worker.log",
+            lambda: helper(
+                cluster,
+                cluster.head_ns,
+                env,
+                "nodes",
+                cluster.address,
+                f"{cluster.head_ip},{cluster.worker_ip}",
+                str(NODE_TIMEOUT_S),
+                timeout_s=NODE_TIMEOUT_S,
+            ),
+        )
     except RehearsalError as exc:
         tails = "\n".join(
             f"--- {log}:\n" + log.read_text(errors="replace")[-2000:]
@@ -151,8 +171,9 @@ def bring_up(cluster: Cluster, env: dict[str, str], num_cpus: int) -> Any:
 def check_refusal(cluster: Cluster, env: dict[str, str]) -> Any:
     """A driver with a wrong token is refused; why, as Ray said it."""
     wrong = {**env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    refused = helper(cluster, cluster.head_ns, wrong, "refused", cluster.address, "60",
-                     timeout_s=60)  # fmt: skip
+    refused = helper(
+        cluster, cluster.head_ns, wrong, "refused", cluster.address, "60", timeout_s=60
+    )
     logger.info("a driver with a wrong token was refused: %s", refused)
     return refused
 
@@ -168,9 +189,12 @@ def run_layouts(
         check_layout(cluster, layout, record["ranks"])
         record["output_path"] = str(out)
         records[layout.name] = record
-        logger.info("%s: ranks %s (%.0fs)", layout.name,
-                    [(r["replica"], r["shard_rank"], r["ip"]) for r in record["ranks"]],
-                    record["seconds"])  # fmt: skip
+        logger.info(
+            "%s: ranks %s (%.0fs)",
+            layout.name,
+            [(r["replica"], r["shard_rank"], r["ip"]) for r in record["ranks"]],
+            record["seconds"],
+        )
     return records
 
 
@@ -259,22 +283,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prefix", default="rvn", help="namespace/link name prefix (<= 8 chars)")
     parser.add_argument("--subnet", default="10.77.0", help="the /24 of the two nodes (a.b.c)")
-    parser.add_argument("--work-dir", type=Path, default=None,
-                        help="logs, Ray temp dirs, outputs (default /tmp/<prefix>; keep it short: "
-                        "Ray's socket paths must stay under 107 characters)")  # fmt: skip
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="logs, Ray temp dirs, outputs (default /tmp/<prefix>; keep it short: "
+        "Ray's socket paths must stay under 107 characters)",
+    )
     parser.add_argument("--num-cpus", type=int, default=2, help="logical CPUs per node")
-    parser.add_argument("--layouts", type=LayoutSpec.parse, nargs="+",
-                        default=[LayoutSpec.parse(text) for text in DEFAULT_LAYOUTS],
-                        help="RxG[:auto|pack|spread] (default: 2x1 1x2:spread)")  # fmt: skip
+    parser.add_argument(
+        "--layouts",
+        type=LayoutSpec.parse,
+        nargs="+",
+        default=[LayoutSpec.parse(text) for text in DEFAULT_LAYOUTS],
+        help="RxG[:auto|pack|spread] (default: 2x1 1x2:spread)",
+    )
     parser.add_argument("--model-dir", help="a local HF model (default: the bundled demo model)")
     parser.add_argument("--tasks-dir", help="task YAMLs (default: the bundled demo tasks)")
     parser.add_argument("--tasks", default=DEFAULT_TASKS)
     parser.add_argument("--limit", type=int, default=4)
-    parser.add_argument("--no-reference", dest="reference", action="store_false",
-                        help="skip lm-eval's hf run and the comparison")  # fmt: skip
+    parser.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="skip lm-eval's hf run and the comparison",
+    )
     parser.add_argument("--no-auth", action="store_true", help="RAY_AUTH_MODE=disabled")
-    parser.add_argument("--no-refusal-check", dest="refusal_check", action="store_false",
-                        help="skip checking that a wrong token is refused (~20 s)")  # fmt: skip
+    parser.add_argument(
+        "--no-refusal-check",
+        dest="refusal_check",
+        action="store_false",
+        help="skip checking that a wrong token is refused (~20 s)",
+    )
     parser.add_argument(
         "--keep",
         action="store_true",
@@ -317,9 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         if args.keep and not failed:
-            print(f"left running: head {cluster.address} (namespace {cluster.head_ns}); "
-                  f"remove with --teardown --prefix {cluster.prefix} "
-                  f"--work-dir {cluster.work_dir}")  # fmt: skip
+            print(
+                f"left running: head {cluster.address} (namespace {cluster.head_ns}); "
+                f"remove with --teardown --prefix {cluster.prefix} "
+                f"--work-dir {cluster.work_dir}"
+            )
         else:
             teardown(cluster)
     if args.report:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rayeval.service.demo.make_data import DATA_DIR
+
 if TYPE_CHECKING:
     from rayeval.service.demo.tasks import DEMO_GROUP, DEMO_TASKS, write_demo_tasks
     from rayeval.service.demo.tiny_model import build_tiny_model
@@ -47,8 +49,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
-"""The committed demo data (JSONL files written by :mod:`rayeval.service.demo.make_data`)."""
 ENV_DEMO_DIR = "RAYEVAL_DEMO_DIR"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MARKER_NAME = ".complete"

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Same as service.demo.DATA_DIR; not imported so this script runs without the package.
+#: The committed demo data, which this script writes (the package and its modules read it here).
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SEED = 20240601
 

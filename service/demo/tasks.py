@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from rayeval.service.demo import DATA_DIR
+from rayeval.service.demo.make_data import DATA_DIR
 
 logger = logging.getLogger(__name__)
 

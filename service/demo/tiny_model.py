@@ -37,7 +37,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from rayeval.service.demo import DATA_DIR
+from rayeval.service.demo.make_data import DATA_DIR
 
 logger = logging.getLogger(__name__)
 

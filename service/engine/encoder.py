@@ -33,8 +33,8 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from rayeval.actors.batches import ModelSpec
-from rayeval.actors.checkpoints import read_generation_config, resolve_dtype
 from rayeval.actors.errors import ConfigError
+from rayeval.actors.weights.hf_files import read_generation_config, resolve_dtype
 from rayeval.service.engine.generation_planner import GenerateRequest
 from rayeval.service.lm_eval_options import ENCODER_MODEL_ARGS
 

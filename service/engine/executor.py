@@ -197,7 +197,7 @@ class Executor:
             return self._static_only
         if any(max_length is not None for max_length, _ in settings):
             return "a request sets max_length (lm-eval counts it from a batch's padded width)"
-        from rayeval.actors.continuous import unsupported
+        from rayeval.actors.compute.continuous import unsupported
 
         for kwargs in {json.dumps(kwargs, sort_keys=True, default=str) for _, kwargs in settings}:
             reason = unsupported(self._shell, json.loads(kwargs))
@@ -401,9 +401,16 @@ class Executor:
             parts = made_parts(bounds, tokens, pool)
             decoder = decoding(pool)
             answers = self._run_parts(
-                "generate_until", total, parts, plan, kind, pool, disable_tqdm, start,
+                "generate_until",
+                total,
+                parts,
+                plan,
+                kind,
+                pool,
+                disable_tqdm,
+                start,
                 decoder.finished,
-            )  # fmt: skip
+            )
             texts = decoder.texts(answers)
             self.stats["generate_until"].decoded_by_actors += decoder.decoded
             return texts

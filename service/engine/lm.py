@@ -28,9 +28,9 @@ from lm_eval.api.registry import register_model
 
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
-from rayeval.actors.layout import DeviceKind
-from rayeval.actors.sharding import ShardStrategy
+from rayeval.actors.layout import DeviceKind, ShardStrategy
 from rayeval.service.config import DEFAULT_SEED, EngineConfig, HostOptions
+from rayeval.service.config_fields import config_from_keywords
 from rayeval.service.engine import model_shell
 from rayeval.service.engine.checks import (
     Origins,
@@ -73,10 +73,10 @@ class RayEvalLM(TemplateLM):
         benchmark_rank_class: Benchmarks only, never set by the product: a class that replaces
             every rank actor (``benchmarks/sim_rank.py``'s simulated rank, which loads no model;
             see :meth:`rayeval.actors.group.WorkerGroup.create`).
-        **options: :meth:`EngineConfig.from_kwargs`'s keywords: ``num_replicas``, ``shard_size``,
-            ``cpus_per_rank``, ``batch_size``, ``max_batch_size``, ``max_batch_tokens``,
-            ``device``, ``seed``, ``timeouts`` (or ``placement_s``, ``load_s``, ...), ``address``,
-            ``name`` and ``use_cache`` (a path prefix:
+        **options: :func:`~rayeval.service.config_fields.config_from_keywords`'s keywords:
+            ``num_replicas``, ``shard_size``, ``cpus_per_rank``, ``batch_size``, ``max_batch_size``,
+            ``max_batch_tokens``, ``device``, ``seed``, ``timeouts`` (or ``placement_s``,
+            ``load_s``, ...), ``address``, ``name`` and ``use_cache`` (a path prefix:
             :mod:`rayeval.service.engine.response_cache`); the rest are lm-eval's HF model args
             (``dtype``, ``revision``, ...).
 
@@ -380,9 +380,13 @@ class RayEvalLM(TemplateLM):
         if len(requests) > GENERATE_PART:  # tokenised, planned, decoded (by actors) in parts
             bounds = even_bounds(len(requests), GENERATE_PART)
             texts = self._executor.generate_parts(
-                len(requests), bounds, prompts.tokens(), prompts.settings(), disable_tqdm,
+                len(requests),
+                bounds,
+                prompts.tokens(),
+                prompts.settings(),
+                disable_tqdm,
                 prompts.decoding,
-            )  # fmt: skip
+            )
         else:
             part = prompts.make(0, len(requests))
             texts = prompts.decode(self._executor.generate(part.requests, disable_tqdm, part.names))
@@ -437,7 +441,7 @@ def _engine_config(
     if config is None:
         if pretrained is None:
             raise ConfigError("pass pretrained=<hub id or local path> (or a config)")
-        config = EngineConfig.from_kwargs(pretrained, **options)
+        config = config_from_keywords(pretrained, **options)
     elif pretrained is not None or options:
         raise ConfigError("pass either a config or pretrained=... with keywords, not both")
     return config, host

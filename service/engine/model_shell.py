@@ -12,8 +12,9 @@ import logging
 from typing import Any
 
 from rayeval.actors.errors import ConfigError
+from rayeval.actors.layout import ShardStrategy
+from rayeval.actors.parallel.strategies import model_obstacles, refusal
 from rayeval.actors.profiles import ModelShape
-from rayeval.actors.sharding import ShardStrategy, model_obstacles, refusal
 from rayeval.service.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def check_checkpoint(checkpoint: str, shell: Any, pretrained: str) -> None:
             message).
     """
     from rayeval.actors.errors import CheckpointError, ModelLoadError
-    from rayeval.actors.weights import open_source, problems, refusal, slots
+    from rayeval.actors.weights.sources import open_source, problems, refusal, slots
 
     try:
         source = open_source(checkpoint)

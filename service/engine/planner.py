@@ -137,7 +137,7 @@ def plan_score(
         budget: Micro-batch size limits.
         share_prefixes: Pack inputs that share a prefix into token-tree rows (the ranks'
             model must take custom attention masks:
-            :func:`rayeval.actors.packing.packing_unsupported`).
+            :func:`rayeval.actors.compute.packing.packing_unsupported`).
 
     Returns:
         The plan; ``where[i]`` tells where request ``i``'s (logprob, is_greedy) will be.

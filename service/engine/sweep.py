@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rayeval.actors.checkpoint_dirs import label_of, labels, step_of
 from rayeval.actors.errors import CheckpointError, ConfigError
+from rayeval.actors.weights.checkpoint_dirs import label_of, labels, step_of
 from rayeval.service.config import EvaluationConfig, HostOptions
 from rayeval.service.engine.experiments import record_mlflow, written_files
 from rayeval.service.engine.lm import RayEvalLM

@@ -145,8 +145,10 @@ def table(summary: SweepSummary) -> str:
     if not rows:
         lines.append(["", "", *(record.status for record in records)])
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    text = ["| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |"
-            for line in lines]  # fmt: skip
+    text = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |"
+        for line in lines
+    ]
     text.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     text += [
         f"{record.label}: {record.status}" + (f": {record.error}" if record.error else "")

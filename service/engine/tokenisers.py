@@ -112,11 +112,13 @@ class TokeniserPool:
         remote: Any = ray.remote(**groups)(Tokeniser)
         self._actors = [
             remote.options(
-                num_cpus=1, max_restarts=0, scheduling_strategy="SPREAD",
+                num_cpus=1,
+                max_restarts=0,
+                scheduling_strategy="SPREAD",
                 runtime_env={"env_vars": env},
             ).remote(shared)
             for _ in range(size)
-        ]  # fmt: skip
+        ]
         logger.info("%d tokeniser actors started", size)
 
     @property
@@ -227,8 +229,10 @@ def made_parts(
         bound = next(bounds, None) if pool.working else None
         if bound is not None:
             chunks = tokens.chunks(*bound, pool.size)
-            refs = [(start, pool.submit(tokens.function, *tokens.args(start, stop)))
-                    for start, stop in chunks]  # fmt: skip
+            refs = [
+                (start, pool.submit(tokens.function, *tokens.args(start, stop)))
+                for start, stop in chunks
+            ]
             waiting.append((bound, refs))
 
     for _ in range(AHEAD + 1):

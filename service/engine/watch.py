@@ -1,7 +1,7 @@
 """Watching a training run: evaluate each checkpoint that appears under its directory once its
 save is complete, on one engine, until stopped.
 
-Each poll lists the run directory's checkpoints (:func:`rayeval.actors.checkpoint_dirs.
+Each poll lists the run directory's checkpoints (:func:`rayeval.actors.weights.checkpoint_dirs.
 candidates`), oldest step first. A checkpoint still being written (a DCP directory without its
 ``.metadata``, a safetensors file shorter than its header says, an index naming a file not yet
 there) is left for a later poll; a complete one not handled yet is skipped if it was evaluated
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayeval.actors.checkpoint_dirs import candidates, label_of, step_of
 from rayeval.actors.errors import ConfigError
+from rayeval.actors.weights.checkpoint_dirs import candidates, label_of, step_of
 from rayeval.service.config import EvaluationConfig, HostOptions
 from rayeval.service.config_groups import MAX_POLL_S, MIN_POLL_S
 from rayeval.service.engine.sweep import Sweep

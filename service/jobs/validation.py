@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayeval.actors.checkpoint_dirs import by_step
 from rayeval.actors.errors import ConfigError, LayoutError
+from rayeval.actors.layout import ShardStrategy
+from rayeval.actors.parallel.strategies import refusal, strategy
 from rayeval.actors.profiles import ModelShape
-from rayeval.actors.sharding import ShardStrategy, refusal, strategy
+from rayeval.actors.weights.checkpoint_dirs import by_step
 from rayeval.service.config import EvaluationConfig, HostOptions
 from rayeval.service.errors import ServiceNotReadyError
 from rayeval.service.jobs.tasks import TaskCatalog

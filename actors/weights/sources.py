@@ -1,13 +1,14 @@
 """Filling a rank's parameters from a training checkpoint, each rank reading only what it holds.
 
 A rank's parameters are whole tensors (a replica of one rank), FSDP2's dim-0 shards, or tensor
-parallelism's DTensor slices; a vocabulary chunk (:mod:`rayeval.actors.vocab_chunks`) is rows of
-a larger checkpoint tensor. :func:`slots` describes each parameter this rank holds as a
+parallelism's DTensor slices; a vocabulary chunk (:mod:`rayeval.actors.parallel.vocab_chunks`) is
+rows of a larger checkpoint tensor. :func:`slots` describes each parameter this rank holds as a
 :class:`Slot`: the names a checkpoint may give it, the checkpoint tensor's whole shape, and where
 the rank's local tensor lies inside it. A :class:`WeightSource` then fills every slot with
-exactly that region (:func:`fill`): a DCP directory (:mod:`rayeval.actors.dcp`, which reshards
-whatever number of ranks saved it) or safetensors / ``.bin`` files
-(:mod:`rayeval.actors.checkpoints`). No rank ever holds more than its slots plus one saved chunk.
+exactly that region (:func:`fill`): a DCP directory (:mod:`rayeval.actors.weights.dcp`, which
+reshards whatever number of ranks saved it) or safetensors / ``.bin`` files
+(:mod:`rayeval.actors.weights.hf_files`). No rank ever holds more than its slots plus one
+saved chunk.
 
 The same slots serve the first load (into a model materialised empty) and a swap between the
 checkpoints of a sweep (into the loaded model, in place). :func:`problems`
@@ -26,11 +27,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from rayeval.actors.checkpoint_dirs import CheckpointFormat, checkpoint_or_error
-from rayeval.actors.checkpoints import CannotStream, Checkpoint, find_checkpoint_in, match_key
-from rayeval.actors.dcp import Region, open_dcp
 from rayeval.actors.errors import CheckpointError, ModelLoadError
-from rayeval.actors.vocab_chunks import ChunkedEmbedding, ChunkedHead
+from rayeval.actors.parallel.vocab_chunks import ChunkedEmbedding, ChunkedHead
+from rayeval.actors.weights.checkpoint_dirs import CheckpointFormat, checkpoint_or_error
+from rayeval.actors.weights.dcp import Region, open_dcp
+from rayeval.actors.weights.hf_files import CannotStream, Checkpoint, find_checkpoint_in, match_key
 
 
 @dataclass(frozen=True)

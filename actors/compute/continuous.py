@@ -18,8 +18,8 @@ logits processors to the float32 logits (the model's generation config included:
 own generator (sampling), so a sampled answer is the same whatever rows share its steps.
 Processors that read the scores alone run over all rows at once; those that read the input ids
 (repetition penalty, n-gram bans, a least number of new tokens) run row by row on that row's own
-tokens, its context plus what it generated (:mod:`rayeval.actors.logits_setup` says which ids
-each reads, and why that gives ``generate``'s scores).
+tokens, its context plus what it generated (:mod:`rayeval.actors.compute.logits_setup` says which
+ids each reads, and why that gives ``generate``'s scores).
 
 The ranks of a replica that each compute their own group (FSDP) step together: before every
 step they agree, with one small all-reduce, on whether anyone admits or decodes, and a rank with
@@ -52,8 +52,8 @@ from rayeval.actors.batches import (
     SlotRequest,
     piece_due,
 )
-from rayeval.actors.logits_setup import GENERATED, SCORES, sampling_setup
-from rayeval.actors.rank_model import RankModel
+from rayeval.actors.compute.logits_setup import GENERATED, SCORES, sampling_setup
+from rayeval.actors.compute.rank_model import RankModel
 
 
 def unsupported(model: Any, kwargs: dict[str, Any]) -> str | None:

@@ -2,7 +2,7 @@
 
 Mirrors lm-eval's HF backend: right padding, log-softmax then gather, ``is_greedy`` when every
 continuation token is the argmax. Plain rows run as lm-eval runs them (no attention mask); a
-micro-batch with a packed row (a token tree, :mod:`rayeval.actors.packing`) runs with a 4D
+micro-batch with a packed row (a token tree, :mod:`rayeval.actors.compute.packing`) runs with a 4D
 attention mask and position ids that give every token exactly its own request's view. The output
 head runs only on the scored positions: logits are batch x positions x vocabulary, the largest
 activation of a forward (DESIGN "Known pitfalls").
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from rayeval.actors.batches import ScoreMicroBatch, ScoreResult, ScoreRow, StepStats
+from rayeval.actors.compute.packing import packed_inputs, padded_ids
+from rayeval.actors.compute.rank_model import RankModel, torch_dtype
 from rayeval.actors.errors import ConfigError
-from rayeval.actors.packing import packed_inputs, padded_ids
-from rayeval.actors.rank_model import RankModel, torch_dtype
 
 #: Below this many rows a CPU matmul rounds differently (see Scorer._scored_logits).
 _SMALL_GEMM_ROWS = 4

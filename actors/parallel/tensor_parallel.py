@@ -8,13 +8,13 @@ G), over a device mesh it builds on it; on CPU that is gloo. A training checkpoi
 ``checkpoint=`` (DCP or HF files) is read slice by slice into the TP model built from
 ``pretrained``'s config (:func:`_load_checkpoint`).
 
-The plan is first rewritten so that no sum is split over the ranks (:mod:`rayeval.actors.tp_exact`):
-the layers transformers splits by input features (a block's output projections) are split by
-output features, so each dot product is computed whole, as on one device. The ranks of a
-replica then compute the same batch: every forward exchanges activations (all-gathers of the heads,
-the MLP columns, each block's output and the logits), never weights. On a CPU node those go
-through shared memory where the ranks can (:mod:`rayeval.actors.shm_collectives`). Imports no
-torch until a rank loads.
+The plan is first rewritten so that no sum is split over the ranks
+(:mod:`rayeval.actors.parallel.tp_exact`): the layers transformers splits by input features (a
+block's output projections) are split by output features, so each dot product is computed whole, as
+on one device. The ranks of a replica then compute the same batch: every forward exchanges
+activations (all-gathers of the heads, the MLP columns, each block's output and the logits), never
+weights. On a CPU node those go through shared memory where the ranks can
+(:mod:`rayeval.actors.parallel.shm_collectives`). Imports no torch until a rank loads.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from rayeval.actors import tp_exact
 from rayeval.actors.errors import ModelLoadError
+from rayeval.actors.layout import ShardStrategy
+from rayeval.actors.parallel import tp_exact
+from rayeval.actors.parallel.sharding import RankContext
 from rayeval.actors.profiles import ModelShape
-from rayeval.actors.sharding import RankContext, ShardStrategy
 
 if TYPE_CHECKING:
     from rayeval.actors.batches import ModelSpec
@@ -78,7 +79,11 @@ class TensorParallel:
         import transformers
         from transformers.distributed import DistributedConfig
 
-        from rayeval.actors.checkpoints import from_pretrained_kwargs, load_config, resolve_dtype
+        from rayeval.actors.weights.hf_files import (
+            from_pretrained_kwargs,
+            load_config,
+            resolve_dtype,
+        )
 
         config = load_config(spec)
         dtype = resolve_dtype(spec.dtype, config)
@@ -115,7 +120,7 @@ class TensorParallel:
         group (always on GPUs: NCCL carries them)."""
         import torch.distributed as dist
 
-        from rayeval.actors import shm_collectives
+        from rayeval.actors.parallel import shm_collectives
 
         # Every rank takes part, so that all decide alike (a rank's environment could differ).
         able: list[Any] = [None] * rank.shard_size
@@ -172,12 +177,13 @@ def _load_checkpoint(
 
     transformers builds the model and its TP plan with no weights to load (an empty state dict:
     each rank initialises only its own slices, which are then overwritten); every rank then reads
-    exactly its DTensor slices of each tensor from the checkpoint (:mod:`rayeval.actors.weights`).
+    exactly its DTensor slices of each tensor from the checkpoint
+    (:mod:`rayeval.actors.weights.sources`).
     """
     import transformers
 
-    from rayeval.actors.checkpoints import load_generation_config
-    from rayeval.actors.weights import fill, open_source
+    from rayeval.actors.weights.hf_files import load_generation_config
+    from rayeval.actors.weights.sources import fill, open_source
 
     assert spec.checkpoint is not None
     source = open_source(spec.checkpoint)

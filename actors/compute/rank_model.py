@@ -1,8 +1,8 @@
 """A rank's loaded model and what every computation on it shares.
 
-:class:`RankModel` is what scoring (:mod:`rayeval.actors.scoring`) and generation
-(:mod:`rayeval.actors.generation`) compute with: the model as the replica's strategy loaded it,
-the device, the tokenizer, and :meth:`RankModel.computing`, the one context every forward and
+:class:`RankModel` is what scoring (:mod:`rayeval.actors.compute.scoring`) and generation
+(:mod:`rayeval.actors.compute.generation`) compute with: the model as the replica's strategy loaded
+it, the device, the tokenizer, and :meth:`RankModel.computing`, the one context every forward and
 ``generate`` runs in (no gradients, lm-eval's autocast dtype, and the strategy's clean-up after
 it, even when it raised).
 """
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from rayeval.actors.batches import ModelSpec, StepStats
+from rayeval.actors.parallel.sharding import ShardingStrategy
 from rayeval.actors.process import rss_mib
-from rayeval.actors.sharding import ShardingStrategy
 
 
 @dataclass

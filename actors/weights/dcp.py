@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from rayeval.actors.checkpoint_dirs import DCP_METADATA, CheckpointFormat, inspect_dir
 from rayeval.actors.errors import ModelLoadError
+from rayeval.actors.weights.checkpoint_dirs import DCP_METADATA, CheckpointFormat, inspect_dir
 
 #: The top-level key accelerate wraps a model's state dict in.
 _ACCELERATE_WRAPPER = "model"

@@ -3,9 +3,9 @@ all-gathers of their activations.
 
 Tensor parallelism gathers each block's activations over the ranks four times per forward (the
 attention heads and the attention output, the MLP columns and the MLP output:
-:mod:`rayeval.actors.tp_exact`). On CPU ranks gloo carries every one of those over a TCP socket:
-measured on the development machine, 2.3-4.3 ms for one decode step's 48 KiB and 0.5 ms or more
-for 4 bytes, about what the block's own compute costs (docs/performance.md). The ranks of a TP
+:mod:`rayeval.actors.parallel.tp_exact`). On CPU ranks gloo carries every one of those over a TCP
+socket: measured on the development machine, 2.3-4.3 ms for one decode step's 48 KiB and 0.5 ms or
+more for 4 bytes, about what the block's own compute costs (docs/performance.md). The ranks of a TP
 replica always share a node, so they can exchange activations through memory instead: each rank
 copies its piece into its slot of a file in ``/dev/shm``, publishes a sequence number, waits for
 every peer's, and copies the slots out in rank order: the same bytes gloo delivers.

@@ -1,15 +1,15 @@
 """Loading a model on an FSDP2 rank: the model whole (G = 1), or only this rank's shards.
 
 Sharded loading never materialises the whole model on a rank. The model is built on the meta
-device, cut into FSDP units (:func:`rayeval.actors.fsdp_units.shard_model`), and each rank then
-reads only its own dim-0 slice of every tensor from the checkpoint
-(:mod:`rayeval.actors.checkpoints`). Peak host memory per rank is therefore about model/G plus one
-unit. Only checkpoints whose tensor names do not match the model, or legacy (pre-zip) ``.bin``
+device, cut into FSDP units (:func:`rayeval.actors.parallel.fsdp_units.shard_model`), and each rank
+then reads only its own dim-0 slice of every tensor from the checkpoint
+(:mod:`rayeval.actors.weights.hf_files`). Peak host memory per rank is therefore about model/G plus
+one unit. Only checkpoints whose tensor names do not match the model, or legacy (pre-zip) ``.bin``
 files that cannot be memory-mapped, fall back to a full load followed by sharding, one rank of
 the replica at a time (a node holds one whole copy at once, not G), with a warning. The whole
 model of G = 1 is read straight onto the rank's device, as lm-eval's hf backend reads it. A
 training checkpoint named by ``checkpoint=`` (a DCP directory, or HF files) is read the same
-way, region by region (:mod:`rayeval.actors.weights`), into the model of ``pretrained``'s
+way, region by region (:mod:`rayeval.actors.weights.sources`), into the model of ``pretrained``'s
 config, at any G.
 """
 
@@ -29,7 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from rayeval.actors.batches import ModelSpec
-from rayeval.actors.checkpoints import (
+from rayeval.actors.errors import ModelLoadError
+from rayeval.actors.parallel.fsdp_units import shard_model
+from rayeval.actors.weights.hf_files import (
     CannotStream,
     find_checkpoint,
     load_config,
@@ -37,9 +39,7 @@ from rayeval.actors.checkpoints import (
     load_plain,
     resolve_dtype,
 )
-from rayeval.actors.errors import ModelLoadError
-from rayeval.actors.fsdp_units import shard_model
-from rayeval.actors.weights import fill, open_source
+from rayeval.actors.weights.sources import fill, open_source
 
 logger = logging.getLogger(__name__)
 

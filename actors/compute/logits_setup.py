@@ -1,5 +1,6 @@
 """Which logits processors ``generate`` applies for a generate_until request, and whether the
-continuous-batching engine (:mod:`rayeval.actors.continuous`) reproduces each one row by row.
+continuous-batching engine (:mod:`rayeval.actors.compute.continuous`) reproduces each one row
+by row.
 
 ``generate`` hands its processors the whole batch's input ids: lm-eval's left-padded contexts
 and the tokens generated so far. A continuous-batching row reads its own tokens only (its
@@ -41,7 +42,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rayeval.actors.generation import lm_eval_generation_kwargs
+from rayeval.actors.compute.generation import lm_eval_generation_kwargs
 
 #: Warpers that read the scores alone (never the input ids), so rows can be processed together.
 _ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)

@@ -12,7 +12,7 @@ import time
 import torch
 
 from rayeval.actors.batches import GenerateMicroBatch, GenerateResult, StepStats
-from rayeval.actors.rank_model import RankModel
+from rayeval.actors.compute.rank_model import RankModel
 
 
 def generate(rank: RankModel, batch: GenerateMicroBatch) -> tuple[GenerateResult, StepStats]:

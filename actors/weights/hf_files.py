@@ -8,7 +8,7 @@ tensor without reading the rest: a safetensors slice is read from the file into 
 ``.bin`` slice is a view of the memory-mapped file. Legacy (pre-zip) ``.bin`` files cannot be
 memory-mapped (:class:`CannotStream`): the caller then loads the model whole. Training
 checkpoints named by ``checkpoint=`` (DCP directories too) are read through
-:mod:`rayeval.actors.weights`.
+:mod:`rayeval.actors.weights.sources`.
 """
 
 from __future__ import annotations

@@ -98,7 +98,8 @@ class Gather:
     spans it), which is the group the shared memory serves."""
 
     def __init__(self) -> None:
-        #: :class:`rayeval.actors.shm_collectives.ShmCollectives` of the default group, or None.
+        #: The default group's :class:`~rayeval.actors.parallel.shm_collectives.ShmCollectives`,
+        #: or None.
         self.shm: Any = None
 
     def __call__(self, tensor: Any, group: Any) -> Any:

@@ -1,8 +1,8 @@
 """FSDP2: every rank holds a dim-0 slice of every weight (strategy ``fsdp``).
 
 Each rank computes its own micro-batch, all-gathering each unit's weights before computing it
-and freeing them after (:mod:`rayeval.actors.fsdp_units`); each rank loads only its slices
-(:mod:`rayeval.actors.fsdp_loading`). Any architecture, replicas that span nodes, results
+and freeing them after (:mod:`rayeval.actors.parallel.fsdp_units`); each rank loads only its slices
+(:mod:`rayeval.actors.parallel.fsdp_loading`). Any architecture, replicas that span nodes, results
 bit-identical for every G. A decode step all-gathers every layer for a few tokens, so it is slow to
 generate with. A replica of one rank runs this strategy too, with the model whole. Imports no
 torch until a rank loads.
@@ -14,8 +14,9 @@ import ctypes
 import sys
 from typing import TYPE_CHECKING, Any
 
+from rayeval.actors.layout import ShardStrategy
+from rayeval.actors.parallel.sharding import RankContext
 from rayeval.actors.profiles import ModelShape
-from rayeval.actors.sharding import RankContext, ShardStrategy
 
 if TYPE_CHECKING:
     from rayeval.actors.batches import ModelSpec
@@ -68,7 +69,7 @@ class FSDP2:
         Raises:
             ModelLoadError: the checkpoint cannot be found or read.
         """
-        from rayeval.actors.fsdp_loading import load_model
+        from rayeval.actors.parallel.fsdp_loading import load_model
 
         mesh = None
         if shard_size > 1:
@@ -91,7 +92,7 @@ class FSDP2:
         the heap's free pages given back to the OS."""
         from torch.distributed.fsdp import FSDPModule
 
-        from rayeval.actors.fsdp_units import release_unsharded
+        from rayeval.actors.parallel.fsdp_units import release_unsharded
 
         release_unsharded(model)
         if isinstance(model, FSDPModule) and self._libc is not None:

@@ -3,9 +3,9 @@
 ``fully_shard`` makes every decoder block, the input embeddings and the output head their own
 FSDP units (torchtitan's layout; tied embeddings and head are one unit, since they are one tensor),
 then the root; every unit reshards after forward. On CPU ranks a large vocabulary matrix is cut
-into row-chunk units of about a decoder block's size first (:mod:`rayeval.actors.vocab_chunks`).
-Which modules are decoder blocks comes from the architecture's profile
-(:mod:`rayeval.actors.profiles`) or the model's own ``_no_split_modules``.
+into row-chunk units of about a decoder block's size first
+(:mod:`rayeval.actors.parallel.vocab_chunks`). Which modules are decoder blocks comes from the
+architecture's profile (:mod:`rayeval.actors.profiles`) or the model's own ``_no_split_modules``.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from rayeval.actors.profiles import ModelShape
-from rayeval.actors.vocab_chunks import (
+from rayeval.actors.parallel.vocab_chunks import (
     ChunkedEmbedding,
     ChunkedHead,
     split_vocabulary,
     vocabulary_units,
 )
+from rayeval.actors.profiles import ModelShape
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +83,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[nn.Parame
     """Apply FSDP2: each decoder block, the embeddings and the head, then the root.
 
     On CPU ranks a vocabulary matrix larger than a decoder block is first cut into row chunks of
-    about a block's size, each its own unit (:mod:`rayeval.actors.vocab_chunks`): it is then never
-    held twice while FSDP copies it out, the embedding never holds more than a chunk, and the
-    head multiplies chunk by chunk where every rank of the replica finds that bit-identical to
+    about a block's size, each its own unit (:mod:`rayeval.actors.parallel.vocab_chunks`): it is
+    then never held twice while FSDP copies it out, the embedding never holds more than a chunk, and
+    the head multiplies chunk by chunk where every rank of the replica finds that bit-identical to
     one product (a collective over ``mesh``). Returns each chunk parameter's origin by name: the
     parameter it was cut from and its first row.
 
