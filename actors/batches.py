@@ -187,7 +187,7 @@ class Pickled:
 @dataclass(frozen=True)
 class PickledScoreBatch(Pickled):
     """A :class:`ScoreMicroBatch` pickled where it was planned (a planning actor,
-    :mod:`rayeval.service.engine.streamed_score`): the driver hands it on without unpickling
+    :mod:`rayeval.service.engine.parts.score`): the driver hands it on without unpickling
     it, and a rank receives the :class:`ScoreMicroBatch`.
 
     Args:

@@ -5,7 +5,7 @@ The classes are plain exceptions with a single string argument, so they pickle a
 The base class lives in the lowest layer (``actors``) so that every layer can raise and catch it
 without breaking the one-way import rule (api -> service -> actors). Errors that only the job
 service raises (unknown evaluation, wrong state, not ready) are its own:
-:mod:`rayeval.service.errors`.
+:mod:`rayeval.service.vocabulary.errors`.
 """
 
 

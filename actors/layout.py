@@ -1,8 +1,8 @@
 """The parallel layout: R data-parallel replicas x G shard ranks, the resources and the waits.
 
-This is the rank layer's vocabulary that the configuration (``rayeval.service.config``) and the
-API need too, so it stays here, beside the ranks it describes, and imports neither torch nor Ray.
-:class:`ParallelLayout` is the only place that does rank arithmetic. It validates itself on
+This is the rank layer's vocabulary that the configuration (``rayeval.service.vocabulary.config``)
+and the API need too, so it stays here, beside the ranks it describes, and imports neither torch nor
+Ray. :class:`ParallelLayout` is the only place that does rank arithmetic. It validates itself on
 construction and checks whether a cluster can ever hold it, failing fast with every number in the
 message. No torch here: the driver and the API use it too.
 """

@@ -37,7 +37,13 @@ from rayeval.api.routes import (
 )
 from rayeval.api.settings import Settings
 from rayeval.api.views import EvaluationViews, EventFeed
-from rayeval.service.errors import (
+from rayeval.service.jobs.manager import EvaluationManager
+from rayeval.service.jobs.options import ManagerOptions
+from rayeval.service.jobs.ray_resources import connect_ray
+from rayeval.service.jobs.store import EvaluationStore
+from rayeval.service.jobs.tasks import TaskCatalog
+from rayeval.service.jobs.validation import ServerPolicy
+from rayeval.service.vocabulary.errors import (
     EvaluationNotFoundError,
     EvaluationStateError,
     PermissionDeniedError,
@@ -45,12 +51,6 @@ from rayeval.service.errors import (
     UserConflictError,
     UserNotFoundError,
 )
-from rayeval.service.jobs.manager import EvaluationManager
-from rayeval.service.jobs.options import ManagerOptions
-from rayeval.service.jobs.ray_resources import connect_ray
-from rayeval.service.jobs.store import EvaluationStore
-from rayeval.service.jobs.tasks import TaskCatalog
-from rayeval.service.jobs.validation import ServerPolicy
 
 logger = logging.getLogger(__name__)
 

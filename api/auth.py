@@ -24,7 +24,6 @@ import time
 from fastapi import HTTPException, status
 
 from rayeval.api.settings import Settings
-from rayeval.service.errors import PermissionDeniedError
 from rayeval.service.jobs.accounts import (
     BUILTIN_PRINCIPAL,
     Accounts,
@@ -33,6 +32,7 @@ from rayeval.service.jobs.accounts import (
     secret_matches,
     split_key,
 )
+from rayeval.service.vocabulary.errors import PermissionDeniedError
 
 #: How long "no user exists yet" is believed before the database is asked again.
 _ANY_USER_TTL_S = 2.0

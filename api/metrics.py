@@ -2,10 +2,11 @@
 
 Nothing is counted in this process: every figure comes from what the runners reported and the
 store kept (an evaluation's stored progress: per request type its counts, seconds, tokens, cache
-hits, per-replica work and per-rank memory; see :class:`rayeval.service.events.Progress`). A
-scrape therefore gives the same answer from any API process over the same database, and a restarted
-server loses nothing. Per-evaluation series exist while the evaluation is starting or running
-(Prometheus keeps their history); counts by state cover every evaluation.
+hits, per-replica work and per-rank memory; see
+:class:`rayeval.service.vocabulary.events.Progress`). A scrape therefore gives the same answer from
+any API process over the same database, and a restarted server loses nothing. Per-evaluation series
+exist while the evaluation is starting or running (Prometheus keeps their history); counts by state
+cover every evaluation.
 
 Families (``evaluation`` is the evaluation id, ``request_type`` lm-eval's request type):
 
@@ -29,9 +30,9 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rayeval.service.events import PhaseReport
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
-from rayeval.service.states import EvaluationStatus
+from rayeval.service.vocabulary.events import PhaseReport
+from rayeval.service.vocabulary.states import EvaluationStatus
 
 _MIB = 2**20
 

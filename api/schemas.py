@@ -1,10 +1,10 @@
 """Request and response bodies of the REST API (their shapes are what /docs shows).
 
-The body of ``POST /evaluations`` is :class:`rayeval.service.config.EvaluationConfig` itself — the
-one configuration object every entry point builds — so a new option is declared once, there, and
-appears here with its default, bounds and description. ``EvaluationPublic`` is what the API
-returns about one evaluation; its progress per request type is the service's own
-:class:`rayeval.service.events.PhaseCounts`.
+The body of ``POST /evaluations`` is :class:`rayeval.service.vocabulary.config.EvaluationConfig`
+itself — the one configuration object every entry point builds — so a new option is declared once,
+there, and appears here with its default, bounds and description. ``EvaluationPublic`` is what the
+API returns about one evaluation; its progress per request type is the service's own
+:class:`rayeval.service.vocabulary.events.PhaseCounts`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rayeval.service.config import EvaluationConfig
-from rayeval.service.events import EvaluationProgress, PhaseCounts
-from rayeval.service.states import EvaluationStatus
+from rayeval.service.vocabulary.config import EvaluationConfig
+from rayeval.service.vocabulary.events import EvaluationProgress, PhaseCounts
+from rayeval.service.vocabulary.states import EvaluationStatus
 
 #: The body of ``POST /evaluations``: lm-eval's options (same names and meanings) plus the layout.
 EvaluationCreate = EvaluationConfig

@@ -85,7 +85,7 @@ class EvaluationViews:
     def render(self, evaluation_id: str) -> Future[Rendered]:
         """The answer as of now: the render in progress since the last write, or a new one.
 
-        The future raises :class:`rayeval.service.errors.EvaluationNotFoundError` for an
+        The future raises :class:`rayeval.service.vocabulary.errors.EvaluationNotFoundError` for an
         unknown id.
         """
         with self._lock:

@@ -28,7 +28,7 @@ from typing import Any
 def micro_batches(tokens: int, share: bool, count: int, seed: int = 0) -> list[Any]:
     """``count`` planned micro-batches of about ``tokens`` tokens: questions of 100-270 tokens
     with four one-token choices, behind one 400-token few-shot prefix with ``share``."""
-    from rayeval.service.engine.planner import TokenBudget, plan_score
+    from rayeval.service.engine.plan.planner import TokenBudget, plan_score
 
     rng = random.Random(seed)
     prefix = [rng.randrange(100, 32_000) for _ in range(400 if share else 0)]

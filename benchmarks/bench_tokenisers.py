@@ -49,10 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def part_tokens(encoder: Any, instances: list[Any], workload: str) -> tuple[Any, list[Any]]:
     """The product's PartTokens for the workload, and its parts' bounds."""
-    from rayeval.service.engine import streamed
-    from rayeval.service.engine.checks import Origins, RequestChecks, RequestReport
-    from rayeval.service.engine.streamed_generate import Prompts
-    from rayeval.service.engine.streamed_score import score_tokens
+    from rayeval.service.engine.parts import pipeline as streamed
+    from rayeval.service.engine.parts.generate import Prompts
+    from rayeval.service.engine.parts.score import score_tokens
+    from rayeval.service.engine.plan.checks import Origins, RequestChecks, RequestReport
 
     if workload == "generation":
         bounds = list(streamed.even_bounds(len(instances), streamed.GENERATE_PART))
@@ -75,9 +75,9 @@ def comparable(part: Any) -> Any:
 def planned(parts: Any, pool: Any, encoder: Any, budget: int) -> Any:
     """Each part planned, in order, by the product's planning thread (on the pool's actors where
     they tokenised it)."""
-    from rayeval.service.engine.planner import TokenBudget
-    from rayeval.service.engine.streamed import Planner
-    from rayeval.service.engine.streamed_score import plan_part
+    from rayeval.service.engine.parts.pipeline import Planner
+    from rayeval.service.engine.parts.score import plan_part
+    from rayeval.service.engine.plan.planner import TokenBudget
 
     plan = partial(plan_part, cache=None, budget=TokenBudget(max_tokens=budget),
                    share_prefixes=True, max_length=encoder.max_length, pool=pool)  # fmt: skip
@@ -101,7 +101,7 @@ def measure(
     parts."""
     import ray
 
-    from rayeval.service.engine.tokenisers import TokeniserPool, made_parts
+    from rayeval.service.engine.plan.tokenisers import TokeniserPool, made_parts
 
     tokens, bounds = part_tokens(encoder, instances, args.workload)
     started = time.monotonic()
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     import ray
 
-    from rayeval.service.engine.encoder import build_encoder
+    from rayeval.service.engine.plan.encoder import build_encoder
 
     workers = [0] + [int(w) for w in args.workers.split(",") if w.strip()]
     ray.init(num_cpus=args.num_cpus or max(workers) + 1, include_dashboard=False)

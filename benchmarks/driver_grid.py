@@ -110,7 +110,7 @@ def run_grid(args: argparse.Namespace) -> int:
     """Every point of the grid; rows to ``--json``, the plot to ``--plot``."""
     from bench_driver import make_lm, start_ray
 
-    from rayeval.service.engine.warm import KeptReplicas
+    from rayeval.service.engine.dispatch.warm import KeptReplicas
 
     replica_counts = [int(r) for r in args.grid_replicas.split(",")]
     start_ray(args.num_cpus or max(replica_counts) + 4)

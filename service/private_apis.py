@@ -145,7 +145,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "lm_eval.config.evaluate_config",
         "EvaluatorConfig._configure",
         "0.4.13",
-        "service/config.py, api/cli: lm-eval's own validation of an evaluation's options",
+        "service/vocabulary/config.py, api/cli: lm-eval's own validation of an evaluation's "
+        "options",
         "",
     ),
     PrivateApi(

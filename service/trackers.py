@@ -1,6 +1,6 @@
 """Experiment trackers: where teams keep their runs (MLflow, W&B), and what an evaluation adds.
 
-Two sides, as with every option (:mod:`rayeval.service.config`):
+Two sides, as with every option (:mod:`rayeval.service.vocabulary.config`):
 
 - :class:`Tracking` is the evaluation's own choice (``"tracking": {...}`` in a REST body,
   ``--tracking`` on the command line): record me, in this experiment, under this name, with these
@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from rayeval.actors.errors import RayEvalError
 
 if TYPE_CHECKING:
-    from rayeval.service.config import EvaluationConfig
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
 #: The experiment runs go in when the evaluation names none.
 DEFAULT_EXPERIMENT = "rayeval"

@@ -74,8 +74,8 @@ def _run(model: Path, replicas: int, mc: list, gen: list, kill: bool = False, **
 
 def _expected(model: Path, mc: list) -> list[list[Any]]:
     """Each loglikelihood request's own simulated answer, from its own tokens."""
-    from rayeval.service.engine.encoder import build_encoder, encode_pairs
-    from rayeval.service.engine.planner import model_input
+    from rayeval.service.engine.plan.encoder import build_encoder, encode_pairs
+    from rayeval.service.engine.plan.planner import model_input
 
     encoder, _ = build_encoder(str(model), {})
     encoded = encode_pairs(encoder, [r.args for r in mc])
@@ -108,8 +108,8 @@ def main(argv: list[str]) -> int:
         "R3-static": _run(model, 3, [], gen, continuous_batching=False),
         "R8-lost": _run(model, 8, mc, gen, kill=True),
     }
-    lm_module.SCORE_PART = PART  # the streamed path, in parts of PART requests
-    lm_module.GENERATE_PART = GEN_PART  # generation streamed in parts of GEN_PART requests
+    lm_module.SCORE_PART = PART  # planned in parts of PART requests
+    lm_module.GENERATE_PART = GEN_PART  # generation planned in parts of GEN_PART requests
     runs["R8-parts"] = _run(model, 8, mc, gen)
     runs["R3-parts"] = _run(model, 3, [], gen)
     runs["R3-parts-static"] = _run(model, 3, [], gen, continuous_batching=False)

@@ -163,8 +163,8 @@ def test_watch_picks_up_new_checkpoints_and_waits_for_incomplete_ones(
     leaves alone a step whose save has no ``.metadata`` yet; a second watch over the same output
     skips both (their results files are there)."""
     from rayeval.api.cli import main
-    from rayeval.service.config import EvaluationConfig, HostOptions
     from rayeval.service.engine.watch import WatchOptions, watch
+    from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
 
     watched = tmp_path / "run"
     watched.mkdir()
@@ -271,9 +271,9 @@ def test_fingerprints_follow_the_checkpoint(
 ) -> None:
     """Two checkpoints never share a response-cache or warm-replica key; rewriting a
     checkpoint's files changes its key."""
-    from rayeval.service.config import EvaluationConfig
+    from rayeval.service.engine.dispatch.warm import replica_key
     from rayeval.service.engine.response_cache import model_fingerprint
-    from rayeval.service.engine.warm import replica_key
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
     def args(checkpoint: Path) -> dict[str, Any]:
         return {"pretrained": str(demo.model_dir), "checkpoint": str(checkpoint)}
@@ -408,8 +408,8 @@ def test_tasks_build_their_requests_once() -> None:
 def test_the_model_roots_cover_checkpoints(tmp_path: Path) -> None:
     """``model_args.checkpoint`` in a request: a directory under a model root; a missing one and
     one outside the roots get the same answer (no file oracle)."""
-    from rayeval.service.config import EvaluationConfig
     from rayeval.service.jobs.validation import ServerPolicy, policy_problems
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
     root, outside = tmp_path / "models", tmp_path / "elsewhere"
     (root / "run" / "step-1").mkdir(parents=True)
@@ -443,8 +443,8 @@ def test_a_sweep_request_is_expanded_under_the_model_roots(tmp_path: Path) -> No
     watched directory, never both; poll bounds."""
     from pydantic import ValidationError
 
-    from rayeval.service.config import EvaluationConfig
     from rayeval.service.jobs.validation import ServerPolicy, expand_sweep, tracking_problems
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
     root, outside = tmp_path / "models", tmp_path / "elsewhere"
     for step in ("step-20", "step-3", "step-100"):
@@ -498,14 +498,14 @@ def test_checkpoint_events_become_stored_checkpoints_and_stream_events() -> None
     a watch's waiting events only move the cursor."""
     import time
 
-    from rayeval.service.events import (
+    from rayeval.service.jobs.following import digest
+    from rayeval.service.vocabulary.events import (
         CheckpointEvent,
         CheckpointOutputs,
         EvaluationProgress,
         RunnerCheckpoint,
         RunnerWaiting,
     )
-    from rayeval.service.jobs.following import digest
 
     def checkpoint(seq: int, label: str, status: str) -> RunnerCheckpoint:
         record = {"label": label, "step": seq, "status": status, "checkpoint": f"/r/{label}"}
@@ -792,8 +792,8 @@ def test_a_runner_forgets_the_files_it_delivered() -> None:
     """Checkpoint events up to the service's cursor keep their record and lose their files."""
     import time
 
-    from rayeval.service.events import CheckpointOutputs, RunnerCheckpoint, RunnerWaiting
     from rayeval.service.jobs.runner_actor import _drop_delivered_files
+    from rayeval.service.vocabulary.events import CheckpointOutputs, RunnerCheckpoint, RunnerWaiting
 
     def checkpoint(seq: int) -> RunnerCheckpoint:
         outputs = CheckpointOutputs(record={"label": f"s{seq}", "status": "succeeded"},

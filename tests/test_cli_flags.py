@@ -148,7 +148,7 @@ def test_submit_flags_become_the_request_body(output_path: str | None) -> None:
     from rayeval.api.cli import build_parser
     from rayeval.api.cli.evaluation_flags import config_from_args as _config_from_args
     from rayeval.api.cli.remote import submission_body
-    from rayeval.service.config import EvaluationConfig
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
     argv = ["submit", "--model_args", "pretrained=/models/m,dtype=float32",
             "--tasks", "demo_mc,demo_cloze", "--log_samples", "--num_replicas", "3",

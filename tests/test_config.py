@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from rayeval.service.config import EvaluationConfig, HostOptions
-from rayeval.service.config_fields import (
+from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+from rayeval.service.vocabulary.config_fields import (
     OTHER_DOORS,
     RAYEVAL_FLAGS,
     cli_flag,
@@ -20,7 +20,7 @@ from rayeval.service.config_fields import (
     config_from_keywords,
     describe_errors,
 )
-from rayeval.service.lm_eval_options import LM_EVAL_HOST_FIELDS
+from rayeval.service.vocabulary.lm_eval_options import LM_EVAL_HOST_FIELDS
 
 pytestmark = pytest.mark.unit
 
@@ -147,7 +147,7 @@ def test_auto_budgets_per_device_and_request_type() -> None:
     """``auto``: CPU ranks score in micro-batches of at most 2048 padded tokens, GPUs in 8192;
     generation keeps 8192 everywhere; ``max_batch_tokens`` and an integer batch size win."""
     from rayeval.actors.layout import DeviceKind
-    from rayeval.service.engine.budgets import budget as _budget
+    from rayeval.service.engine.plan.budgets import budget as _budget
 
     auto = config_from_keywords("org/model")
     assert _budget(auto, score_on=DeviceKind.CPU).max_tokens == 2048

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from rayeval.service.events import (
+from rayeval.service.vocabulary.events import (
     RUNNER_EVENTS,
     EvaluationProgress,
     PhaseCounts,
@@ -32,7 +32,7 @@ from rayeval.service.events import (
     WarningEvent,
     stream_event,
 )
-from rayeval.service.states import EvaluationStatus, EventKind
+from rayeval.service.vocabulary.states import EvaluationStatus, EventKind
 
 pytestmark = pytest.mark.unit
 

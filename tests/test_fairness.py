@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from rayeval.service.events import EvaluationProgress
 from rayeval.service.jobs.accounts import Share
 from rayeval.service.jobs.admission import Kept, plan
 from rayeval.service.jobs.fairness import fair_order, held_ranks, over_cap, room_made_first
 from rayeval.service.jobs.records import EvaluationRecord
-from rayeval.service.states import EvaluationStatus
+from rayeval.service.vocabulary.events import EvaluationProgress
+from rayeval.service.vocabulary.states import EvaluationStatus
 
 pytestmark = pytest.mark.unit
 

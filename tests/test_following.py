@@ -9,8 +9,19 @@ from datetime import UTC, datetime
 
 import pytest
 
-from rayeval.service.config import EvaluationConfig, TimeoutSettings
-from rayeval.service.events import (
+from rayeval.service.jobs.following import (
+    Watch,
+    digest,
+    stall_limit,
+    stalled,
+    task_results,
+    unreachable,
+    verdict,
+    where_stopped,
+)
+from rayeval.service.jobs.records import EvaluationRecord
+from rayeval.service.vocabulary.config import EvaluationConfig, TimeoutSettings
+from rayeval.service.vocabulary.events import (
     EvaluationProgress,
     PhaseReport,
     Progress,
@@ -23,18 +34,7 @@ from rayeval.service.events import (
     RunOutputs,
     WarningEvent,
 )
-from rayeval.service.jobs.following import (
-    Watch,
-    digest,
-    stall_limit,
-    stalled,
-    task_results,
-    unreachable,
-    verdict,
-    where_stopped,
-)
-from rayeval.service.jobs.records import EvaluationRecord
-from rayeval.service.states import EvaluationStatus
+from rayeval.service.vocabulary.states import EvaluationStatus
 
 pytestmark = pytest.mark.unit
 

@@ -131,7 +131,7 @@ def test_a_setting_continuous_batching_cannot_reproduce_takes_static_batches(
     models: dict[str, Path], references: Any, task_manager: Any, ray_session: None
 ) -> None:
     from rayeval.actors.compute.continuous import unsupported
-    from rayeval.service.engine.encoder import meta_model
+    from rayeval.service.engine.plan.encoder import meta_model
 
     shell, _ = meta_model(str(models["min_length"]), {})
     assert "min_length" in (unsupported(shell, {"until": ["\n"]}) or "")

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------------------ the demo on CPU
 def test_the_served_demo_evaluation_runs_on_the_cpu() -> None:
     from rayeval.api.cli.demo import demo_body
-    from rayeval.service.config import EvaluationConfig
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
     body = demo_body("/models/tiny")
     assert body["device"] == "cpu"

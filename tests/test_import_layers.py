@@ -128,11 +128,11 @@ def test_the_checks_see_a_cycle_and_a_wrong_direction(tmp_path: Path) -> None:
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    from rayeval.api import app\n"
-        "def f():\n    from rayeval.service.config import X\n"
+        "def f():\n    from rayeval.service.vocabulary.config import X\n"
     )
     assert set(_imports(ast.parse(source))) == {
         "typing",
         "typing.TYPE_CHECKING",
-        "rayeval.service.config",
-        "rayeval.service.config.X",
+        "rayeval.service.vocabulary.config",
+        "rayeval.service.vocabulary.config.X",
     }

@@ -22,7 +22,7 @@ GREEDY = {"until": ["\n"], "do_sample": False}
 def _model(root: Path, meta: bool, **generation: Any) -> Any:
     """A tiny Llama saved under ``root`` with ``generation`` in its generation_config.json, as
     the driver's shell (meta) or as a rank builds it (random weights)."""
-    from rayeval.service.engine.encoder import meta_model
+    from rayeval.service.engine.plan.encoder import meta_model
 
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from rayeval.actors.errors import ConfigError
-from rayeval.service.engine.generation_planner import GenerateRequest, plan_generate
-from rayeval.service.engine.planner import TokenBudget, model_input, plan_score
+from rayeval.service.engine.plan.generation_planner import GenerateRequest, plan_generate
+from rayeval.service.engine.plan.planner import TokenBudget, model_input, plan_score
 
 pytestmark = pytest.mark.unit
 
@@ -72,7 +72,7 @@ def test_plan_generate_groups_by_settings_and_counts_generation_room() -> None:
 
 
 def test_continuous_batching_groups_are_planned_without_the_layout() -> None:
-    from rayeval.service.engine.generation_planner import (
+    from rayeval.service.engine.plan.generation_planner import (
         SlotBudget,
         plan_generate_groups,
         request_seeds,
@@ -99,7 +99,7 @@ def test_contexts_as_32_bit_buffers_are_planned_and_seeded_as_tuples() -> None:
     import random
     from array import array
 
-    from rayeval.service.engine.generation_planner import (
+    from rayeval.service.engine.plan.generation_planner import (
         SlotBudget,
         plan_generate_groups,
         request_seeds,
@@ -134,9 +134,9 @@ def test_the_kv_budget_is_the_plan_and_memory_only_bounds_it(
     # Without a KV-cache setting, the slots alone bound a group (what its `slots` largest
     # requests need): the plan depends on the requests and settings only. A rank's memory
     # bounds it only where it holds less; a request that needs more is refused, naming why.
-    from rayeval.service.config import EngineConfig
-    from rayeval.service.engine.budgets import MEMORY_SETTING, memory_kv_tokens, slot_budget
-    from rayeval.service.engine.generation_planner import SlotBudget, plan_generate_groups
+    from rayeval.service.engine.plan.budgets import MEMORY_SETTING, memory_kv_tokens, slot_budget
+    from rayeval.service.engine.plan.generation_planner import SlotBudget, plan_generate_groups
+    from rayeval.service.vocabulary.config import EngineConfig
 
     requests = [GenerateRequest((1,) * n, 4, ("\n",)) for n in (30, 90, 50, 900, 10)]
     seeds = [None] * len(requests)

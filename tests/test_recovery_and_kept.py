@@ -7,13 +7,13 @@ from datetime import UTC, datetime
 
 import pytest
 
-from rayeval.service.events import EvaluationProgress
 from rayeval.service.jobs.admission import Kept
+from rayeval.service.jobs.followed import FollowedEvaluations
 from rayeval.service.jobs.kept import KeptRunners
 from rayeval.service.jobs.records import EvaluationRecord
 from rayeval.service.jobs.recovery import FoundRunner, Recovery, plan_recovery
-from rayeval.service.jobs.tracking import FollowedEvaluations
-from rayeval.service.states import EvaluationStatus
+from rayeval.service.vocabulary.events import EvaluationProgress
+from rayeval.service.vocabulary.states import EvaluationStatus
 
 pytestmark = pytest.mark.unit
 

@@ -279,8 +279,8 @@ def test_flagged_requests_reach_the_results_file_and_the_live_callback(
     shapes: dict[str, Any], ray_session: None, tmp_path: Path
 ) -> None:
     """What ``rayeval run`` and the service write: a results field, and a warning as it happens."""
-    from rayeval.service.config import EvaluationConfig, HostOptions
     from rayeval.service.engine.runner import run_evaluation
+    from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
 
     config = EvaluationConfig(
         model_args={"pretrained": str(shapes["gemma"]), "dtype": "float32"},

@@ -423,7 +423,7 @@ def test_restart_keeps_finished_and_fails_lost_runs(
     main_run: dict[str, Any], server: ServerThread, client: httpx.Client, demo: Any
 ) -> None:
     from rayeval.service.jobs.store import EvaluationStore
-    from rayeval.service.states import EvaluationStatus
+    from rayeval.service.vocabulary.states import EvaluationStatus
 
     evaluation_id = main_run["final"]["id"]
     results_before = client.get(f"/evaluations/{evaluation_id}/results").content
@@ -452,7 +452,7 @@ def test_restart_keeps_finished_and_fails_lost_runs(
 
 def _spec_dict(request: dict[str, Any]) -> dict[str, Any]:
     """A stored config from a public request (the request is the config)."""
-    from rayeval.service.config import EvaluationConfig
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
     return EvaluationConfig.model_validate(request).to_json()
 
@@ -928,7 +928,7 @@ def test_loopback_rule() -> None:
 @pytest.mark.unit
 def test_api_never_imports_torch() -> None:
     code = (
-        "import sys; import rayeval.api.app, rayeval.api.cli, rayeval.service.config, "
+        "import sys; import rayeval.api.app, rayeval.api.cli, rayeval.service.vocabulary.config, "
         "rayeval.service.jobs.manager, rayeval.service.jobs.runner_actor; "
         "from rayeval.api.settings import Settings; rayeval.api.app.create_app(Settings()); "
         "assert 'torch' not in sys.modules, 'torch was imported'"
@@ -943,7 +943,7 @@ def test_api_never_imports_torch() -> None:
 def test_status_lifecycle(tmp_path: Path) -> None:
     """The state machine: terminal states have no way out, and the store allows only its moves."""
     from rayeval.service.jobs.store import EvaluationStore
-    from rayeval.service.states import EvaluationStatus as S
+    from rayeval.service.vocabulary.states import EvaluationStatus as S
 
     assert {s.value for s in S if s.is_terminal} == TERMINAL
     assert {s.value for s in S if s.is_active} == {"starting", "running"}

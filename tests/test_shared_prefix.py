@@ -19,7 +19,7 @@ import pytest
 
 from rayeval.actors.batches import ModelSpec
 from rayeval.actors.layout import DeviceKind, RankCoord
-from rayeval.service.engine.planner import TokenBudget, plan_score
+from rayeval.service.engine.plan.planner import TokenBudget, plan_score
 from tests.helpers import LOGPROB_TOL, assert_same_results, evaluate
 
 TASKS = ["shaped_hellaswag", "shaped_arc", "shaped_mmlu"]

@@ -3,7 +3,7 @@
 The simulated rank (``benchmarks/sim_rank.py``) is the real rank actor's interface with a modelled
 step; every answer is a function of its own request, so the tests can say, per request, whether
 the driver delivered its answer exactly once and to the right request, whatever the layout
-(R = 8, 1, 3), with a plan streamed in parts (loglikelihood and generation), and with a replica
+(R = 8, 1, 3), with a plan made in parts (loglikelihood and generation), and with a replica
 lost mid-run. The cluster runs in
 a subprocess (``tests/sim_driver_cluster.py``): it needs 12 logical CPUs, the session's Ray has 4.
 The other tests: lm-eval's own tokenisation against the driver's bulk one, part boundaries, the
@@ -130,7 +130,7 @@ def test_bulk_tokenisation_is_lm_evals(demo: Any) -> None:
     from lm_eval.api.instance import Instance
     from lm_eval.api.model import TemplateLM
 
-    from rayeval.service.engine.encoder import build_encoder, encode_pairs
+    from rayeval.service.engine.plan.encoder import build_encoder, encode_pairs
 
     encoder, _ = build_encoder(str(demo.model_dir), {})
     pairs = [
@@ -165,7 +165,7 @@ def test_bulk_tokenisation_is_lm_evals(demo: Any) -> None:
 def test_generation_tokenisation_is_lm_evals(demo: Any) -> None:
     """generate_request against lm-eval's tok_batch_encode of each context alone (its rules for
     a batch of one, left-truncated to max_length - max_gen_toks), and its settings."""
-    from rayeval.service.engine.encoder import build_encoder, generate_request
+    from rayeval.service.engine.plan.encoder import build_encoder, generate_request
 
     encoder, _ = build_encoder(str(demo.model_dir), {})
     long_context = " ".join(["word"] * (encoder.max_length + 50))
@@ -191,7 +191,7 @@ def test_generation_tokenisation_is_lm_evals(demo: Any) -> None:
 
 @pytest.mark.unit
 def test_parts_keep_a_contexts_requests_together() -> None:
-    from rayeval.service.engine.streamed import part_bounds
+    from rayeval.service.engine.parts.pipeline import part_bounds
 
     contexts = ["a"] * 3 + ["b"] * 4 + ["c"] + ["d"] * 2
     assert list(part_bounds(contexts, 2)) == [(0, 3), (3, 7), (7, 10)]
@@ -208,7 +208,7 @@ def test_parts_keep_a_contexts_requests_together() -> None:
 
 @pytest.mark.unit
 def test_calls_grow_once_timed_and_shrink_as_the_queue_drains() -> None:
-    from rayeval.service.engine.dispatch import CALL_SECONDS, CallSizer
+    from rayeval.service.engine.dispatch.dispatcher import CALL_SECONDS, CallSizer
 
     sizer = CallSizer()
     assert sizer.size(pending=10_000, calls=16, replica=0) == 1  # first results after one step
@@ -246,7 +246,7 @@ def test_the_heap_is_frozen_while_request_types_run_and_unfrozen_after_the_last(
     import gc
     import weakref
 
-    from rayeval.service.engine import heap
+    from rayeval.service.engine.dispatch import heap
 
     gc.unfreeze()
     heap.settle()  # outside a running request type: nothing is frozen
@@ -343,16 +343,16 @@ def test_scores_planned_in_parts_match_lm_eval_hf(
 def test_sampling_seeds_and_groups_in_parts_are_those_of_the_whole_part_by_part() -> None:
     """A Seeder that saw the parts before gives a part's sampled requests the seeds the whole
     request type gives them (repeats straddle the cut); a part is grouped as any request set."""
-    from rayeval.service.engine.generation_planner import (
+    from rayeval.service.engine.parts.generate import GeneratePart, plan_generate_part
+    from rayeval.service.engine.parts.pipeline import even_bounds
+    from rayeval.service.engine.plan.generation_planner import (
         GenerateRequest,
         Seeder,
         SlotBudget,
         plan_generate_groups,
         request_seeds,
     )
-    from rayeval.service.engine.planner import TokenBudget
-    from rayeval.service.engine.streamed import even_bounds
-    from rayeval.service.engine.streamed_generate import GeneratePart, plan_generate_part
+    from rayeval.service.engine.plan.planner import TokenBudget
 
     sampled = {"do_sample": True, "temperature": 1.0}
     requests = [

@@ -20,14 +20,14 @@ import pytest
 from sqlalchemy import text
 
 from rayeval.actors.errors import ConfigError
-from rayeval.service.errors import UserConflictError, UserNotFoundError
-from rayeval.service.events import PreemptedEvent
 from rayeval.service.jobs import migrations
 from rayeval.service.jobs.accounts import Role, secret_matches, split_key
 from rayeval.service.jobs.audit import Action
 from rayeval.service.jobs.store import EvaluationStore
-from rayeval.service.states import EvaluationStatus as S
-from rayeval.service.states import EventKind
+from rayeval.service.vocabulary.errors import UserConflictError, UserNotFoundError
+from rayeval.service.vocabulary.events import PreemptedEvent
+from rayeval.service.vocabulary.states import EvaluationStatus as S
+from rayeval.service.vocabulary.states import EventKind
 from tests.postgres import DATABASES
 
 HOUSE_DUMP = Path(__file__).parent / "data" / "house_schema.sql"
@@ -217,7 +217,7 @@ def test_a_sweep_s_checkpoints_keep_their_order_and_results(database_url: str) -
     """Checkpoints are stored with the progress that carries them, listed in the order they
     first ended; a later report replaces an earlier one, but a ``skipped`` one never replaces
     stored results."""
-    from rayeval.service.events import CheckpointOutputs, EvaluationProgress
+    from rayeval.service.vocabulary.events import CheckpointOutputs, EvaluationProgress
 
     store = _store(database_url)
     record = store.create({"model_args": {}}, {"CPU": 1.0})

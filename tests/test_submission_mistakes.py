@@ -14,9 +14,9 @@ import pytest
 from pydantic import ValidationError
 
 from rayeval.actors.errors import ConfigError
-from rayeval.service.config import EvaluationConfig
 from rayeval.service.jobs.failures import explain
 from rayeval.service.jobs.validation import chat_template_problems
+from rayeval.service.vocabulary.config import EvaluationConfig
 
 BASE: dict[str, Any] = {"model_args": {"pretrained": "org/model"}, "tasks": ["demo_mc"]}
 

@@ -1,4 +1,4 @@
-"""Tokeniser actors (``service/engine/tokenisers.py``): parts tokenised on real Ray actors are
+"""Tokeniser actors (``service/engine/plan/tokenisers.py``): parts tokenised on real Ray actors are
 the parts the driver makes itself, token for token; a failing or disagreeing actor hands the
 rest back to the driver; an evaluation in parts with them gives lm-eval hf's results."""
 
@@ -12,21 +12,21 @@ from typing import Any
 import pytest
 
 from benchmarks.driver_workload import generation_instances, mmlu_instances
-from rayeval.service.engine.generation_planner import request_seeds
+from rayeval.service.engine.plan.generation_planner import request_seeds
 from tests.helpers import assert_same_results, evaluate, hf_reference
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 
 def _encoder(demo: Any, **model_args: Any) -> Any:
-    from rayeval.service.engine.encoder import build_encoder
+    from rayeval.service.engine.plan.encoder import build_encoder
 
     return build_encoder(str(demo.model_dir), {"dtype": "float32", **model_args})[0]
 
 
 def _score_tokens(encoder: Any, instances: list[Any]) -> Any:
-    from rayeval.service.engine.checks import Origins, RequestChecks, RequestReport
-    from rayeval.service.engine.streamed_score import score_tokens
+    from rayeval.service.engine.parts.score import score_tokens
+    from rayeval.service.engine.plan.checks import Origins, RequestChecks, RequestReport
 
     checks = RequestChecks(encoder.tok_encode, True, RequestReport(), None)
     pairs = [instance.args for instance in instances]
@@ -34,7 +34,7 @@ def _score_tokens(encoder: Any, instances: list[Any]) -> Any:
 
 
 def _made(tokens: Any, bounds: list[tuple[int, int]], encoder: Any, workers: int) -> Any:
-    from rayeval.service.engine.tokenisers import TokeniserPool, made_parts
+    from rayeval.service.engine.plan.tokenisers import TokeniserPool, made_parts
 
     with TokeniserPool(encoder, workers) as pool:
         return list(made_parts(bounds, tokens, pool)), pool.tokenised
@@ -45,8 +45,8 @@ def test_loglikelihood_parts_from_actors_are_the_driver_s_own(demo: Any) -> None
     """MMLU-shaped pairs in parts of 40 (cut where the context changes), each part in chunks
     over two actors: the same tokens, checks and answers as the driver's, its token ids the
     driver's shared ones, a question's choices sharing one context tuple."""
-    from rayeval.service.engine.encoder import shared_ids
-    from rayeval.service.engine.streamed import part_bounds
+    from rayeval.service.engine.parts.pipeline import part_bounds
+    from rayeval.service.engine.plan.encoder import shared_ids
 
     encoder = _encoder(demo)
     instances = mmlu_instances(400, seed=5)
@@ -70,8 +70,8 @@ def test_loglikelihood_parts_from_actors_are_the_driver_s_own(demo: Any) -> None
 
 
 def _plans(parts: list[Any], pool: Any, share: bool, max_length: int) -> list[Any]:
-    from rayeval.service.engine.planner import TokenBudget
-    from rayeval.service.engine.streamed_score import plan_part
+    from rayeval.service.engine.parts.score import plan_part
+    from rayeval.service.engine.plan.planner import TokenBudget
 
     budget = TokenBudget(max_tokens=700)
     plans = [plan_part(part, None, budget, share, max_length, pool) for part in parts]
@@ -116,8 +116,8 @@ def test_parts_planned_by_actors_are_the_driver_s_plans(
     import ray
 
     from rayeval.actors.batches import PickledScoreBatch
-    from rayeval.service.engine.streamed import part_bounds
-    from rayeval.service.engine.tokenisers import TokeniserPool, made_parts
+    from rayeval.service.engine.parts.pipeline import part_bounds
+    from rayeval.service.engine.plan.tokenisers import TokeniserPool, made_parts
 
     encoder = _encoder(demo)
     instances = mmlu_instances(400, seed=11)
@@ -132,7 +132,7 @@ def test_parts_planned_by_actors_are_the_driver_s_plans(
         assert all(isinstance(mb, PickledScoreBatch) for p in theirs[1:] for mb in p.micro_batches)
         _same_plans(_plans(alone, None, share, window), theirs)
 
-    caplog.set_level(logging.WARNING, logger="rayeval.service.engine.tokenisers")
+    caplog.set_level(logging.WARNING, logger="rayeval.service.engine.plan.tokenisers")
     with TokeniserPool(encoder, 2) as pool:
         parts = list(made_parts(bounds, tokens, pool))
         for actor in pool._actors:
@@ -147,8 +147,8 @@ def test_parts_planned_by_actors_are_the_driver_s_plans(
 
 @pytest.mark.service
 def test_generation_parts_from_actors_are_the_driver_s_own(demo: Any) -> None:
-    from rayeval.service.engine.streamed import even_bounds
-    from rayeval.service.engine.streamed_generate import Prompts
+    from rayeval.service.engine.parts.generate import Prompts
+    from rayeval.service.engine.parts.pipeline import even_bounds
 
     encoder = _encoder(demo)
     instances = generation_instances(100, seed=6, max_gen_toks=8)
@@ -182,16 +182,16 @@ def test_a_lost_or_disagreeing_actor_hands_the_rest_to_the_driver(
     own, the rest by the driver, and the warning says why."""
     import ray
 
-    from rayeval.service.engine.streamed import even_bounds
-    from rayeval.service.engine.streamed_generate import Prompts
-    from rayeval.service.engine.tokenisers import TokeniserPool, made_parts
+    from rayeval.service.engine.parts.generate import Prompts
+    from rayeval.service.engine.parts.pipeline import even_bounds
+    from rayeval.service.engine.plan.tokenisers import TokeniserPool, made_parts
 
     encoder = _encoder(demo)
     instances = generation_instances(80, seed=7, max_gen_toks=8)
     bounds = list(even_bounds(len(instances), 10))
     alone, _ = _made(Prompts(encoder, instances).tokens(), bounds, encoder, 0)
     expected = _tuples(alone)
-    caplog.set_level(logging.WARNING, logger="rayeval.service.engine.tokenisers")
+    caplog.set_level(logging.WARNING, logger="rayeval.service.engine.plan.tokenisers")
 
     with TokeniserPool(encoder, 2) as pool:
         parts = made_parts(bounds, Prompts(encoder, instances).tokens(), pool)
@@ -226,8 +226,8 @@ def test_answers_decoded_by_actors_are_the_driver_s_own(
     texts are read, leave the rest to the driver, same texts, and the warning says why."""
     import ray
 
-    from rayeval.service.engine.streamed_generate import Prompts
-    from rayeval.service.engine.tokenisers import TokeniserPool
+    from rayeval.service.engine.parts.generate import Prompts
+    from rayeval.service.engine.plan.tokenisers import TokeniserPool
 
     encoder = _encoder(demo)
     instances = generation_instances(40, seed=8, max_gen_toks=8)
@@ -237,7 +237,7 @@ def test_answers_decoded_by_actors_are_the_driver_s_own(
     expected = prompts.decode(list(answers))
     assert any("Question" in a for a in map(encoder.tok_decode, answers))
     assert not any("Question" in text for text in expected)
-    caplog.set_level(logging.WARNING, logger="rayeval.service.engine.tokenisers")
+    caplog.set_level(logging.WARNING, logger="rayeval.service.engine.plan.tokenisers")
 
     def decode(pool: Any, kill: bool = False) -> tuple[list[str], int]:
         decoding = prompts.decoding(pool)
@@ -288,7 +288,7 @@ def test_an_evaluation_tokenised_by_actors_matches_lm_eval_hf(
 
 
 def _needs(encoder: Any, instances: list[Any]) -> list[int]:
-    from rayeval.service.engine.encoder import generate_requests
+    from rayeval.service.engine.plan.encoder import generate_requests
 
     requests = generate_requests(encoder, [i.args for i in instances], "</s>")
     return [len(r.context) + r.max_gen_toks for r in requests]
@@ -302,8 +302,8 @@ def test_an_unfit_request_is_refused_as_the_planner_would_without_tokenising_all
     same message) for budgets around every request's need, and passes every budget at or above
     the largest."""
     from rayeval.actors.errors import ConfigError
-    from rayeval.service.engine.generation_planner import SlotBudget, check_fits
-    from rayeval.service.engine.streamed_generate import Prompts
+    from rayeval.service.engine.parts.generate import Prompts
+    from rayeval.service.engine.plan.generation_planner import SlotBudget, check_fits
 
     encoder = _encoder(demo)
     instances = generation_instances(60, seed=8, max_gen_toks=8, question_words=(2, 60))

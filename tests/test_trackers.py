@@ -167,7 +167,7 @@ def test_use_cache_is_rayeval_s_durable_cache(tracked_run: dict[str, Any]) -> No
 def test_service_refuses_tracker_options_in_a_request(tmp_path: Path) -> None:
     from pydantic import ValidationError
 
-    from rayeval.service.config import EvaluationConfig
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
     for option in ("wandb_args", "hf_hub_log_args", "write_out", "show_config", "use_cache"):
         with pytest.raises(ValidationError) as error:

@@ -352,8 +352,8 @@ def test_every_metric_and_stderr_is_named_for_mlflow() -> None:
 
 @pytest.mark.unit
 def test_params_tags_and_wandb_arguments_of_an_evaluation() -> None:
-    from rayeval.service.config import EvaluationConfig
     from rayeval.service.trackers import Trackers, run_name, run_params, run_tags, wandb_init_args
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
     config = EvaluationConfig.model_validate(
         {
@@ -388,8 +388,8 @@ def test_tracking_from_the_command_line_and_refused_without_a_tracker() -> None:
 
     from rayeval.api.cli import build_parser
     from rayeval.api.cli.evaluation_flags import config_from_args
-    from rayeval.service.config import EvaluationConfig
     from rayeval.service.jobs.validation import ServerPolicy, tracking_problems
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
     base = ["run", "--model_args", "pretrained=/models/m", "--tasks", "demo_mc"]
     config, host = config_from_args(build_parser().parse_args(base))
@@ -428,7 +428,8 @@ def test_server_tracker_settings(tmp_path: Path) -> None:
 
 @pytest.mark.unit
 def test_tracker_warnings_travel_from_runner_to_stream() -> None:
-    from rayeval.service.events import (
+    from rayeval.service.jobs.following import digest
+    from rayeval.service.vocabulary.events import (
         RUNNER_EVENTS,
         EvaluationProgress,
         RequestWarning,
@@ -439,7 +440,6 @@ def test_tracker_warnings_travel_from_runner_to_stream() -> None:
         stream_event,
         warning_of,
     )
-    from rayeval.service.jobs.following import digest
 
     tracker = TrackerWarning(tracker="mlflow", message="not recorded")
     request = RequestWarning(task="t", counts={"empty_continuation": 1}, example={})

@@ -2,7 +2,7 @@
 
 A packed :class:`rayeval.actors.batches.ScoreRow` holds the inputs of several requests that share a
 prefix, the shared tokens once (the planner builds it:
-``rayeval.service.engine.planner.pack_prefixes``). Scoring it exactly as lm-eval scores each
+``rayeval.service.engine.plan.planner.pack_prefixes``). Scoring it exactly as lm-eval scores each
 request on a row of its own takes two things the model
 already accepts:
 

@@ -2,8 +2,9 @@
 
 lm-eval's own ``run`` parser supplies lm-eval's flags; rayeval's own (the layout, batching and
 timeouts) are generated here from the fields of
-:class:`rayeval.service.config.EvaluationConfig`. :func:`config_from_args` reads a parsed command
-line into that config with lm-eval's precedence (flags over ``--config`` YAML over its defaults).
+:class:`rayeval.service.vocabulary.config.EvaluationConfig`. :func:`config_from_args` reads a parsed
+command line into that config with lm-eval's precedence (flags over ``--config`` YAML over its
+defaults).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ def add_config_flags(group: argparse._ArgumentGroup) -> None:
     """Add rayeval's own ``run`` flags, one per config field lm-eval has no flag for.
 
     Name, type, default and help all come from the field in
-    :class:`rayeval.service.config.EvaluationConfig` (``RAYEVAL_FLAGS`` names the flag).
+    :class:`rayeval.service.vocabulary.config.EvaluationConfig` (``RAYEVAL_FLAGS`` names the flag).
 
     Args:
         group: Where the flags go (``run``'s or ``submit``'s argument group).
     """
-    from rayeval.service.config_fields import RAYEVAL_FLAGS, field_info
+    from rayeval.service.vocabulary.config_fields import RAYEVAL_FLAGS, field_info
 
     for path, flag in RAYEVAL_FLAGS.items():
         info = field_info(path)
@@ -88,7 +89,7 @@ def parse_key_values(text: str) -> dict[str, Any]:
     Raises:
         argparse.ArgumentTypeError: text that is not such pairs (argparse names the flag).
     """
-    from rayeval.service.lm_eval_options import parse_args_string
+    from rayeval.service.vocabulary.lm_eval_options import parse_args_string
 
     try:
         parsed: dict[str, Any] = parse_args_string(text) if text.strip() else {}
@@ -114,7 +115,7 @@ def _takes_object(annotation: Any) -> bool:
 
 def dest(path: Sequence[str]) -> str:
     """The namespace attribute of a rayeval flag: its name (``num_replicas``, ...)."""
-    from rayeval.service.config_fields import RAYEVAL_FLAGS
+    from rayeval.service.vocabulary.config_fields import RAYEVAL_FLAGS
 
     return RAYEVAL_FLAGS[tuple(path)].removeprefix("--")
 
@@ -138,10 +139,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     from pydantic import ValidationError
 
     from rayeval.actors.errors import ConfigError
-    from rayeval.service.config import EvaluationConfig, HostOptions
-    from rayeval.service.config_fields import RAYEVAL_FLAGS, cli_flag, describe_errors
-    from rayeval.service.lm_eval_options import LM_EVAL_HOST_FIELDS
     from rayeval.service.trackers import Trackers
+    from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+    from rayeval.service.vocabulary.config_fields import RAYEVAL_FLAGS, cli_flag, describe_errors
+    from rayeval.service.vocabulary.lm_eval_options import LM_EVAL_HOST_FIELDS
 
     ours = {path: getattr(args, dest(path)) for path in RAYEVAL_FLAGS}
     rayeval_only = {dest(path) for path in RAYEVAL_FLAGS} | HOST_FLAGS

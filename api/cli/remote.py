@@ -26,8 +26,8 @@ from rayeval.api.cli.remote_sweeps import (
     with_sweep,
 )
 from rayeval.api.client import RayEvalClient, ServiceError
-from rayeval.service.events import PhaseCounts
 from rayeval.service.result_files import write_lm_eval_files
+from rayeval.service.vocabulary.events import PhaseCounts
 
 #: A request type's bar: the server's rates (tqdm's own would time this client's polls).
 _BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} req [{elapsed}{postfix}]"
@@ -160,7 +160,7 @@ def submission_body(
     Raises:
         ConfigError: a bad flag, or one that only the server's operator sets.
     """
-    from rayeval.service.lm_eval_options import LM_EVAL_HOST_FIELDS
+    from rayeval.service.vocabulary.lm_eval_options import LM_EVAL_HOST_FIELDS
 
     given = vars(args)
     refused = [f"--{name}" for name in LM_EVAL_HOST_FIELDS | {"include_path"} if given.get(name)]

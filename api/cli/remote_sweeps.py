@@ -71,7 +71,7 @@ def with_sweep(config: Any, args: argparse.Namespace) -> Any:
     """
     from pydantic import ValidationError
 
-    from rayeval.service.config_groups import SweepSpec
+    from rayeval.service.vocabulary.config_groups import SweepSpec
 
     given = vars(args)
     if given.get("checkpoints") and given.get("watch"):

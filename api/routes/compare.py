@@ -18,11 +18,11 @@ from pydantic import BaseModel, Field
 from rayeval.api.deps import CallerDep, StoreDep, require_token
 from rayeval.api.schemas import EVALUATION_ERRORS, ErrorBody
 from rayeval.service.comparison import EvaluationSamples, IncomparableError, compare
-from rayeval.service.errors import EvaluationStateError
 from rayeval.service.jobs.accounts import Principal, check_access
 from rayeval.service.jobs.store import EvaluationStore
 from rayeval.service.result_files import parse_samples
-from rayeval.service.states import EvaluationStatus
+from rayeval.service.vocabulary.errors import EvaluationStateError
+from rayeval.service.vocabulary.states import EvaluationStatus
 
 router = APIRouter(
     tags=["evaluations"],

@@ -40,17 +40,17 @@ from rayeval.api.schemas import (
     Throughput,
 )
 from rayeval.api.views import EventFeed
-from rayeval.service.config import EvaluationConfig
-from rayeval.service.errors import (
+from rayeval.service.jobs.accounts import check_access
+from rayeval.service.jobs.manager import EvaluationManager
+from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
+from rayeval.service.vocabulary.config import EvaluationConfig
+from rayeval.service.vocabulary.errors import (
     EvaluationNotFoundError,
     EvaluationStateError,
     unknown_evaluation,
 )
-from rayeval.service.events import StateEvent
-from rayeval.service.jobs.accounts import check_access
-from rayeval.service.jobs.manager import EvaluationManager
-from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
-from rayeval.service.states import EvaluationStatus, EventKind
+from rayeval.service.vocabulary.events import StateEvent
+from rayeval.service.vocabulary.states import EvaluationStatus, EventKind
 
 router = APIRouter(
     prefix="/evaluations",

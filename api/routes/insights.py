@@ -14,9 +14,9 @@ from pydantic import BaseModel, Field
 
 from rayeval.api.deps import CallerDep, StoreDep, require_token
 from rayeval.api.schemas import EVALUATION_ERRORS
-from rayeval.service.events import ProgressEvent
 from rayeval.service.jobs.accounts import check_access
-from rayeval.service.states import EventKind
+from rayeval.service.vocabulary.events import ProgressEvent
+from rayeval.service.vocabulary.states import EventKind
 
 router = APIRouter(
     prefix="/evaluations",

@@ -18,12 +18,12 @@ from fastapi import APIRouter, Depends, Query, Response
 
 from rayeval.api.deps import CallerDep, StoreDep, require_token
 from rayeval.api.schemas import EVALUATION_ERRORS
-from rayeval.service.config import EvaluationConfig
 from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary, table
-from rayeval.service.errors import EvaluationNotFoundError
 from rayeval.service.jobs.accounts import check_access
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
 from rayeval.service.jobs.sweep_results import StoredCheckpoint
+from rayeval.service.vocabulary.config import EvaluationConfig
+from rayeval.service.vocabulary.errors import EvaluationNotFoundError
 
 router = APIRouter(
     prefix="/evaluations",

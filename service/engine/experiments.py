@@ -6,8 +6,8 @@ for ``--wandb_args`` (``rayeval run``, lm-eval's own flag) or, on the service, f
 that asks to be tracked (``tracking``) when the server has a W&B project; MLflow for an
 evaluation that asks to be tracked when the host has a tracking URI (``rayeval run
 --mlflow_tracking_uri`` asks for itself). What a tracker fails to do is a warning, logged and
-handed to ``on_warning`` as :class:`rayeval.service.events.TrackerWarning`: the results never
-depend on a tracker.
+handed to ``on_warning`` as :class:`rayeval.service.vocabulary.events.TrackerWarning`: the results
+never depend on a tracker.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from rayeval.actors.errors import ConfigError
-from rayeval.service.config import EvaluationConfig, HostOptions
-from rayeval.service.events import TrackerWarning
 from rayeval.service.trackers import TrackerError, log_to_mlflow, wandb_init_args
+from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+from rayeval.service.vocabulary.events import TrackerWarning
 
 logger = logging.getLogger(__name__)
 

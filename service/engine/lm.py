@@ -2,7 +2,7 @@
 
 lm-eval builds every request once, on the driver, and hands them to this class by request type.
 Tokenisation is done here exactly as lm-eval's own HF backend does it — by an ``HFLM`` built over a
-weightless (meta-device) copy of the model (:mod:`rayeval.service.engine.encoder`), so every
+weightless (meta-device) copy of the model (:mod:`rayeval.service.engine.plan.encoder`), so every
 tokenizer rule (BOS handling, pad token, chat templates, max length) is lm-eval's own code. Only
 the forward passes leave the driver: the planner cuts layout-independent micro-batches and the
 dispatcher runs them on the replicas.
@@ -29,26 +29,36 @@ from lm_eval.api.registry import register_model
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, ShardStrategy
-from rayeval.service.config import DEFAULT_SEED, EngineConfig, HostOptions
-from rayeval.service.config_fields import config_from_keywords
-from rayeval.service.engine import model_shell
-from rayeval.service.engine.checks import (
+from rayeval.service.engine.dispatch.cluster import connect, pick_device
+from rayeval.service.engine.dispatch.executor import Executor
+from rayeval.service.engine.dispatch.phases import PhaseStats
+from rayeval.service.engine.dispatch.warm import KeptReplicas, replica_key
+from rayeval.service.engine.parts.generate import Prompts
+from rayeval.service.engine.parts.pipeline import (
+    GENERATE_PART,
+    SCORE_PART,
+    even_bounds,
+    part_bounds,
+)
+from rayeval.service.engine.parts.score import score_tokens
+from rayeval.service.engine.plan import model_shell
+from rayeval.service.engine.plan.checks import (
     Origins,
     RequestChecks,
     RequestReport,
     check_empty_context_pairs,
 )
-from rayeval.service.engine.cluster import connect, pick_device
-from rayeval.service.engine.encoder import build_encoder, model_sha, model_spec, rolling_windows
-from rayeval.service.engine.executor import Executor
-from rayeval.service.engine.phases import PhaseStats
+from rayeval.service.engine.plan.encoder import (
+    build_encoder,
+    model_sha,
+    model_spec,
+    rolling_windows,
+)
 from rayeval.service.engine.response_cache import open_cache
-from rayeval.service.engine.streamed import GENERATE_PART, SCORE_PART, even_bounds, part_bounds
-from rayeval.service.engine.streamed_generate import Prompts
-from rayeval.service.engine.streamed_score import score_tokens
-from rayeval.service.engine.warm import KeptReplicas, replica_key
-from rayeval.service.events import Progress
 from rayeval.service.private_apis import check_private_apis
+from rayeval.service.vocabulary.config import DEFAULT_SEED, EngineConfig, HostOptions
+from rayeval.service.vocabulary.config_fields import config_from_keywords
+from rayeval.service.vocabulary.events import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +77,14 @@ class RayEvalLM(TemplateLM):
         host: Where it runs: the Ray address and the actors' name prefix.
         on_progress: Called after every finished step.
         on_warning: Called with ``{task, counts, example}`` when a task has loglikelihood
-            requests whose tokens do not measure it (see :mod:`rayeval.service.engine.checks`).
+            requests whose tokens do not measure it (see :mod:`rayeval.service.engine.plan.checks`).
         replicas: Loaded replicas to use if they match, and where to keep these ones after a
-            successful evaluation (:mod:`rayeval.service.engine.warm`).
+            successful evaluation (:mod:`rayeval.service.engine.dispatch.warm`).
         benchmark_rank_class: Benchmarks only, never set by the product: a class that replaces
             every rank actor (``benchmarks/sim_rank.py``'s simulated rank, which loads no model;
             see :meth:`rayeval.actors.group.WorkerGroup.create`).
-        **options: :func:`~rayeval.service.config_fields.config_from_keywords`'s keywords:
+        **options: :func:`~rayeval.service.vocabulary.config_fields.config_from_keywords`'s
+        keywords:
             ``num_replicas``, ``shard_size``, ``cpus_per_rank``, ``batch_size``, ``max_batch_size``,
             ``max_batch_tokens``, ``device``, ``seed``, ``timeouts`` (or ``placement_s``,
             ``load_s``, ...), ``address``, ``name`` and ``use_cache`` (a path prefix:
@@ -158,7 +169,7 @@ class RayEvalLM(TemplateLM):
         """The engine for ``config`` (an :class:`EvaluationConfig` is one), started on ``host``.
 
         ``replicas``: loaded replicas to use if they match, and where to keep these ones after
-        a successful evaluation (:mod:`rayeval.service.engine.warm`).
+        a successful evaluation (:mod:`rayeval.service.engine.dispatch.warm`).
         """
         return cls(
             config=config,
@@ -323,7 +334,7 @@ class RayEvalLM(TemplateLM):
         origins = Origins(requests)
         pairs = [r.args for r in requests]
         check_empty_context_pairs(pairs, origins, self.tok_encode)
-        # TemplateLM's tokenisation, in bulk, and the checks (engine.streamed_score).
+        # TemplateLM's tokenisation, in bulk, and the checks (engine.parts.score).
         tokens = score_tokens(self._encoder, pairs, origins, self._checks())
         if len(pairs) > SCORE_PART:  # tokenised (by actors), checked and planned in parts
             bounds = part_bounds([context for context, _ in pairs], SCORE_PART)

@@ -127,7 +127,7 @@ class ResponseCache:
         self.hits = 0
         self.stored = 0
         #: Parts of a large request type are looked up on a planning thread while the
-        #: driver's thread stores finished ones (engine.streamed).
+        #: driver's thread stores finished ones (engine.parts.pipeline).
         self._lock = threading.Lock()
 
     @property

@@ -1,10 +1,11 @@
 """Running one evaluation end to end, as ``lm_eval run`` does, but on Ray.
 
-:func:`run_evaluation` takes the evaluation's :class:`rayeval.service.config.EvaluationConfig` and
-the :class:`rayeval.service.config.HostOptions` of where it runs, turns them into lm-eval's own
-``EvaluatorConfig`` (so every lm-eval option means what it means in lm-eval), resolves the tasks,
-evaluates with :class:`rayeval.service.engine.lm.RayEvalLM` and writes what ``lm_eval`` writes,
-where it writes it: ``OUT/<model>/results_<ts>.json`` and, with ``--log_samples``,
+:func:`run_evaluation` takes the evaluation's
+:class:`rayeval.service.vocabulary.config.EvaluationConfig` and the
+:class:`rayeval.service.vocabulary.config.HostOptions` of where it runs, turns them into lm-eval's
+own ``EvaluatorConfig`` (so every lm-eval option means what it means in lm-eval), resolves the
+tasks, evaluates with :class:`rayeval.service.engine.lm.RayEvalLM` and writes what ``lm_eval``
+writes, where it writes it: ``OUT/<model>/results_<ts>.json`` and, with ``--log_samples``,
 ``samples_<task>_<ts>.jsonl``; and records it where it asks to be recorded (W&B, MLflow:
 :mod:`rayeval.service.engine.experiments`).
 """
@@ -21,12 +22,12 @@ from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.tasks import TaskManager
 
 from rayeval.actors.errors import ConfigError, RayEvalError
-from rayeval.service.config import EvaluationConfig, HostOptions
+from rayeval.service.engine.dispatch.warm import KeptReplicas
 from rayeval.service.engine.experiments import ExperimentLog, written_files
 from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
-from rayeval.service.engine.warm import KeptReplicas
-from rayeval.service.events import Progress
+from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+from rayeval.service.vocabulary.events import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,8 @@ def run_evaluation(
 
     Beyond lm-eval's output, ``results["request_warnings"]`` lists, per task and kind, the
     loglikelihood requests whose tokens do not measure the task
-    (:mod:`rayeval.service.engine.checks`); the key is absent when there are none, so a clean run's
-    files have lm-eval's keys only.
+    (:mod:`rayeval.service.engine.plan.checks`); the key is absent when there are none, so a
+    clean run's files have lm-eval's keys only.
 
     Args:
         config: The evaluation.
@@ -93,7 +94,8 @@ def run_evaluation(
             when an experiment tracker did not record the evaluation (``{tracker, message}``:
             :mod:`rayeval.service.engine.experiments`; the evaluation still succeeds).
         replicas: Loaded replicas to use if they match, and to keep these ones in after a
-            successful evaluation (the service's warm replicas; :mod:`rayeval.service.engine.warm`).
+            successful evaluation (the service's warm replicas:
+            :mod:`rayeval.service.engine.dispatch.warm`).
 
     Returns:
         The results, or None where lm-eval returns None.

@@ -39,14 +39,14 @@ from typing import Any
 
 from rayeval.actors.errors import CheckpointError, ConfigError
 from rayeval.actors.weights.checkpoint_dirs import label_of, labels, step_of
-from rayeval.service.config import EvaluationConfig, HostOptions
 from rayeval.service.engine.experiments import record_mlflow, written_files
 from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
 from rayeval.service.engine.response_cache import ResponseCache, cache_file, model_fingerprint
 from rayeval.service.engine.runner import evaluate_on, make_tracker, resolve_tasks, save
 from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary, metrics_of
-from rayeval.service.events import Progress
+from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+from rayeval.service.vocabulary.events import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +149,8 @@ class Sweep:
         Raises:
             CheckpointError: naming, per unusable checkpoint, its first problem.
         """
-        from rayeval.service.engine.encoder import meta_model
-        from rayeval.service.engine.model_shell import check_checkpoint
+        from rayeval.service.engine.plan.encoder import meta_model
+        from rayeval.service.engine.plan.model_shell import check_checkpoint
 
         shell, _ = meta_model(self._config.pretrained, dict(self._config.model_args))
         refused = []

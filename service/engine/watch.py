@@ -25,11 +25,11 @@ from typing import Any
 
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.weights.checkpoint_dirs import candidates, label_of, step_of
-from rayeval.service.config import EvaluationConfig, HostOptions
-from rayeval.service.config_groups import MAX_POLL_S, MIN_POLL_S
 from rayeval.service.engine.sweep import Sweep
 from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary
-from rayeval.service.events import Progress
+from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+from rayeval.service.vocabulary.config_groups import MAX_POLL_S, MIN_POLL_S
+from rayeval.service.vocabulary.events import Progress
 
 logger = logging.getLogger(__name__)
 

@@ -25,15 +25,15 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from rayeval.actors.errors import ConfigError
-from rayeval.service.errors import (
+from rayeval.service.jobs.audit import Action, AuditTrail
+from rayeval.service.jobs.records import EvaluationRecord
+from rayeval.service.jobs.rows import BUILTIN_ADMIN, ApiKeyRow, UserRow
+from rayeval.service.vocabulary.errors import (
     PermissionDeniedError,
     UserConflictError,
     UserNotFoundError,
     unknown_evaluation,
 )
-from rayeval.service.jobs.audit import Action, AuditTrail
-from rayeval.service.jobs.records import EvaluationRecord
-from rayeval.service.jobs.rows import BUILTIN_ADMIN, ApiKeyRow, UserRow
 
 #: scrypt's cost (n, r, p): 16 MiB and tens of milliseconds per check; the API keeps each key's
 #: verdict in memory (api.auth), so this is paid once per key per process.

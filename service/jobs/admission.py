@@ -107,7 +107,8 @@ def plan(
         queued: Queued evaluations in the order to offer them (fair share's).
         free: Free resources (:func:`free_resources`; kept replicas' are not in it).
         kept: Kept replicas, least recently kept first.
-        key_of: An evaluation's replica key (:func:`rayeval.service.engine.warm.replica_key`).
+        key_of: An evaluation's replica key
+            (:func:`rayeval.service.engine.dispatch.warm.replica_key`).
         running: Starting or running evaluations (the preemptible ones may give way).
         made_room_for: Heads that room was made for in an earlier round (no more is made for
             them while Ray catches up with what was released).

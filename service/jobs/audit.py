@@ -18,8 +18,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from rayeval.service.config import EvaluationConfig
 from rayeval.service.jobs.rows import AuditRow
+from rayeval.service.vocabulary.config import EvaluationConfig
 
 
 class Action(StrEnum):

@@ -25,8 +25,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rayeval.service.config import EvaluationConfig, TimeoutSettings
-from rayeval.service.events import (
+from rayeval.service.jobs.records import EvaluationRecord
+from rayeval.service.vocabulary.config import EvaluationConfig, TimeoutSettings
+from rayeval.service.vocabulary.events import (
     CheckpointEvent,
     CheckpointOutputs,
     EvaluationProgress,
@@ -42,7 +43,6 @@ from rayeval.service.events import (
     TaskResultEvent,
     warning_event,
 )
-from rayeval.service.jobs.records import EvaluationRecord
 
 #: The runner actor cannot be found by name while the evaluation is followed.
 RUNNER_GONE = (

@@ -2,7 +2,7 @@
 
 With ``warm_replicas`` > 0, the runner of an evaluation that succeeded keeps its loaded ranks and
 placement group (:class:`KeptRunners`); the next evaluation of the same model and layout
-(:func:`rayeval.service.engine.warm.replica_key`) is handed to that runner
+(:func:`rayeval.service.engine.dispatch.warm.replica_key`) is handed to that runner
 (``EvaluationRunner.start_next``) instead of starting and loading a new one. A kept runner is
 known by its owner: the evaluation whose names the runner, ranks and placement group carry. At
 most ``capacity`` runners are kept, one per key, least recently kept released first; admission

@@ -17,7 +17,7 @@ may not see answers as an unknown id. Submissions, cancels, retries and preempti
 audit trail.
 
 Around it: what the manager knows of each evaluation beyond the database is one object per
-evaluation (:mod:`rayeval.service.jobs.tracking`); when a followed evaluation fails is decided by
+evaluation (:mod:`rayeval.service.jobs.followed`); when a followed evaluation fails is decided by
 policies (:mod:`rayeval.service.jobs.following`), as admission is by
 :func:`rayeval.service.jobs.admission.plan`; warm replicas (runners kept loaded for the next
 evaluation of the same model and layout) are :class:`rayeval.service.jobs.kept.KeptRunners`; what a
@@ -41,15 +41,8 @@ from typing import Any
 import ray
 
 from rayeval.actors.errors import ConfigError
-from rayeval.service.config import EvaluationConfig
-from rayeval.service.engine.cluster import pick_device
-from rayeval.service.engine.warm import replica_key
-from rayeval.service.errors import (
-    EvaluationNotFoundError,
-    EvaluationStateError,
-    PermissionDeniedError,
-)
-from rayeval.service.events import PreemptedEvent, RunnerEvent, RunnerSucceeded, RunOutputs
+from rayeval.service.engine.dispatch.cluster import pick_device
+from rayeval.service.engine.dispatch.warm import replica_key
 from rayeval.service.jobs.accounts import (
     BUILTIN_PRINCIPAL,
     Principal,
@@ -60,6 +53,7 @@ from rayeval.service.jobs.accounts import (
 from rayeval.service.jobs.admission import Kept
 from rayeval.service.jobs.audit import Action, submission
 from rayeval.service.jobs.fairness import over_cap
+from rayeval.service.jobs.followed import FollowedEvaluations
 from rayeval.service.jobs.following import (
     RUNNER_GONE,
     RUNNER_GONE_AT_START,
@@ -76,9 +70,20 @@ from rayeval.service.jobs.recovery import plan_recovery, scan_runners
 from rayeval.service.jobs.scheduler import Scheduler
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
 from rayeval.service.jobs.tasks import TaskCatalog
-from rayeval.service.jobs.tracking import FollowedEvaluations
 from rayeval.service.jobs.validation import check_submission
-from rayeval.service.states import EvaluationStatus
+from rayeval.service.vocabulary.config import EvaluationConfig
+from rayeval.service.vocabulary.errors import (
+    EvaluationNotFoundError,
+    EvaluationStateError,
+    PermissionDeniedError,
+)
+from rayeval.service.vocabulary.events import (
+    PreemptedEvent,
+    RunnerEvent,
+    RunnerSucceeded,
+    RunOutputs,
+)
+from rayeval.service.vocabulary.states import EvaluationStatus
 
 __all__ = ["EvaluationManager", "ManagerOptions"]
 

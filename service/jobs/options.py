@@ -4,7 +4,7 @@
 ``rayeval serve``'s flags) set for :class:`rayeval.service.jobs.manager.EvaluationManager`:
 polling, the server's timeouts, the request policy, the response cache, warm replicas and the
 experiment trackers. An evaluation's own waits are its config's
-(:class:`rayeval.service.config.TimeoutSettings`). No torch here.
+(:class:`rayeval.service.vocabulary.config.TimeoutSettings`). No torch here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Evaluations and their events as the store hands them out: plain values, detached from the
-database, with progress parsed into its type (:class:`rayeval.service.events.EvaluationProgress`).
-No torch here.
+database, with progress parsed into its type
+(:class:`rayeval.service.vocabulary.events.EvaluationProgress`). No torch here.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from rayeval.service.config import Parallelism, Scheduling
-from rayeval.service.events import EvaluationProgress, StreamEvent, stream_event
 from rayeval.service.jobs.rows import BUILTIN_ADMIN, EvaluationRow
-from rayeval.service.states import EvaluationStatus, EventKind
+from rayeval.service.vocabulary.config import Parallelism, Scheduling
+from rayeval.service.vocabulary.events import EvaluationProgress, StreamEvent, stream_event
+from rayeval.service.vocabulary.states import EvaluationStatus, EventKind
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class EventRecord:
     created_at: datetime
 
     def payload(self) -> StreamEvent:
-        """The event as its type (:mod:`rayeval.service.events`).
+        """The event as its type (:mod:`rayeval.service.vocabulary.events`).
 
         Raises:
             pydantic.ValidationError: the stored JSON is not the form of its kind.

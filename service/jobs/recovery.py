@@ -20,9 +20,9 @@ from typing import Any
 
 import ray
 
-from rayeval.service.events import RunnerStatus
 from rayeval.service.jobs.ray_resources import runner_name
 from rayeval.service.jobs.records import EvaluationRecord
+from rayeval.service.vocabulary.events import RunnerStatus
 
 
 @dataclass(frozen=True)

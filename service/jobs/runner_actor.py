@@ -29,9 +29,13 @@ import ray
 
 from rayeval.actors.errors import RayEvalError
 from rayeval.actors.process import runner_environment
-from rayeval.service.config import EvaluationConfig, HostOptions
-from rayeval.service.engine.warm import KeptReplicas
-from rayeval.service.events import (
+from rayeval.service.engine.dispatch.warm import KeptReplicas
+from rayeval.service.jobs.failures import explain
+from rayeval.service.jobs.ray_resources import group_name, runner_name
+from rayeval.service.jobs.sweep_runner import SweepReports, run_service_sweep
+from rayeval.service.trackers import Trackers
+from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+from rayeval.service.vocabulary.events import (
     CheckpointOutputs,
     Progress,
     ReplicaReuse,
@@ -46,10 +50,6 @@ from rayeval.service.events import (
     RunOutputs,
     warning_of,
 )
-from rayeval.service.jobs.failures import explain
-from rayeval.service.jobs.ray_resources import group_name, runner_name
-from rayeval.service.jobs.sweep_runner import SweepReports, run_service_sweep
-from rayeval.service.trackers import Trackers
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class EvaluationRunner:
             False when it cannot: an evaluation is still running, no ranks are kept, or they
             were loaded for another model or layout.
         """
-        from rayeval.service.engine.warm import replica_key
+        from rayeval.service.engine.dispatch.warm import replica_key
 
         parsed = EvaluationConfig.from_json(config)
         previous = self._thread

@@ -18,17 +18,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rayeval.service.config import EvaluationConfig
-from rayeval.service.engine.warm import replica_key
+from rayeval.service.engine.dispatch.warm import replica_key
 from rayeval.service.jobs.admission import free_resources, plan
 from rayeval.service.jobs.fairness import FairOrder, fair_order, held_ranks, room_made_first
+from rayeval.service.jobs.followed import FollowedEvaluations
 from rayeval.service.jobs.kept import KeptRunners
 from rayeval.service.jobs.options import ManagerOptions
 from rayeval.service.jobs.ray_resources import brief
 from rayeval.service.jobs.runner_actor import launch_runner
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
-from rayeval.service.jobs.tracking import FollowedEvaluations
-from rayeval.service.states import EvaluationStatus
+from rayeval.service.vocabulary.config import EvaluationConfig
+from rayeval.service.vocabulary.states import EvaluationStatus
 
 logger = logging.getLogger(__name__)
 

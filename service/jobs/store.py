@@ -6,12 +6,12 @@ never sees an event whose state is not stored, nor a terminal state without its 
 transitions are conditional updates (``... WHERE status IN (expected)``): whoever changes an
 evaluation first wins and the loser learns it from the return value, which is what makes a
 concurrent cancel and completion safe; the allowed moves are
-:data:`rayeval.service.states.TRANSITIONS`. lm-eval's results are stored once, in their own
-table: the ``result`` event on the stream holds no copy (the API fills it in from the results table
-when it sends it). Event numbers (``seq``) start at 1 and increase by one per evaluation. Users and
-keys (:attr:`EvaluationStore.accounts`), the audit trail (:attr:`EvaluationStore.audit`) and a
-sweep's checkpoints (:attr:`EvaluationStore.sweeps`) share the database. The schema is created and
-migrated by :mod:`rayeval.service.jobs.migrations`. No torch here.
+:data:`rayeval.service.vocabulary.states.TRANSITIONS`. lm-eval's results are stored once, in their
+own table: the ``result`` event on the stream holds no copy (the API fills it in from the results
+table when it sends it). Event numbers (``seq``) start at 1 and increase by one per evaluation.
+Users and keys (:attr:`EvaluationStore.accounts`), the audit trail (:attr:`EvaluationStore.audit`)
+and a sweep's checkpoints (:attr:`EvaluationStore.sweeps`) share the database. The schema is created
+and migrated by :mod:`rayeval.service.jobs.migrations`. No torch here.
 """
 
 from __future__ import annotations
@@ -27,14 +27,6 @@ from sqlalchemy import func, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session, sessionmaker
 
-from rayeval.service.errors import unknown_evaluation
-from rayeval.service.events import (
-    CheckpointOutputs,
-    EvaluationProgress,
-    PreemptedEvent,
-    ResultEvent,
-    StateEvent,
-)
 from rayeval.service.jobs import migrations
 from rayeval.service.jobs.accounts import Accounts
 from rayeval.service.jobs.audit import AuditTrail
@@ -54,7 +46,15 @@ from rayeval.service.jobs.rows import (
     make_engine,
 )
 from rayeval.service.jobs.sweep_results import SweepResults, store_checkpoints
-from rayeval.service.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
+from rayeval.service.vocabulary.errors import unknown_evaluation
+from rayeval.service.vocabulary.events import (
+    CheckpointOutputs,
+    EvaluationProgress,
+    PreemptedEvent,
+    ResultEvent,
+    StateEvent,
+)
+from rayeval.service.vocabulary.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
 
 #: The records the store hands out are defined beside it; importers may name them from here.
 __all__ = ["EvaluationRecord", "EvaluationStore", "EventRecord", "NewEvent"]

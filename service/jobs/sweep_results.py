@@ -17,8 +17,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from rayeval.service.events import CheckpointOutputs
 from rayeval.service.jobs.rows import CheckpointRow
+from rayeval.service.vocabulary.events import CheckpointOutputs
 
 
 @dataclass(frozen=True)

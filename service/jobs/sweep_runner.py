@@ -6,12 +6,12 @@ The checkpoints of a ``sweep.checkpoints`` list were expanded and checked agains
 model roots at submission; the engine checks each against the model before any rank starts (a
 list) or as it is found (a watch: one that does not fit is recorded as refused). Each checkpoint's
 files are read from the run's private output directory, handed to the service
-(:class:`rayeval.service.events.RunnerCheckpoint`) and removed, so a watch that runs for days
-holds one checkpoint's files at a time. The run's own result is the sweep summary
+(:class:`rayeval.service.vocabulary.events.RunnerCheckpoint`) and removed, so a watch that runs for
+days holds one checkpoint's files at a time. The run's own result is the sweep summary
 (``kind: rayeval-sweep``). A watch reports that it is alive while it waits
-(:class:`rayeval.service.events.RunnerWaiting`, at most every :data:`WAITING_EVERY_S`), so the
-service's stall watchdog tells a quiet directory from a hung runner. Imports torch (through the
-engine) only when called.
+(:class:`rayeval.service.vocabulary.events.RunnerWaiting`, at most every :data:`WAITING_EVERY_S`),
+so the service's stall watchdog tells a quiet directory from a hung runner. Imports torch (through
+the engine) only when called.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rayeval.service.config import EvaluationConfig, HostOptions
-from rayeval.service.events import CheckpointOutputs, Progress, ReplicaReuse, RunOutputs
+from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+from rayeval.service.vocabulary.events import CheckpointOutputs, Progress, ReplicaReuse, RunOutputs
 
 #: Longest a waiting watch stays silent.
 WAITING_EVERY_S = 10.0

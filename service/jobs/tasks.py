@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 
 from rayeval.actors.errors import ConfigError
-from rayeval.service.errors import ServiceNotReadyError
+from rayeval.service.vocabulary.errors import ServiceNotReadyError
 
 logger = logging.getLogger(__name__)
 

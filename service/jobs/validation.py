@@ -1,7 +1,7 @@
 """The server's checks of a submitted evaluation, before it is queued.
 
-An :class:`rayeval.service.config.EvaluationConfig` is already well-formed; what is checked here is
-what only the server can judge, so that what is accepted with 202 can run:
+An :class:`rayeval.service.vocabulary.config.EvaluationConfig` is already well-formed; what is
+checked here is what only the server can judge, so that what is accepted with 202 can run:
 
 - its policy (:class:`ServerPolicy`): no code from a request's model repository unless the
   operator allows it; model args and generation settings from an allowlist; local models and
@@ -37,10 +37,10 @@ from rayeval.actors.layout import ShardStrategy
 from rayeval.actors.parallel.strategies import refusal, strategy
 from rayeval.actors.profiles import ModelShape
 from rayeval.actors.weights.checkpoint_dirs import by_step
-from rayeval.service.config import EvaluationConfig, HostOptions
-from rayeval.service.errors import ServiceNotReadyError
 from rayeval.service.jobs.tasks import TaskCatalog
-from rayeval.service.lm_eval_options import ENCODER_MODEL_ARGS
+from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+from rayeval.service.vocabulary.errors import ServiceNotReadyError
+from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS
 
 #: lm-eval HF model args a request may set (others reach ``from_pretrained`` and could load
 #: files or code: the operator's business).

@@ -21,7 +21,7 @@ from typing import Any
 
 from rayeval.actors.batches import GenerateGroup, GenerateMicroBatch, SlotRequest
 from rayeval.actors.errors import ConfigError
-from rayeval.service.engine.planner import TokenBudget, cut_by_budget
+from rayeval.service.engine.plan.planner import TokenBudget, cut_by_budget
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def check_fits(
 def _longest_first(context: tuple[int, ...] | array[int]) -> tuple[int, Any]:
     """The sort key of a context: longest first, then by its ids. An ``array('i')``'s ids
     compare as their big-endian bytes, in the same order as the ints (an actor's are never
-    negative, :meth:`~rayeval.service.engine.tokenisers.Ragged.int32_arrays`), in C: comparing
+    negative, :meth:`~rayeval.service.engine.plan.tokenisers.Ragged.int32_arrays`), in C: comparing
     two arrays makes an int object per id up to the first that differs (few-shot prompts share
     hundreds)."""
     if not isinstance(context, array):

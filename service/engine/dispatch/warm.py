@@ -18,8 +18,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rayeval.service.config import EngineConfig, EvaluationConfig
 from rayeval.service.engine.response_cache import model_fingerprint
+from rayeval.service.vocabulary.config import EngineConfig, EvaluationConfig
 
 if TYPE_CHECKING:
     from rayeval.actors.group import WorkerGroup

@@ -3,8 +3,8 @@
 :class:`PhaseStats` accumulates a request type's figures over an evaluation (requests, tokens,
 seconds, per-replica work) for the results and the benchmarks. :class:`PhaseTracker` follows one
 run of micro-batches: after every finished step it adds the step's figures, moves the progress
-bar and reports a :class:`rayeval.service.events.Progress` when one is due (the first and last
-moves, and in between every 1/200 of the requests or every second).
+bar and reports a :class:`rayeval.service.vocabulary.events.Progress` when one is due (the first and
+last moves, and in between every 1/200 of the requests or every second).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 from tqdm import tqdm
 
 from rayeval.service.console import progress_stream
-from rayeval.service.engine.dispatch import PieceDone, StepDone
-from rayeval.service.events import Progress, RankMemory, ReplicaWork
+from rayeval.service.engine.dispatch.dispatcher import PieceDone, StepDone
+from rayeval.service.vocabulary.events import Progress, RankMemory, ReplicaWork
 
 #: Progress is reported once at least this share of a run's requests moved since the last report
 #: (every move of a run of fewer than 1/REPORT_SHARE requests), or after REPORT_EVERY_S.
@@ -42,7 +42,7 @@ class PhaseStats:
     replica_tokens: dict[int, int] = field(default_factory=dict)
     #: How generate_until requests were batched: "continuous" or "static" (None: not generated).
     batching: str | None = None
-    #: Requests tokenised by tokeniser actors (:mod:`rayeval.service.engine.tokenisers`).
+    #: Requests tokenised by tokeniser actors (:mod:`rayeval.service.engine.plan.tokenisers`).
     tokenised_by_actors: int = 0
     #: Requests whose part a tokeniser actor planned.
     planned_by_actors: int = 0

@@ -10,8 +10,9 @@ Where an evaluation runs and writes — output path, task directories, the Ray a
 trackers and caches — is not part of it: :class:`HostOptions` carries that, set by whoever runs
 the evaluation (the CLI's user, or the server operator), never by a REST client.
 
-Errors name the field in each door's words (:mod:`rayeval.service.config_fields`); lm-eval's
-tables and host-only options are :mod:`rayeval.service.lm_eval_options`'. No torch here.
+Errors name the field in each door's words (:mod:`rayeval.service.vocabulary.config_fields`);
+lm-eval's tables and host-only options are :mod:`rayeval.service.vocabulary.lm_eval_options`'. No
+torch here.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from rayeval.actors.layout import (
     ShardStrategy,
     Timeouts,
 )
-from rayeval.service.config_groups import Frozen as _Frozen
-from rayeval.service.config_groups import Scheduling, SweepSpec, TimeoutSettings
-from rayeval.service.lm_eval_options import (
+from rayeval.service.trackers import TRACKING_HELP, Trackers, Tracking
+from rayeval.service.vocabulary.config_groups import Frozen as _Frozen
+from rayeval.service.vocabulary.config_groups import Scheduling, SweepSpec, TimeoutSettings
+from rayeval.service.vocabulary.lm_eval_options import (
     HF_MODEL_NAMES,
     HOST_ONLY_OPTIONS,
     LM_EVAL_HOST_FIELDS,
@@ -47,7 +49,6 @@ from rayeval.service.lm_eval_options import (
     parse_args_string,
     parsed_batch_size,
 )
-from rayeval.service.trackers import TRACKING_HELP, Trackers, Tracking
 
 #: lm-eval's default seeds for random, numpy, torch and few-shot sampling (its ``DEFAULT_SEED``).
 DEFAULT_SEED: tuple[int, int, int, int] = (0, 1234, 1234, 1234)
@@ -119,7 +120,7 @@ class EngineConfig(_Frozen):
 
     :class:`EvaluationConfig` adds the tasks and lm-eval's options; the Python API
     (``RayEvalLM(pretrained=..., num_replicas=...)``) builds this part alone with
-    :func:`~rayeval.service.config_fields.config_from_keywords`.
+    :func:`~rayeval.service.vocabulary.config_fields.config_from_keywords`.
     """
 
     model_args: dict[str, Any] = Field(

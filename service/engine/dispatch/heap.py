@@ -6,15 +6,16 @@ of Python's cyclic garbage collector walks all of them, and the parts' own alloc
 such a pass every few seconds: ~20% of the driver's CPU in a 200,000-request generation run on
 the 2-core machine (``docs/performance.md``), and a pass over a large plan stalls the hand-out
 long enough to idle every replica. While a request type's micro-batches are computed
-(:meth:`rayeval.service.engine.dispatch.Dispatcher.run`, whole plans and parts alike), what the
-process holds is frozen (``gc.freeze``: moved to the permanent generation, which no pass walks)
-when it starts and again every :data:`~rayeval.service.engine.dispatch.SETTLE_S` (the answers
-gathered); a request type run in parts (:func:`rayeval.service.engine.streamed.run_parts`) is
-frozen from before its planning thread starts, and again after each part is planned. A pass
-walks only what was made since. When the last such scope ends everything is
-unfrozen (``gc.unfreeze``) and the next full pass collects whatever cycles were dropped
-meanwhile. Objects still die by reference counting at once; only garbage in reference cycles
-waits for the end. Request types that overlap in one process unfreeze when the last one ends.
+(:meth:`rayeval.service.engine.dispatch.dispatcher.Dispatcher.run`, whole plans and parts alike),
+what the process holds is frozen (``gc.freeze``: moved to the permanent generation, which no pass
+walks) when it starts and again every :data:`~rayeval.service.engine.dispatch.dispatcher.SETTLE_S`
+(the answers gathered); a request type run in parts
+(:func:`rayeval.service.engine.parts.pipeline.run_parts`) is frozen from before its planning thread
+starts, and again after each part is planned. A pass walks only what was made since. When the last
+such scope ends everything is unfrozen (``gc.unfreeze``) and the next full pass collects whatever
+cycles were dropped meanwhile. Objects still die by reference counting at once; only garbage in
+reference cycles waits for the end. Request types that overlap in one process unfreeze when the last
+one ends.
 """
 
 from __future__ import annotations

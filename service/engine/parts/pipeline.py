@@ -3,14 +3,14 @@
 Tokenising, checking and planning a million requests takes the driver minutes and gigabytes
 before its first micro-batch could leave. Here a background thread (:class:`Planner`) makes and
 plans the parts one after the other (their tokens made ahead by tokeniser actors where the
-cluster has free CPUs: :mod:`rayeval.service.engine.tokenisers`), at most :data:`AHEAD` ahead of
-the dispatcher, while the dispatcher computes the parts before
-(:meth:`rayeval.service.engine.dispatch.Dispatcher.add`); a finished part's answers are read out
-and its micro-batches dropped (:class:`PartLedger`), so the driver holds the parts in flight, not
-the whole plan. :func:`run_parts` wires them together for
+cluster has free CPUs: :mod:`rayeval.service.engine.plan.tokenisers`), at most :data:`AHEAD` ahead
+of the dispatcher, while the dispatcher computes the parts before
+(:meth:`rayeval.service.engine.dispatch.dispatcher.Dispatcher.add`); a finished part's answers are
+read out and its micro-batches dropped (:class:`PartLedger`), so the driver holds the parts in
+flight, not the whole plan. :func:`run_parts` wires them together for
 any request type; what a part is and how it is planned is the request type's own:
-loglikelihood in :mod:`rayeval.service.engine.streamed_score`, generation in
-:mod:`rayeval.service.engine.streamed_generate`.
+loglikelihood in :mod:`rayeval.service.engine.parts.score`, generation in
+:mod:`rayeval.service.engine.parts.generate`.
 
 A part is a fixed run of requests in lm-eval's order (the first :data:`FIRST_PART` requests, then
 runs of the request type's part size), planned exactly as any request set of that type is
@@ -31,9 +31,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayeval.actors.errors import ResultIntegrityError
-from rayeval.service.engine import heap
-from rayeval.service.engine.dispatch import Dispatcher, PieceDone, StepDone, check_exactly_once
-from rayeval.service.engine.phases import PhaseStats, PhaseTracker
+from rayeval.service.engine.dispatch import heap
+from rayeval.service.engine.dispatch.dispatcher import (
+    Dispatcher,
+    PieceDone,
+    StepDone,
+    check_exactly_once,
+)
+from rayeval.service.engine.dispatch.phases import PhaseStats, PhaseTracker
 
 #: Loglikelihood requests tokenised, checked and planned together.
 SCORE_PART = 65536
@@ -125,7 +130,7 @@ class Planner(threading.Thread):
 
     Args:
         parts: Each part, tokenised and checked, in order (made lazily, on this thread:
-            :func:`rayeval.service.engine.tokenisers.made_parts`).
+            :func:`rayeval.service.engine.plan.tokenisers.made_parts`).
         plan: Plans one part (and looks it up in the response cache); or returns a call that
             waits for its plan (planned elsewhere), made once the next part is made.
     """

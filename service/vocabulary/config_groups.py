@@ -1,9 +1,9 @@
 """Groups of an evaluation's configuration that the engine does not read: its scheduling in the
 service's queue, and every wait of its run.
 
-:class:`rayeval.service.config.EvaluationConfig` nests them (``"scheduling": {...}``,
+:class:`rayeval.service.vocabulary.config.EvaluationConfig` nests them (``"scheduling": {...}``,
 ``"timeouts": {...}``) and re-exports them, so callers import them from
-:mod:`rayeval.service.config` as before. No torch here.
+:mod:`rayeval.service.vocabulary.config` as before. No torch here.
 """
 
 from __future__ import annotations

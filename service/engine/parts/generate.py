@@ -1,12 +1,12 @@
-"""Generation in parts (:mod:`rayeval.service.engine.streamed`): what a part is, how it is
+"""Generation in parts (:mod:`rayeval.service.engine.parts.pipeline`): what a part is, how it is
 planned, and lm-eval's generate_until requests tokenised and decoded around it.
 
-A request type of more than :data:`~rayeval.service.engine.streamed.GENERATE_PART` requests is
+A request type of more than :data:`~rayeval.service.engine.parts.pipeline.GENERATE_PART` requests is
 cut into parts of that many, in the order lm-eval hands them to the LM; each part is tokenised
-(:func:`rayeval.service.engine.encoder.generate_request`, one prompt at a time as before; by
-tokeniser actors where the cluster has free CPUs, :mod:`rayeval.service.engine.tokenisers`, the
+(:func:`rayeval.service.engine.plan.encoder.generate_request`, one prompt at a time as before; by
+tokeniser actors where the cluster has free CPUs, :mod:`rayeval.service.engine.plan.tokenisers`, the
 first part on the planning thread) and planned by the same rules as a whole request type
-(:mod:`rayeval.service.engine.generation_planner`: grouped by settings, sorted longest first,
+(:mod:`rayeval.service.engine.plan.generation_planner`: grouped by settings, sorted longest first,
 cut by the budget alone), so a request's group depends only on its part and the budget, never
 on R, G or timing. A request type of at most one part is planned whole, as before.
 
@@ -19,7 +19,7 @@ rows the budget puts together: a part moves rows between them exactly as a budge
 lm-eval's answer itself depends on its batch, an explicit ``max_length`` counted from the padded
 width, neither reproduces lm-eval's batches, parts or not). Sampled requests draw from their own
 generators, seeded from the evaluation's seed, the request's tokens and settings and how many
-identical requests came before it (:class:`~rayeval.service.engine.generation_planner.Seeder`),
+identical requests came before it (:class:`~rayeval.service.engine.plan.generation_planner.Seeder`),
 never from the part: the planning thread makes the parts one after the other, in lm-eval's order,
 with one ``Seeder``, so that count runs across parts and every request gets the seed the whole
 request type would give it. Which batching a request type uses is decided once, from every request's
@@ -38,13 +38,14 @@ from typing import Any, overload
 
 from lm_eval.models.utils import normalize_gen_kwargs
 
-from rayeval.service.engine.encoder import (
+from rayeval.service.engine.parts.pipeline import PlannedPart
+from rayeval.service.engine.plan.encoder import (
     decode_generation,
     generate_requests,
     generation_settings,
     shared_ids,
 )
-from rayeval.service.engine.generation_planner import (
+from rayeval.service.engine.plan.generation_planner import (
     GenerateRequest,
     Seeder,
     SlotBudget,
@@ -52,10 +53,8 @@ from rayeval.service.engine.generation_planner import (
     plan_generate,
     plan_generate_groups,
 )
-from rayeval.service.engine.planner import TokenBudget
-from rayeval.service.engine.response_cache import ResponseCache, generate_key
-from rayeval.service.engine.streamed import PlannedPart
-from rayeval.service.engine.tokenisers import (
+from rayeval.service.engine.plan.planner import TokenBudget
+from rayeval.service.engine.plan.tokenisers import (
     PLAN_GROUP,
     PartTokens,
     Ragged,
@@ -63,6 +62,7 @@ from rayeval.service.engine.tokenisers import (
     even_chunks,
     ids,
 )
+from rayeval.service.engine.response_cache import ResponseCache, generate_key
 
 #: Tokens a tokenizer may add to a context beside one per UTF-8 byte (BOS, a leading space).
 ADDED_TOKENS = 8
@@ -143,7 +143,7 @@ class Prompts:
 
     def tokens(self) -> PartTokens:
         """How the parts are tokenised on tokeniser actors and made
-        (:func:`rayeval.service.engine.tokenisers.made_parts`)."""
+        (:func:`rayeval.service.engine.plan.tokenisers.made_parts`)."""
         shared = shared_ids(self._encoder)
         return PartTokens(
             function=packed_prompts,
@@ -165,7 +165,7 @@ class Prompts:
         tokenizer that breaks this bound is still refused, when its part is planned.
 
         Raises:
-            ConfigError: as :func:`~rayeval.service.engine.generation_planner.check_fits`.
+            ConfigError: as :func:`~rayeval.service.engine.plan.generation_planner.check_fits`.
         """
         max_length = self._encoder.max_length
         if budget.kv_tokens is None or budget.kv_tokens >= max_length:
@@ -227,7 +227,7 @@ class Prompts:
 @dataclass
 class PackedPrompts:
     """Tokenised prompts as a tokeniser actor sends them: the contexts' ids in one
-    :class:`~rayeval.service.engine.tokenisers.Ragged`, each distinct setting once."""
+    :class:`~rayeval.service.engine.plan.tokenisers.Ragged`, each distinct setting once."""
 
     contexts: Ragged
     settings: list[tuple[int, tuple[str, ...], int | None, dict[str, Any]]]
@@ -260,7 +260,7 @@ class PackedPrompts:
 def packed_prompts(
     encoder: Any, args: Sequence[tuple[str, dict[str, Any]]], eos: str
 ) -> PackedPrompts:
-    """:func:`rayeval.service.engine.encoder.generate_requests`, packed (what a tokeniser actor
+    """:func:`rayeval.service.engine.plan.encoder.generate_requests`, packed (what a tokeniser actor
     runs)."""
     requests = generate_requests(encoder, args, eos)
     index: dict[str, int] = {}
@@ -348,8 +348,9 @@ def plan_generate_part(
 ) -> PlannedPart:
     """Look a part's requests up in the response cache and plan the rest: continuous-batching
     groups with ``slots`` (their sampling seeds from ``seeder``, which has seen every part
-    before), static micro-batches without (as :meth:`rayeval.service.engine.executor.Executor.
-    generate` plans a whole request type)."""
+    before), static micro-batches without (as
+    :meth:`rayeval.service.engine.dispatch.executor.Executor.generate` plans a whole request
+    type)."""
     requests = part.requests
     keys: list[Any] = [None] * len(requests)
     found: dict[int, Any] = {}

@@ -14,7 +14,7 @@ input is still exactly lm-eval's (left truncation included), so where truncation
 shared context the inputs simply stop sharing and go their own way.
 
 Generation requests are planned by the same rules in
-:mod:`rayeval.service.engine.generation_planner`.
+:mod:`rayeval.service.engine.plan.generation_planner`.
 """
 
 from __future__ import annotations

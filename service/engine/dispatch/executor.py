@@ -2,10 +2,10 @@
 
 :class:`Executor` takes tokenised requests of one type from :class:`rayeval.service.engine.lm.
 RayEvalLM`, answers what the response cache holds, plans the rest into layout-independent
-micro-batches (:mod:`rayeval.service.engine.planner`), runs them on the worker group's replicas
-(:mod:`rayeval.service.engine.dispatch`), stores each finished micro-batch's answers, checks that
-every micro-batch came back exactly once, and keeps the request type's figures
-(:mod:`rayeval.service.engine.phases`).
+micro-batches (:mod:`rayeval.service.engine.plan.planner`), runs them on the worker group's replicas
+(:mod:`rayeval.service.engine.dispatch.dispatcher`), stores each finished micro-batch's answers,
+checks that every micro-batch came back exactly once, and keeps the request type's figures
+(:mod:`rayeval.service.engine.dispatch.phases`).
 """
 
 from __future__ import annotations
@@ -22,30 +22,30 @@ from rayeval.actors.batches import GenerateGroup, GenerateMicroBatch, MicroBatch
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, Timeouts
-from rayeval.service.config import EngineConfig
-from rayeval.service.engine.budgets import budget, slot_budget
-from rayeval.service.engine.dispatch import (
+from rayeval.service.engine.dispatch.dispatcher import (
     Dispatcher,
     PieceDone,
     StepDone,
     check_exactly_once,
     run_steps,
 )
-from rayeval.service.engine.generation_planner import (
+from rayeval.service.engine.dispatch.phases import PhaseStats, PhaseTracker, StartUp
+from rayeval.service.engine.parts.generate import PartDecoding, plan_generate_part
+from rayeval.service.engine.parts.pipeline import PlannedPart, Planner, run_parts
+from rayeval.service.engine.parts.score import plan_part
+from rayeval.service.engine.plan.budgets import budget, slot_budget
+from rayeval.service.engine.plan.generation_planner import (
     GenerateRequest,
     Seeder,
     SlotBudget,
     plan_generate,
     plan_generate_groups,
 )
-from rayeval.service.engine.phases import PhaseStats, PhaseTracker, StartUp
-from rayeval.service.engine.planner import plan_score
+from rayeval.service.engine.plan.planner import plan_score
+from rayeval.service.engine.plan.tokenisers import PartTokens, TokeniserPool, made_parts
 from rayeval.service.engine.response_cache import ResponseCache, generate_key, score_key
-from rayeval.service.engine.streamed import PlannedPart, Planner, run_parts
-from rayeval.service.engine.streamed_generate import PartDecoding, plan_generate_part
-from rayeval.service.engine.streamed_score import plan_part
-from rayeval.service.engine.tokenisers import PartTokens, TokeniserPool, made_parts
-from rayeval.service.events import Progress, RankMemory
+from rayeval.service.vocabulary.config import EngineConfig
+from rayeval.service.vocabulary.events import Progress, RankMemory
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +354,8 @@ class Executor:
     ) -> list[tuple[float, bool]]:
         """:meth:`score` for ``total`` loglikelihood requests in parts of ``bounds``, which
         ``tokens`` makes (on tokeniser actors where it can): planned on a background thread
-        while the replicas compute the parts before (:mod:`rayeval.service.engine.streamed`)."""
+        while the replicas compute the parts before
+        (:mod:`rayeval.service.engine.parts.pipeline`)."""
         with self._tokenisers(tokens) as pool:
             plan = partial(
                 plan_part,
@@ -383,7 +384,7 @@ class Executor:
         (max_length, kwargs) among them, which decide the batching): planned on a background
         thread while the replicas compute the parts before, each finished part's answers decoded
         by ``decoding`` (on the actors) while they compute the parts after
-        (:mod:`rayeval.service.engine.streamed_generate`)."""
+        (:mod:`rayeval.service.engine.parts.generate`)."""
         with self._tokenisers(tokens) as pool:  # they start while the ranks do
             reason = self._batching(settings)
             start = self._start_up()
@@ -432,7 +433,7 @@ class Executor:
     ) -> list[Any]:
         """Compute ``total`` requests of ``phase`` in ``parts``, planned by ``plan`` into
         ``kind``, and record how many ``pool`` tokenised (``on_part``: given each finished
-        part's answers, :func:`~rayeval.service.engine.streamed.run_parts`)."""
+        part's answers, :func:`~rayeval.service.engine.parts.pipeline.run_parts`)."""
         tracker = self._tracker(phase, Counter(), disable_tqdm, start, expected=total)
         assert self._group is not None
         dispatcher = Dispatcher(self._group, [], self._timeouts.step_s, kind=kind)

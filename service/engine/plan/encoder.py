@@ -35,8 +35,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from rayeval.actors.batches import ModelSpec
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.weights.hf_files import read_generation_config, resolve_dtype
-from rayeval.service.engine.generation_planner import GenerateRequest
-from rayeval.service.lm_eval_options import ENCODER_MODEL_ARGS
+from rayeval.service.engine.plan.generation_planner import GenerateRequest
+from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS
 
 logger = logging.getLogger(__name__)
 
@@ -251,9 +251,9 @@ class EncodedPairs:
         pairs: Per request, its context and continuation token ids. Requests with the same
             context string share one context tuple; every id is one shared int object.
         merged: Per request, whether the joint encoding does not start with the context's own
-            tokens (:class:`rayeval.service.engine.checks.RequestIssue`'s ``merged_boundary``).
+            tokens (:class:`rayeval.service.engine.plan.checks.RequestIssue`'s ``merged_boundary``).
         sources: Refs to the tokeniser actors' results these pairs were joined from, in order
-            (:mod:`rayeval.service.engine.tokenisers`; empty: tokenised here).
+            (:mod:`rayeval.service.engine.plan.tokenisers`; empty: tokenised here).
     """
 
     pairs: list[tuple[tuple[int, ...], tuple[int, ...]]]

@@ -1,11 +1,11 @@
-"""Loglikelihood in parts (:mod:`rayeval.service.engine.streamed`): what a part is and how it
+"""Loglikelihood in parts (:mod:`rayeval.service.engine.parts.pipeline`): what a part is and how it
 is planned.
 
-A part is :data:`~rayeval.service.engine.streamed.SCORE_PART` requests in lm-eval's order, cut
+A part is :data:`~rayeval.service.engine.parts.pipeline.SCORE_PART` requests in lm-eval's order, cut
 only where the context string changes (a question's choices stay together, as lm-eval's checks
 and shared-prefix packing need), tokenised as lm-eval does (by tokeniser actors where the cluster
-has free CPUs, :mod:`rayeval.service.engine.tokenisers`), checked, and planned exactly as
-:func:`rayeval.service.engine.planner.plan_score` plans any request set.
+has free CPUs, :mod:`rayeval.service.engine.plan.tokenisers`), checked, and planned exactly as
+:func:`rayeval.service.engine.plan.planner.plan_score` plans any request set.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from functools import partial
 from typing import Any
 
 from rayeval.actors.batches import PickledScoreBatch
-from rayeval.service.engine.checks import Inspection
-from rayeval.service.engine.encoder import EncodedPairs, encode_pairs, shared_ids
-from rayeval.service.engine.planner import TokenBudget, Where, plan_score
-from rayeval.service.engine.response_cache import ResponseCache, score_key
-from rayeval.service.engine.streamed import PlannedPart, part_bounds
-from rayeval.service.engine.tokenisers import (
+from rayeval.service.engine.parts.pipeline import PlannedPart, part_bounds
+from rayeval.service.engine.plan.checks import Inspection
+from rayeval.service.engine.plan.encoder import EncodedPairs, encode_pairs, shared_ids
+from rayeval.service.engine.plan.planner import TokenBudget, Where, plan_score
+from rayeval.service.engine.plan.tokenisers import (
     PLAN_GROUP,
     PartTokens,
     Ragged,
@@ -30,6 +29,7 @@ from rayeval.service.engine.tokenisers import (
     chunk_size,
     ids,
 )
+from rayeval.service.engine.response_cache import ResponseCache, score_key
 
 
 @dataclass
@@ -62,7 +62,7 @@ def make_part(
     encoded: EncodedPairs | None = None,
 ) -> ScorePart:
     """Requests ``start:stop`` of lm-eval's loglikelihood ``pairs``, tokenised as lm-eval does
-    (:func:`rayeval.service.engine.encoder.encode_pairs`; ``encoded``: already, by tokeniser
+    (:func:`rayeval.service.engine.plan.encoder.encode_pairs`; ``encoded``: already, by tokeniser
     actors) and checked by ``inspect``."""
     strings = pairs[start:stop]
     if encoded is None:
@@ -85,7 +85,7 @@ def score_tokens(
     inspect: Callable[[list[Any], Sequence[tuple[str, Any]], list[bool]], Inspection],
 ) -> PartTokens:
     """How loglikelihood parts are tokenised on tokeniser actors and made
-    (:func:`rayeval.service.engine.tokenisers.made_parts`): a part is cut into chunks where the
+    (:func:`rayeval.service.engine.plan.tokenisers.made_parts`): a part is cut into chunks where the
     context string changes, as parts are, so one context is encoded once and shared."""
     shared = shared_ids(encoder)
 
@@ -122,7 +122,7 @@ class PackedPairs:
         contexts: The distinct contexts, in first use.
         context_of: Per pair, its context's index.
         continuations: Per pair, its continuation.
-        merged: Per pair, :class:`~rayeval.service.engine.encoder.EncodedPairs`' ``merged``.
+        merged: Per pair, :class:`~rayeval.service.engine.plan.encoder.EncodedPairs`' ``merged``.
     """
 
     contexts: Ragged
@@ -145,7 +145,7 @@ class PackedPairs:
 
 
 def packed_pairs(encoder: Any, strings: Sequence[tuple[str, str]]) -> PackedPairs:
-    """:func:`rayeval.service.engine.encoder.encode_pairs`, packed (what a tokeniser actor
+    """:func:`rayeval.service.engine.plan.encoder.encode_pairs`, packed (what a tokeniser actor
     runs)."""
     encoded = encode_pairs(encoder, strings)
     index: dict[int, int] = {}
@@ -170,7 +170,7 @@ def plan_part(
     pool: TokeniserPool | None = None,
 ) -> PlannedPart | Callable[[], PlannedPart]:
     """Look a part's requests up in the response cache and plan the rest (as
-    :meth:`rayeval.service.engine.executor.Executor.score` does for a whole request type).
+    :meth:`rayeval.service.engine.dispatch.executor.Executor.score` does for a whole request type).
 
     A part whose tokens came from ``pool``'s actors is planned on one of them
     (:func:`planned_pairs`: the same function on the same tokens, so the same plan), while the

@@ -8,14 +8,14 @@ from typing import Any
 
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
-from rayeval.service.config import (
+from rayeval.service.engine.plan.generation_planner import SlotBudget
+from rayeval.service.engine.plan.planner import TokenBudget
+from rayeval.service.vocabulary.config import (
     DEFAULT_CPU_SCORE_BATCH_TOKENS,
     DEFAULT_MAX_BATCH_ROWS,
     DEFAULT_MAX_BATCH_TOKENS,
     EngineConfig,
 )
-from rayeval.service.engine.generation_planner import SlotBudget
-from rayeval.service.engine.planner import TokenBudget
 
 
 def slot_budget(config: EngineConfig, group: WorkerGroup | None) -> SlotBudget:

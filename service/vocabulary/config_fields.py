@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.layout import Timeouts
-from rayeval.service.config import _GROUPS, EngineConfig, EvaluationConfig
+from rayeval.service.vocabulary.config import _GROUPS, EngineConfig, EvaluationConfig
 
 #: ``rayeval run`` flags of the config fields that lm-eval's own parser does not have; every other
 #: field has lm-eval's flag of the same name.

@@ -31,7 +31,8 @@ class Followed:
         asked_at: When ``call`` was sent.
         heard_at: When its runner last reported something new (or was started).
         cancelling: A cancel is releasing it: nothing else may end it meanwhile.
-        key: Its replica key, once computed (:func:`rayeval.service.engine.warm.replica_key`).
+        key: Its replica key, once computed
+            (:func:`rayeval.service.engine.dispatch.warm.replica_key`).
     """
 
     evaluation_id: str

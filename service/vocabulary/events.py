@@ -25,7 +25,8 @@ API answers             :class:`PhaseCounts`, what ``GET /evaluations/{id}`` sho
 before these types existed (the same keys), so stored rows and clients keep working. Types read
 from storage or from another process's answers ignore keys they do not know (a row written by
 another version); the types the engine and the runner build refuse them. The kinds of events and
-the evaluation states are :mod:`rayeval.service.states`' (a module of enums). No torch here.
+the evaluation states are :mod:`rayeval.service.vocabulary.states`' (a module of enums). No torch
+here.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from rayeval.service.states import EvaluationStatus, EventKind, RunnerEventKind
+from rayeval.service.vocabulary.states import EvaluationStatus, EventKind, RunnerEventKind
 
 
 class _Typed(BaseModel):
@@ -115,7 +116,8 @@ class Progress(PhaseCounts):
 
 class RequestWarning(_Typed):
     """A task has loglikelihood requests whose tokens do not measure it
-    (:mod:`rayeval.service.engine.checks`): how many of each kind, and the first as an example."""
+    (:mod:`rayeval.service.engine.plan.checks`): how many of each kind, and the first as an
+    example."""
 
     task: str
     counts: dict[str, int]

@@ -1,15 +1,15 @@
 """Tokeniser actors: a request type's parts tokenised across the cluster's free CPUs.
 
 The driver's tokeniser does ~10,000 requests a second on one core; 64 replicas consume tens of
-thousands. For a request type of more than one part (:mod:`rayeval.service.engine.streamed`),
+thousands. For a request type of more than one part (:mod:`rayeval.service.engine.parts.pipeline`),
 :func:`made_parts` hands each part's tokenising, cut into chunks, to a :class:`TokeniserPool` of
 Ray actors (one CPU each, spread over the nodes) holding a pickled copy of the driver's own
 encoder (lm-eval's ``HFLM`` over the weightless model: every rule is the same object's), while
 the planning thread makes the first part itself and plans the parts whose tokens are back. The
 driver keeps what must see the requests in order or in one place: lm-eval's checks, the shared
-token ids (:func:`rayeval.service.engine.encoder.shared_ids`), the sampling seeds, a generation
+token ids (:func:`rayeval.service.engine.plan.encoder.shared_ids`), the sampling seeds, a generation
 part's plan; a loglikelihood part the actors tokenised is planned on one of them
-(:func:`rayeval.service.engine.streamed_score.plan_part`, in the :data:`PLAN_GROUP` thread).
+(:func:`rayeval.service.engine.parts.score.plan_part`, in the :data:`PLAN_GROUP` thread).
 
 Exactness: a chunk's tokens are those the driver would make (the same encoder, pickled), and each
 chunk's first request is tokenised on the driver too and compared; a chunk that differs, fails or
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy
 
-from rayeval.service.engine.streamed import AHEAD, even_bounds
+from rayeval.service.engine.parts.pipeline import AHEAD, even_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def made_parts(
     bounds: Iterable[tuple[int, int]], tokens: PartTokens, pool: TokeniserPool
 ) -> Iterator[Any]:
     """Each part of ``bounds``, made, in order: the first on the calling thread while the
-    actors start, the next :data:`~rayeval.service.engine.streamed.AHEAD` + 1 in the actors'
+    actors start, the next :data:`~rayeval.service.engine.parts.pipeline.AHEAD` + 1 in the actors'
     queues meanwhile; without a working pool, each made by the calling thread."""
     bounds = iter(bounds)
     first = next(bounds, None)
@@ -324,6 +324,6 @@ def chunk_size(start: int, stop: int, n: int) -> int:
 
 def even_chunks(start: int, stop: int, n: int) -> Iterator[tuple[int, int]]:
     """``start:stop`` in ``n`` runs of (nearly) equal length (as
-    :func:`~rayeval.service.engine.streamed.even_bounds` cuts parts)."""
+    :func:`~rayeval.service.engine.parts.pipeline.even_bounds` cuts parts)."""
     size = chunk_size(start, stop, n)
     return ((start + a, start + b) for a, b in even_bounds(stop - start, size, first=size))

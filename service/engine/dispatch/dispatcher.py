@@ -39,7 +39,7 @@ from rayeval.actors.errors import (
     WorkerLostError,
 )
 from rayeval.actors.group import Replica, WorkerGroup, rank_failure
-from rayeval.service.engine import heap
+from rayeval.service.engine.dispatch import heap
 
 logger = logging.getLogger(__name__)
 

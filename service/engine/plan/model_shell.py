@@ -15,7 +15,7 @@ from rayeval.actors.errors import ConfigError
 from rayeval.actors.layout import ShardStrategy
 from rayeval.actors.parallel.strategies import model_obstacles, refusal
 from rayeval.actors.profiles import ModelShape
-from rayeval.service.config import EngineConfig
+from rayeval.service.vocabulary.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
