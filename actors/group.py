@@ -20,9 +20,15 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from rayeval.actors.batches import PIECES_PER_S, MicroBatch, ModelSpec, Pickled, RankOptions
+from rayeval.actors.batches import (
+    PIECES_PER_S,
+    GenerateGroup,
+    MicroBatch,
+    ModelSpec,
+    Pickled,
+    RankOptions,
+)
 from rayeval.actors.errors import (
-    ConfigError,
     EvaluationTimeoutError,
     ModelLoadError,
     RayEvalError,
@@ -31,6 +37,7 @@ from rayeval.actors.layout import DeviceKind, ParallelLayout, ShardStrategy, Tim
 from rayeval.actors.parallel.strategies import settle, strategy
 from rayeval.actors.placement import Placement, reserve
 from rayeval.actors.process import rank_environment
+from rayeval.actors.protocol import LoadReport, SwapReport
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +62,10 @@ class Replica:
         """Micro-batches one step computes: one per rank, or one for all ranks together."""
         return 1 if self.same_batch else len(self.workers)
 
-    def submit(
-        self, method: str, micro_batches: list[MicroBatch], streaming: bool = False
-    ) -> list[Any]:
+    def submit(self, micro_batches: list[MicroBatch]) -> list[Any]:
         """Send one step to every rank: micro-batch ``i`` to shard rank ``i``, or the one
         micro-batch to all ranks when they compute it together. Returns one ref per rank, or
-        with ``streaming`` one Ray streaming generator per rank."""
+        for continuous-batching groups one Ray streaming generator per rank."""
         if len(micro_batches) != self.micro_batches_per_step:
             raise ValueError(
                 f"a step needs {self.micro_batches_per_step} micro-batches, got "
@@ -70,13 +75,12 @@ class Replica:
         # micro-batch; each rank receives the micro-batch itself.
         payloads = [Pickled.of(mb) for mb in micro_batches]
         per_rank = payloads * len(self.workers) if self.same_batch else payloads
-        options = {"num_returns": "streaming"} if streaming else {}
-        return [
-            getattr(w, method).options(**options).remote(payload)
-            for w, payload in zip(self.workers, per_rank, strict=True)
-        ]
+        pairs = zip(self.workers, per_rank, strict=True)
+        if isinstance(micro_batches[0], GenerateGroup):
+            return [w.generate_stream.options(num_returns="streaming").remote(p) for w, p in pairs]
+        return [w.compute.remote(payload) for w, payload in pairs]
 
-    def submit_many(self, method: str, steps: list[list[MicroBatch]]) -> list[Any]:
+    def submit_many(self, steps: list[list[MicroBatch]]) -> list[Any]:
         """Send several steps in one call per rank (``compute_many``): each rank computes its
         micro-batch of every step, in order, as :meth:`submit` would send them one by one.
         Returns one ref per rank (:meth:`answers_many` reads their values).
@@ -91,7 +95,6 @@ class Replica:
                 )
         return [
             worker.compute_many.remote(
-                method,
                 pickle.dumps([step[0 if self.same_batch else rank] for step in steps], protocol=5),
             )
             for rank, worker in enumerate(self.workers)
@@ -139,7 +142,7 @@ class WorkerGroup:
         self._setup_refs: list[ray.ObjectRef] = []
         self._load_timeout_s = 0.0
         self._deadline = 0.0
-        self.load_reports: list[dict[str, Any]] = []
+        self.load_reports: list[LoadReport] = []
 
     @classmethod
     def create(
@@ -152,7 +155,7 @@ class WorkerGroup:
         strategy: ShardStrategy | str = ShardStrategy.FSDP,
         obstacles: Mapping[ShardStrategy, Sequence[str]] | None = None,
         shm_collectives: bool = True,
-        benchmark_rank_class: type | None = None,
+        rank_class: type | None = None,
     ) -> WorkerGroup:
         """Reserve resources and start the rank actors; model loading starts in the background
         (call :meth:`wait_ready` before sending work).
@@ -170,8 +173,8 @@ class WorkerGroup:
                 in the way).
             shm_collectives: Whether ranks of a replica on one node may exchange activations
                 through shared memory.
-            benchmark_rank_class: Benchmarks only (``benchmarks/sim_rank.py``; the product never
-                sets it): the rank actors' class instead of ``ShardWorker``.
+            rank_class: The rank actors' class (None: ``ShardWorker``); tests' and benchmarks'
+                simulated rank, which loads no model.
 
         Raises:
             LayoutError: if the layout is larger than the whole cluster, or ``tp`` was asked
@@ -190,7 +193,7 @@ class WorkerGroup:
             if layout.sharded:
                 logger.info("%s: replicas shard the model with %s", name, group.strategy.value)
             options = group._rank_options(timeouts, seed, shm_collectives, split)
-            group._start_actors(placement, spec, options, benchmark_rank_class)
+            group._start_actors(placement, spec, options, rank_class)
         except BaseException:
             group.shutdown()
             raise
@@ -216,11 +219,8 @@ class WorkerGroup:
         placement: Placement,
         spec: ModelSpec,
         options: RankOptions,
-        benchmark_rank_class: type | None = None,
+        rank_class: type | None = None,
     ) -> None:
-        rank_class = benchmark_rank_class
-        if rank_class is not None and not isinstance(rank_class, type):
-            raise ConfigError("benchmark_rank_class is for benchmarks only (a class): drop it")
         if rank_class is None:
             from rayeval.actors.worker import ShardWorker
 
@@ -259,7 +259,7 @@ class WorkerGroup:
             return 1
         return self.layout.shard_size
 
-    def wait_ready(self) -> list[dict[str, Any]]:
+    def wait_ready(self) -> list[LoadReport]:
         """Wait (bounded) until every rank has loaded the model; return their load reports.
 
         Raises:
@@ -302,7 +302,7 @@ class WorkerGroup:
         for ref in ready:
             _get_or_raise(ref, RayEvalError, "starting an evaluation")
 
-    def load_checkpoint(self, checkpoint: str, timeout_s: float) -> list[dict[str, Any]]:
+    def load_checkpoint(self, checkpoint: str, timeout_s: float) -> list[SwapReport]:
         """Have every rank swap in the weights of ``checkpoint``, in place
         (:meth:`rayeval.actors.worker.ShardWorker.load_checkpoint`); returns their reports.
 

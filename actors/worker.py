@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -51,6 +50,7 @@ from rayeval.actors.process import (
     pin_socket_interfaces,
 )
 from rayeval.actors.profiles import ModelShape
+from rayeval.actors.protocol import LoadReport, SwapReport, compute, compute_many
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +126,11 @@ class ShardWorker:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, rendezvous: tuple[str, int]) -> dict[str, Any]:
+    def setup(self, rendezvous: tuple[str, int]) -> LoadReport:
         """Join the replica's process group at ``rendezvous`` (address, port) and load the model.
 
         Returns:
-            Load figures: seconds, local parameter count, the KV-cache positions its free
-            device memory holds (None on CPU), strategy (None for G = 1), what carries the
-            replica's collectives (``collectives``), peak resident memory (MiB).
+            Its load figures.
         """
         started = time.monotonic()
         options = self._options
@@ -165,14 +163,14 @@ class ShardWorker:
         local_params = sum(
             (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
         )
-        return {
-            "seconds": time.monotonic() - started,
-            "local_parameters": local_params,
-            "kv_capacity_tokens": self._kv_capacity(model, device),
-            "strategy": self._strategy.name.value if options.shard_size > 1 else None,
-            "collectives": collectives,
-            "peak_rss_mib": peak_rss_mib(),
-        }
+        return LoadReport(
+            seconds=time.monotonic() - started,
+            local_parameters=local_params,
+            kv_capacity_tokens=self._kv_capacity(model, device),
+            strategy=self._strategy.name.value if options.shard_size > 1 else None,
+            collectives=collectives,
+            peak_rss_mib=peak_rss_mib(),
+        )
 
     def _kv_capacity(self, model: Any, device: torch.device) -> int | None:
         """The KV-cache positions this rank's free memory holds after loading: the GPU's free
@@ -210,7 +208,7 @@ class ShardWorker:
             device_id=device if cuda else None,
         )
 
-    def load_checkpoint(self, checkpoint: str) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint: str) -> SwapReport:
         """Swap in the weights of another checkpoint of the same model, in place: this rank
         reads only the regions it holds (:func:`rayeval.actors.weights.sources.fill`).
 
@@ -218,7 +216,7 @@ class ShardWorker:
             checkpoint: A DCP directory or HF weight files, of the loaded model's architecture.
 
         Returns:
-            ``seconds``, ``bytes`` written into this rank's parameters, ``peak_rss_mib``.
+            How long it took and what it wrote.
 
         Raises:
             ConfigError, ModelLoadError: the checkpoint is unusable or unreadable. The rank's
@@ -233,11 +231,7 @@ class ShardWorker:
         self._strategy.after_forward(self._rank.model)  # every FSDP unit in its shard
         written = fill(self._rank.model, open_source(checkpoint), self._spec.pretrained)
         self._spec = replace(self._spec, checkpoint=checkpoint)
-        return {
-            "seconds": time.monotonic() - started,
-            "bytes": written,
-            "peak_rss_mib": peak_rss_mib(),
-        }
+        return SwapReport(time.monotonic() - started, written, peak_rss_mib())
 
     def shutdown(self) -> None:
         """Leave the process group and drop the model (the actor is killed afterwards)."""
@@ -257,17 +251,14 @@ class ShardWorker:
         assert self._rank is not None, "setup() loads the model first"
         return generate(self._rank, batch)
 
-    def compute_many(self, method: str, batches: bytes) -> bytes:
-        """Several micro-batches in one call, in order: ``method`` is ``score`` or ``generate``,
-        ``batches`` the pickled list; returns the pickled (result, stats) of each
-        (:meth:`rayeval.actors.group.Replica.submit_many`). The dispatcher sends short steps in
-        bulk so that a Ray round trip per step does not idle the rank; every rank of a replica
-        gets as many, so collectives still line up."""
-        if method not in ("score", "generate"):
-            raise ValueError(f"compute_many computes score or generate micro-batches, not {method}")
-        compute: Callable[[Any], tuple[Any, StepStats]] = getattr(self, method)
-        outputs = [compute(batch) for batch in pickle.loads(batches)]
-        return pickle.dumps(outputs, protocol=5)
+    def compute(self, batch: ScoreMicroBatch | GenerateMicroBatch) -> tuple[Any, StepStats]:
+        """One micro-batch, computed as its type says (:func:`rayeval.actors.protocol.compute`)."""
+        return compute(self, batch)
+
+    def compute_many(self, batches: bytes) -> bytes:
+        """Several pickled micro-batches in one call (:func:`rayeval.actors.protocol.compute_many`;
+        :meth:`rayeval.actors.group.Replica.submit_many`)."""
+        return compute_many(self, batches)
 
     def generate_stream(self, group: GenerateGroup) -> Iterator[GenerationPiece]:
         """Continuous batching over a group's requests, streaming each answer as its request

@@ -28,13 +28,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import set_environment
-from driver_grid import ranks_cpu_s
-from driver_probe import DriverProbe, rss_mib
-from driver_workload import bench_model, generation_instances, mmlu_instances
-from sim_rank import StepCost, simulated_rank
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # tests/support holds the simulated rank and the workloads
+    sys.path.insert(0, str(REPO_ROOT))
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import set_environment  # noqa: E402
+from driver_grid import ranks_cpu_s  # noqa: E402
+from driver_probe import DriverProbe, rss_mib  # noqa: E402
+
+from tests.support.sim_rank import StepCost, simulated_rank  # noqa: E402
+from tests.support.workload import bench_model, generation_instances, mmlu_instances  # noqa: E402
+
+ROOT = REPO_ROOT
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,6 +88,7 @@ def build_requests(args: argparse.Namespace) -> list[Any]:
 def make_lm(args: argparse.Namespace, probe: DriverProbe, replicas: Any = None) -> Any:
     """A RayEvalLM on simulated ranks, its ranks started (``replicas``: kept ones to reuse)."""
     from rayeval.service.engine.lm import RayEvalLM
+    from rayeval.service.engine.parts.pipeline import Tunables
 
     cost = StepCost(token_s=args.token_us * 1e-6, decode_step_s=args.decode_ms * 1e-3)
     budget = max(1, int(args.step_ms * 1e-3 / cost.token_s))
@@ -102,7 +108,7 @@ def make_lm(args: argparse.Namespace, probe: DriverProbe, replicas: Any = None) 
         pretrained=str(bench_model(ROOT / ".rayeval")),
         on_progress=probe,
         replicas=replicas,
-        benchmark_rank_class=simulated_rank(cost),
+        tunables=Tunables(rank_class=simulated_rank(cost)),
         **options,
     )
     lm.load_reports  # noqa: B018  (waits until every rank answered)

@@ -30,10 +30,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common import set_environment
-from driver_workload import bench_model, generation_instances, mmlu_instances
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # tests/support holds the simulated rank and the workloads
+    sys.path.insert(0, str(REPO_ROOT))
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import set_environment  # noqa: E402
+
+from tests.support.workload import bench_model, generation_instances, mmlu_instances  # noqa: E402
+
+ROOT = REPO_ROOT
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from driver_probe import DriverProbe, cpu_s, rss_mib
-from driver_timeline import SubmitLog, rank_calls, time_shares
-from driver_workload import WINDOW
+from driver_timeline import SubmitLog, rank_calls
+
+from tests.support.timeline import time_shares
+from tests.support.workload import WINDOW
 
 STEP_MS = (5.0, 20.0, 100.0)
 MEAN_CONTEXT = 182  # tokens, as the synthetic MMLU prompts measure with the demo tokenizer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.common import PhaseFigures, PhaseTimer
@@ -124,7 +124,7 @@ def run_rayeval(
     row.start_s = time.perf_counter() - started
     try:
         # Waits until every rank has loaded the model, so the load stays out of the eval time.
-        row.load_reports = lm.load_reports
+        row.load_reports = [asdict(r) for r in lm.load_reports]
         row.load_s = time.perf_counter() - started
         evaluate_timed(row, lm, args, task_manager)
         _add_engine_stats(row, lm.stats, replicas)

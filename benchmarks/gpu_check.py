@@ -376,7 +376,7 @@ def open_rayeval(
         on_progress=on_progress,
     )
     try:
-        row.load_reports = lm.load_reports  # waits until every rank has loaded
+        row.load_reports = [asdict(r) for r in lm.load_reports]  # waits for every rank
     except BaseException:
         lm.close()  # the next row needs these GPUs
         raise

@@ -1,7 +1,7 @@
 """The cluster side of tests/test_sim_driver.py, run as ``python -m tests.sim_driver_cluster``.
 
 It starts a Ray with 12 logical CPUs and runs synthetic MMLU-style loglikelihood requests and
-generation requests through ``RayEvalLM`` on simulated ranks (``benchmarks/sim_rank.py``: real
+generation requests through ``RayEvalLM`` on simulated ranks (``tests/support/sim_rank.py``: real
 rank actors in the real placement group, a modelled step instead of a model), in several layouts:
 R = 8, 1 and 3; R = 8 with the loglikelihood and generation requests planned in small parts;
 R = 3 with generation in parts (continuous and static batching); static generation; and R = 8
@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.driver_workload import bench_model, generation_instances, mmlu_instances
-from benchmarks.sim_rank import StepCost, score_answer, simulated_rank
+from tests.support.sim_rank import StepCost, score_answer, simulated_rank
+from tests.support.workload import bench_model, generation_instances, mmlu_instances
 
 RAY_CPUS = 12
 QUESTIONS = 600
@@ -35,11 +35,20 @@ GEN_PART = 24
 COST = StepCost(token_s=5e-6, decode_step_s=2e-4)
 
 
-def _run(model: Path, replicas: int, mc: list, gen: list, kill: bool = False, **options: Any):
+def _run(
+    model: Path,
+    replicas: int,
+    mc: list,
+    gen: list,
+    kill: bool = False,
+    parts: bool = False,
+    **options: Any,
+):
     """One RayEvalLM on simulated ranks: its answers, figures and (unless killed) rank calls."""
     import ray
 
     from rayeval.service.engine.lm import RayEvalLM
+    from rayeval.service.engine.parts.pipeline import GENERATE_PART, SCORE_PART, Tunables
 
     killed: list[str] = []
 
@@ -58,7 +67,11 @@ def _run(model: Path, replicas: int, mc: list, gen: list, kill: bool = False, **
         max_batch_size=8,
         kv_cache_tokens=4096,
         on_progress=on_progress,
-        benchmark_rank_class=simulated_rank(COST),
+        tunables=Tunables(
+            score_part=PART if parts else SCORE_PART,
+            generate_part=GEN_PART if parts else GENERATE_PART,
+            rank_class=simulated_rank(COST),
+        ),
         **options,
     ) as lm:
         out: dict[str, Any] = {"killed": killed}
@@ -94,8 +107,6 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     import ray
 
-    import rayeval.service.engine.lm as lm_module
-
     ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
     model = bench_model(Path(args.work), Path(args.model_dir))
     mc = mmlu_instances(QUESTIONS * 4, seed=3)
@@ -108,11 +119,10 @@ def main(argv: list[str]) -> int:
         "R3-static": _run(model, 3, [], gen, continuous_batching=False),
         "R8-lost": _run(model, 8, mc, gen, kill=True),
     }
-    lm_module.SCORE_PART = PART  # planned in parts of PART requests
-    lm_module.GENERATE_PART = GEN_PART  # generation planned in parts of GEN_PART requests
-    runs["R8-parts"] = _run(model, 8, mc, gen)
-    runs["R3-parts"] = _run(model, 3, [], gen)
-    runs["R3-parts-static"] = _run(model, 3, [], gen, continuous_batching=False)
+    # planned in parts of PART requests (generation: GEN_PART)
+    runs["R8-parts"] = _run(model, 8, mc, gen, parts=True)
+    runs["R3-parts"] = _run(model, 3, [], gen, parts=True)
+    runs["R3-parts-static"] = _run(model, 3, [], gen, parts=True, continuous_batching=False)
     report = {"expected": _expected(model, mc), "runs": runs}
     Path(args.report).write_text(json.dumps(report))
     ray.shutdown()

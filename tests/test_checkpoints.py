@@ -110,9 +110,9 @@ def test_checkpoints_match_lm_eval_hf_on_merged_weights(
             exact = dtype != "float32"
             assert_same_results(references[(step, dtype) if exact else step], ours, exact=exact)
             assert lm.shard_strategy.value == strategy
-    total = sum(r["local_parameters"] for r in reports)
+    total = sum(r.local_parameters for r in reports)
     if shard_size == 2:  # each rank holds (and read) its half, not the whole model
-        assert max(r["local_parameters"] for r in reports) <= total / 2 * 1.05
+        assert max(r.local_parameters for r in reports) <= total / 2 * 1.05
     assert references["step-100"]["results"] != references["step-300"]["results"]
 
 

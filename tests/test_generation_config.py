@@ -104,7 +104,7 @@ def _run(model_dir: Path, task_manager: Any, layout: str) -> tuple[Any, dict[str
     ) as lm:
         results = evaluate(lm, task_manager, TASKS, **RUN)
         figures = lm.stats["generate_until"].report()
-        strategies = {report["strategy"] for report in lm.load_reports}
+        strategies = {report.strategy for report in lm.load_reports}
     return results, figures, strategies
 
 

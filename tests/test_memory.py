@@ -115,7 +115,7 @@ class _Rank:
             report = self._worker.setup(rendezvous)
         finally:
             logging.getLogger().removeHandler(handler)
-        return {**report, "warnings": handler.messages, "warned_at": handler.times}
+        return {"report": report, "warnings": handler.messages, "warned_at": handler.times}
 
     def local_bytes(self) -> int:
         """Bytes of the parameter tensors this rank holds right now."""
@@ -219,7 +219,7 @@ def _assert_holds_its_shard(ranks: list[Any], reports: list[dict[str, Any]], mod
 
     total = sum(p.numel() for p in model.parameters())  # a tied weight counted once
     total_bytes = total * 4
-    local = [report["local_parameters"] for report in reports]
+    local = [loaded["report"].local_parameters for loaded in reports]
     assert sum(local) == total
     assert max(local) <= total / G + 1024
     # What the rank keeps resident for its parameters is its shard, not a full copy.
@@ -358,7 +358,7 @@ def test_a_legacy_bin_loads_whole_one_rank_at_a_time(
         windows.append((at - seconds, at))
     (_, first_done), (second_started, _) = sorted(windows)
     assert second_started >= first_done - 0.05, windows  # (the clocks of one node)
-    local = [report["local_parameters"] for report in reports]
+    local = [loaded["report"].local_parameters for loaded in reports]
     assert sum(local) == sum(p.numel() for p in model.parameters())
     _assert_scores_like(model, ranks)
 

@@ -134,6 +134,7 @@ def test_the_kv_budget_is_the_plan_and_memory_only_bounds_it(
     # Without a KV-cache setting, the slots alone bound a group (what its `slots` largest
     # requests need): the plan depends on the requests and settings only. A rank's memory
     # bounds it only where it holds less; a request that needs more is refused, naming why.
+    from rayeval.actors.protocol import LoadReport
     from rayeval.service.engine.plan.budgets import MEMORY_SETTING, memory_kv_tokens, slot_budget
     from rayeval.service.engine.plan.generation_planner import SlotBudget, plan_generate_groups
     from rayeval.service.vocabulary.config import EngineConfig
@@ -144,8 +145,8 @@ def test_the_kv_budget_is_the_plan_and_memory_only_bounds_it(
     assert (free.slots, free.kv_tokens, free.prefill_tokens) == (2, None, 8192)
     [group] = plan_generate_groups(requests, free, seeds).groups
     assert group.kv_tokens == 904 + 94 and group.prefill_tokens == 8192
-    assert memory_kv_tokens([{"kv_capacity_tokens": None}, {}]) is None
-    held = memory_kv_tokens([{"kv_capacity_tokens": 5000}, {"kv_capacity_tokens": 900}])
+    assert memory_kv_tokens([LoadReport(1.0, 10), LoadReport(1.0, 10)]) is None
+    held = memory_kv_tokens([LoadReport(1.0, 10, 5000), LoadReport(1.0, 10, 900)])
     assert held == 900
     [bounded] = plan_generate_groups(
         requests[:3] + requests[4:], SlotBudget(2, held, MEMORY_SETTING), seeds[:4]

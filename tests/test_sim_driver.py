@@ -1,8 +1,8 @@
 """The driver at many replicas: simulated ranks on a real Ray cluster, bulk tokenisation, parts.
 
-The simulated rank (``benchmarks/sim_rank.py``) is the real rank actor's interface with a modelled
-step; every answer is a function of its own request, so the tests can say, per request, whether
-the driver delivered its answer exactly once and to the right request, whatever the layout
+The simulated rank (``tests/support/sim_rank.py``) is the real rank actor's interface with a
+modelled step; every answer is a function of its own request, so the tests can say, per request,
+whether the driver delivered its answer exactly once and to the right request, whatever the layout
 (R = 8, 1, 3), with a plan made in parts (loglikelihood and generation), and with a replica
 lost mid-run. The cluster runs in
 a subprocess (``tests/sim_driver_cluster.py``): it needs 12 logical CPUs, the session's Ray has 4.
@@ -223,7 +223,7 @@ def test_calls_grow_once_timed_and_shrink_as_the_queue_drains() -> None:
 
 @pytest.mark.unit
 def test_a_replicas_time_is_split_by_what_it_waited_for() -> None:
-    from benchmarks.driver_timeline import SHARES, time_shares
+    from tests.support.timeline import SHARES, time_shares
 
     sent = {0: [0.0, 0.0, 1.5], 1: [0.2], 2: [0.0, 0.1]}
     calls = {
@@ -312,26 +312,30 @@ def test_the_product_never_reaches_the_simulated_rank() -> None:
                     names = [getattr(node, "module", None) or ""]
                     names += [alias.name for alias in node.names]
                     assert not any(n.split(".")[0] == "benchmarks" for n in names), path
-                if isinstance(node, ast.keyword) and node.arg == "benchmark_rank_class":
+                if isinstance(node, ast.keyword) and node.arg == "rank_class":
                     passed_on.append(path.relative_to(REPO).as_posix())
-    assert passed_on == ["service/engine/lm.py"]
+    assert passed_on == ["service/engine/lm.py"]  # from its tunables, to WorkerGroup.create
 
 
 @pytest.mark.e2e
 def test_scores_planned_in_parts_match_lm_eval_hf(
-    demo: Any, task_manager: Any, ray_session: None, monkeypatch: pytest.MonkeyPatch
+    demo: Any, task_manager: Any, ray_session: None
 ) -> None:
     """A real model: loglikelihood requests tokenised and planned in parts of 8 while the
     replicas compute, results as lm-eval's hf backend gives them."""
-    import rayeval.service.engine.lm as lm_module
     from rayeval.service.engine.lm import RayEvalLM
+    from rayeval.service.engine.parts.pipeline import Tunables
 
     run = {"limit": 12, "bootstrap_iters": 0, "num_fewshot": 1}
     tasks = ["demo_mc", "demo_cloze"]
     reference = hf_reference(demo.model_dir, task_manager, tasks, **run)
-    monkeypatch.setattr(lm_module, "SCORE_PART", 8)
     started = time.monotonic()
-    with RayEvalLM(pretrained=str(demo.model_dir), num_replicas=2, dtype="float32") as lm:
+    with RayEvalLM(
+        pretrained=str(demo.model_dir),
+        num_replicas=2,
+        dtype="float32",
+        tunables=Tunables(score_part=8),
+    ) as lm:
         ours = evaluate(lm, task_manager, tasks, **run)
         figures = lm.stats["loglikelihood"].report()
     assert time.monotonic() - started < 300
@@ -408,20 +412,18 @@ def test_generations_planned_in_parts_match_lm_eval_hf(
     demo: Any,
     task_manager: Any,
     ray_session: None,
-    monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
     """A real model: generate_until requests tokenised and planned in parts of 8 (a part's
     requests cross from one task's stop strings to the other's) while the replicas compute,
     answers as lm-eval's hf backend gives them; a second engine on the same response cache
     computes none of them and answers the same."""
-    import rayeval.service.engine.lm as lm_module
+    from rayeval.service.engine.parts.pipeline import Tunables
 
     reference = hf_reference(demo.model_dir, task_manager, GEN_TASKS, **GEN_RUN)
-    monkeypatch.setattr(lm_module, "GENERATE_PART", 8)
-    cache = str(tmp_path / "cache")
-    ours, figures = _generate(demo, task_manager, 2, use_cache=cache)
-    again, rerun = _generate(demo, task_manager, 2, use_cache=cache)
+    cache, in_parts = str(tmp_path / "cache"), Tunables(generate_part=8)
+    ours, figures = _generate(demo, task_manager, 2, use_cache=cache, tunables=in_parts)
+    again, rerun = _generate(demo, task_manager, 2, use_cache=cache, tunables=in_parts)
     assert figures["batching"] == "continuous" and figures["requests"] == 35
     assert figures["micro_batches"] >= 5, "35 requests in parts of 8 make at least 5 groups"
     assert_same_results(reference, ours)
@@ -431,16 +433,16 @@ def test_generations_planned_in_parts_match_lm_eval_hf(
 
 @pytest.mark.e2e
 def test_sampled_generations_in_parts_are_those_of_the_whole(
-    demo: Any, task_manager: Any, ray_session: None, monkeypatch: pytest.MonkeyPatch
+    demo: Any, task_manager: Any, ray_session: None
 ) -> None:
     """Each sampled request's generator is seeded as in one plan of the whole request type: the
     same answers in parts of 8 on two replicas as whole on one."""
-    import rayeval.service.engine.lm as lm_module
+    from rayeval.service.engine.parts.pipeline import Tunables
 
     sampled = {"gen_kwargs": "do_sample=True,temperature=1.0,top_k=20"}
     whole, figures = _generate(demo, task_manager, 1, run=sampled)
-    monkeypatch.setattr(lm_module, "GENERATE_PART", 8)
-    parts, in_parts = _generate(demo, task_manager, 2, run=sampled)
+    eights = Tunables(generate_part=8)
+    parts, in_parts = _generate(demo, task_manager, 2, run=sampled, tunables=eights)
     assert figures["micro_batches"] < in_parts["micro_batches"], "no parts were made"
     assert_same_results(whole, parts, exact=True)
     answers = [s["resps"][0][0] for s in parts["samples"]["demo_gen_long"]]

@@ -79,9 +79,9 @@ def test_tp_matches_lm_eval_hf(
     assert {"demo_mc", "demo_rolling", "demo_gen_short", "demo_gen_long"} <= set(ours["samples"])
     # Every rank holds its slices of the sharded projections, not the whole model.
     total = transformers.AutoModelForCausalLM.from_pretrained(demo.model_dir).num_parameters()
-    assert {report["strategy"] for report in reports} == {"tp"}
-    assert {report["collectives"] for report in reports} == {reduced_by}
-    assert max(report["local_parameters"] for report in reports) < total
+    assert {report.strategy for report in reports} == {"tp"}
+    assert {report.collectives for report in reports} == {reduced_by}
+    assert max(report.local_parameters for report in reports) < total
 
 
 def _odd_heads_llama(out_dir: Path, demo_dir: Path) -> Path:

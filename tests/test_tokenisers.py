@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.driver_workload import generation_instances, mmlu_instances
 from rayeval.service.engine.plan.generation_planner import request_seeds
 from tests.helpers import assert_same_results, evaluate, hf_reference
+from tests.support.workload import generation_instances, mmlu_instances
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -261,21 +261,21 @@ def test_answers_decoded_by_actors_are_the_driver_s_own(
 
 
 @pytest.mark.e2e
-def test_an_evaluation_tokenised_by_actors_matches_lm_eval_hf(
-    demo: Any, task_manager: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_evaluation_tokenised_by_actors_matches_lm_eval_hf(demo: Any, task_manager: Any) -> None:
     """Loglikelihood and generation in parts of 8, the parts after the first tokenised by two
     actors: lm-eval hf's results per sample."""
-    import rayeval.service.engine.lm as lm_module
     from rayeval.service.engine.lm import RayEvalLM
+    from rayeval.service.engine.parts.pipeline import Tunables
 
     run = {"limit": 8, "bootstrap_iters": 0, "num_fewshot": 1}
     tasks = ["demo_mc", "demo_gen_short"]
     reference = hf_reference(demo.model_dir, task_manager, tasks, **run)
-    monkeypatch.setattr(lm_module, "SCORE_PART", 8)
-    monkeypatch.setattr(lm_module, "GENERATE_PART", 3)
     with RayEvalLM(
-        pretrained=str(demo.model_dir), dtype="float32", tokenizer_workers=2, batch_size=2
+        pretrained=str(demo.model_dir),
+        dtype="float32",
+        tokenizer_workers=2,
+        batch_size=2,
+        tunables=Tunables(score_part=8, generate_part=3),
     ) as lm:
         ours = evaluate(lm, task_manager, tasks, **run)
         figures = {phase: stats.report() for phase, stats in lm.stats.items()}
@@ -329,21 +329,23 @@ def test_an_unfit_request_is_refused_as_the_planner_would_without_tokenising_all
 
 @pytest.mark.e2e
 def test_a_request_unfit_for_the_kv_budget_in_a_later_part_is_refused_before_any_batch(
-    demo: Any, monkeypatch: pytest.MonkeyPatch
+    demo: Any,
 ) -> None:
     """In parts of 8, a request of the fourth part needs more KV cache than the budget, which
     fits every request of the first three: refused, naming it, before any group ran."""
-    import rayeval.service.engine.lm as lm_module
     from rayeval.actors.errors import ConfigError
     from rayeval.service.engine.lm import RayEvalLM
+    from rayeval.service.engine.parts.pipeline import Tunables
 
     instances = generation_instances(40, seed=9, max_gen_toks=8, question_words=(2, 25))
     needs = _needs(_encoder(demo), instances)
     instances[30] = generation_instances(1, seed=10, max_gen_toks=8, question_words=(90, 90))[0]
     instances[30].doc_id = 30
-    monkeypatch.setattr(lm_module, "GENERATE_PART", 8)
     with RayEvalLM(
-        pretrained=str(demo.model_dir), dtype="float32", kv_cache_tokens=max(needs)
+        pretrained=str(demo.model_dir),
+        dtype="float32",
+        kv_cache_tokens=max(needs),
+        tunables=Tunables(generate_part=8),
     ) as lm:
         with pytest.raises(ConfigError, match=r"doc 30 needs \d+ KV-cache.*--kv_cache_tokens"):
             lm.generate_until(instances, disable_tqdm=True)

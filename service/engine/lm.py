@@ -29,14 +29,14 @@ from lm_eval.api.registry import register_model
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, ShardStrategy
+from rayeval.actors.protocol import LoadReport
 from rayeval.service.engine.dispatch.cluster import connect, pick_device
 from rayeval.service.engine.dispatch.executor import Executor
 from rayeval.service.engine.dispatch.phases import PhaseStats
 from rayeval.service.engine.dispatch.warm import KeptReplicas, replica_key
 from rayeval.service.engine.parts.generate import Prompts
 from rayeval.service.engine.parts.pipeline import (
-    GENERATE_PART,
-    SCORE_PART,
+    Tunables,
     even_bounds,
     part_bounds,
 )
@@ -80,9 +80,7 @@ class RayEvalLM(TemplateLM):
             requests whose tokens do not measure it (see :mod:`rayeval.service.engine.plan.checks`).
         replicas: Loaded replicas to use if they match, and where to keep these ones after a
             successful evaluation (:mod:`rayeval.service.engine.dispatch.warm`).
-        benchmark_rank_class: Benchmarks only, never set by the product: a class that replaces
-            every rank actor (``benchmarks/sim_rank.py``'s simulated rank, which loads no model;
-            see :meth:`rayeval.actors.group.WorkerGroup.create`).
+        tunables: What no user sets (part sizes, the rank class): tests and benchmarks only.
         **options: :func:`~rayeval.service.vocabulary.config_fields.config_from_keywords`'s
         keywords:
             ``num_replicas``, ``shard_size``, ``cpus_per_rank``, ``batch_size``, ``max_batch_size``,
@@ -105,11 +103,11 @@ class RayEvalLM(TemplateLM):
         on_progress: Callable[[Progress], None] | None = None,
         on_warning: Callable[[dict[str, Any]], None] | None = None,
         replicas: KeptReplicas | None = None,
-        benchmark_rank_class: type | None = None,
+        tunables: Tunables | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
-        self._benchmark_rank_class = benchmark_rank_class
+        self._tunables = tunables or Tunables()
         check_private_apis()  # names a package version that moved, before anything starts
         self._created = time.monotonic()
         config, host = _engine_config(pretrained, config, host, options)
@@ -181,7 +179,7 @@ class RayEvalLM(TemplateLM):
 
     # --------------------------------------------------------------------- lifecycle
     @property
-    def load_reports(self) -> list[dict[str, Any]]:
+    def load_reports(self) -> list[LoadReport]:
         """Per rank, after loading: seconds, local parameter count, peak resident MiB."""
         if self._group is None:
             return []
@@ -262,13 +260,13 @@ class RayEvalLM(TemplateLM):
             self._cache.use_model(args)
         if self._replicas is not None:
             self._key = replica_key(self.config)
-        read_s = max(float(r["seconds"]) for r in reports)
+        read_s = max(r.seconds for r in reports)
         self._executor.begin_checkpoint(started, load_s=read_s)
         self.request_report = RequestReport()
         return {
             "seconds": time.monotonic() - started,
             "read_s": read_s,
-            "bytes": sum(int(r["bytes"]) for r in reports),
+            "bytes": sum(r.bytes for r in reports),
         }
 
     def __enter__(self) -> RayEvalLM:
@@ -336,8 +334,9 @@ class RayEvalLM(TemplateLM):
         check_empty_context_pairs(pairs, origins, self.tok_encode)
         # TemplateLM's tokenisation, in bulk, and the checks (engine.parts.score).
         tokens = score_tokens(self._encoder, pairs, origins, self._checks())
-        if len(pairs) > SCORE_PART:  # tokenised (by actors), checked and planned in parts
-            bounds = part_bounds([context for context, _ in pairs], SCORE_PART)
+        size = self._tunables.score_part
+        if len(pairs) > size:  # tokenised (by actors), checked and planned in parts
+            bounds = part_bounds([context for context, _ in pairs], size)
             answers = self._executor.score_parts(
                 len(pairs), bounds, tokens, self.max_length, disable_tqdm
             )
@@ -388,8 +387,9 @@ class RayEvalLM(TemplateLM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         prompts = Prompts(self._encoder, requests)  # lm-eval's tokenisation and decoding
-        if len(requests) > GENERATE_PART:  # tokenised, planned, decoded (by actors) in parts
-            bounds = even_bounds(len(requests), GENERATE_PART)
+        size = self._tunables.generate_part
+        if len(requests) > size:  # tokenised, planned, decoded (by actors) in parts
+            bounds = even_bounds(len(requests), size)
             texts = self._executor.generate_parts(
                 len(requests),
                 bounds,
@@ -425,7 +425,7 @@ class RayEvalLM(TemplateLM):
             strategy=parallelism.shard_strategy,
             obstacles=obstacles,
             shm_collectives=parallelism.shm_collectives,
-            benchmark_rank_class=self._benchmark_rank_class,
+            rank_class=self._tunables.rank_class,
         )
         self._executor.attach(group, reused=kept is not None)
         return group

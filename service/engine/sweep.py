@@ -221,7 +221,7 @@ class Sweep:
                 on_warning=on_warning,
             )
             reports = self._lm.load_reports  # the ranks' start is this checkpoint's swap
-            record.seconds["read"] = max(float(r["seconds"]) for r in reports)
+            record.seconds["read"] = max(r.seconds for r in reports)
         else:
             record.seconds["read"] = self._lm.load_checkpoint(checkpoint)["read_s"]
         record.fingerprint = model_fingerprint(self._lm.config.model_args)

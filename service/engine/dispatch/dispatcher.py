@@ -153,11 +153,10 @@ class Dispatcher:
         self._streaming = isinstance(first, GenerateGroup)
         self._same_batch = any(r.same_batch for r in group.replicas)
         self._dummy: MicroBatch = GenerateMicroBatch()
-        self._method = "generate"
         if isinstance(first, ScoreMicroBatch):
-            self._dummy, self._method = ScoreMicroBatch(), "score"
+            self._dummy = ScoreMicroBatch()
         elif self._streaming:
-            self._dummy, self._method = GenerateGroup(), "generate_stream"
+            self._dummy = GenerateGroup()
         #: Streamed micro-batches: the answers received so far, by position.
         self._answers: dict[int, dict[int, tuple[int, ...]]] = {}
         self._on_piece: Callable[[PieceDone], None] | None = None
@@ -265,9 +264,9 @@ class Dispatcher:
                 steps = [self._pending.popleft() for _ in range(min(count, len(self._pending)))]
                 batches = [self._step_batches(step) for step in steps]
                 if self._streaming:
-                    refs = replica.submit(self._method, batches[0], streaming=True)
+                    refs = replica.submit(batches[0])
                 else:
-                    refs = replica.submit_many(self._method, batches)
+                    refs = replica.submit_many(batches)
                 self._inflight[index].append(_InFlight(steps, refs, [False] * len(refs)))
                 self._deadline.setdefault(index, time.monotonic() + self._timeout_s * len(steps))
 

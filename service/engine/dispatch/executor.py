@@ -274,7 +274,7 @@ class Executor:
         if self._startup_s is None:
             self._startup_s = time.monotonic() - self._created
         # Kept replicas loaded nothing for this evaluation.
-        load_s = 0.0 if self._reused else max((r["seconds"] for r in load_reports), default=None)
+        load_s = 0.0 if self._reused else max((r.seconds for r in load_reports), default=None)
         if self._swap_load_s is not None:
             load_s = self._swap_load_s
         return StartUp(load_s=load_s, startup_s=self._startup_s)

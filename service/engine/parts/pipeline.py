@@ -40,11 +40,30 @@ from rayeval.service.engine.dispatch.dispatcher import (
 )
 from rayeval.service.engine.dispatch.phases import PhaseStats, PhaseTracker
 
-#: Loglikelihood requests tokenised, checked and planned together.
+#: Loglikelihood requests tokenised, checked and planned together (:class:`Tunables`).
 SCORE_PART = 65536
 #: Generation requests tokenised and planned together: a prompt costs the driver about as much
 #: to tokenise as a loglikelihood request, but a part's groups reach the replicas sooner.
 GENERATE_PART = 16384
+
+
+@dataclass(frozen=True)
+class Tunables:
+    """The engine's settings no user sets, in one object that tests and benchmarks pass to
+    :class:`rayeval.service.engine.lm.RayEvalLM` (``tunables=``).
+
+    Args:
+        score_part: A loglikelihood request type larger than this is planned in parts of it.
+        generate_part: A generate_until request type larger than this is planned in parts of it.
+        rank_class: The class of every rank actor (None: ``ShardWorker``); a benchmark's
+            simulated rank, which loads no model (``tests/fakes/sim_rank.py``).
+    """
+
+    score_part: int = SCORE_PART
+    generate_part: int = GENERATE_PART
+    rank_class: type | None = None
+
+
 #: Requests of a request type's first part (at most a part): the driver makes it itself, so
 #: the first micro-batch leaves after a second's work, while tokeniser actors start.
 FIRST_PART = 4096

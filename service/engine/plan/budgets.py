@@ -4,10 +4,9 @@ much of a continuous-batching group runs at once)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
+from rayeval.actors.protocol import LoadReport
 from rayeval.service.engine.plan.generation_planner import SlotBudget
 from rayeval.service.engine.plan.planner import TokenBudget
 from rayeval.service.vocabulary.config import (
@@ -50,10 +49,10 @@ def slot_budget(config: EngineConfig, group: WorkerGroup | None) -> SlotBudget:
 MEMORY_SETTING = "the device memory each rank has free after loading (a larger --shard_size)"
 
 
-def memory_kv_tokens(reports: list[dict[str, Any]]) -> int | None:
-    """The fewest KV-cache positions a rank's free device memory holds (its load report's
-    ``kv_capacity_tokens``), or None when no rank bounds it (CPU ranks)."""
-    held = [r["kv_capacity_tokens"] for r in reports if r.get("kv_capacity_tokens") is not None]
+def memory_kv_tokens(reports: list[LoadReport]) -> int | None:
+    """The fewest KV-cache positions a rank's free memory holds (its load report's
+    ``kv_capacity_tokens``), or None when no rank says."""
+    held = [r.kv_capacity_tokens for r in reports if r.kv_capacity_tokens is not None]
     return min(held) if held else None
 
 

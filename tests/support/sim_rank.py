@@ -9,8 +9,8 @@ decode steps bounded below by reading the weights once) and returns answers of t
 that depend on the request alone (a hash of its tokens), so any layout must give every request
 the same answer.
 
-Benchmarks only: the product never imports this module. It is handed to
-``RayEvalLM(benchmark_rank_class=simulated_rank(cost))``, which passes it to
+Tests and benchmarks only: the product never imports this module. It is handed to
+``RayEvalLM(tunables=Tunables(rank_class=simulated_rank(cost)))``, which passes it to
 ``WorkerGroup.create``; everything else (placement group, dispatcher, planner, progress, the
 response cache) is the product's own code.
 
@@ -46,6 +46,7 @@ from rayeval.actors.batches import (
     piece_due,
 )
 from rayeval.actors.layout import RankCoord
+from rayeval.actors.protocol import LoadReport, compute
 
 #: Generated token ids are drawn from this range (ordinary tokens of any tokenizer).
 TOKEN_LOW, TOKEN_SPAN = 100, 500
@@ -147,15 +148,8 @@ class SimulatedRank:
     def reserve_port(self) -> tuple[str, int]:
         return "127.0.0.1", 0
 
-    def setup(self, rendezvous: tuple[str, int]) -> dict[str, Any]:
-        return {
-            "seconds": 0.0,
-            "local_parameters": 0,
-            "kv_capacity_tokens": None,
-            "strategy": None,
-            "collectives": None,
-            "peak_rss_mib": 0.0,
-        }
+    def setup(self, rendezvous: tuple[str, int]) -> LoadReport:
+        return LoadReport(seconds=0.0, local_parameters=0)
 
     def shutdown(self) -> None:
         """Nothing to release."""
@@ -164,11 +158,13 @@ class SimulatedRank:
         return dict(self._fed)
 
     # ------------------------------------------------------------------------------- compute
-    def compute_many(self, method: str, batches: bytes) -> bytes:
+    def compute(self, batch: ScoreMicroBatch | GenerateMicroBatch) -> tuple[Any, StepStats]:
+        return compute(self, batch)
+
+    def compute_many(self, batches: bytes) -> bytes:
         """Several pickled micro-batches in one call, in order (the real rank's bulk entry)."""
         started = time.monotonic()
-        compute = {"score": self.score, "generate": self.generate}[method]
-        outputs = [compute(batch) for batch in pickle.loads(batches)]
+        outputs = [compute(self, batch) for batch in pickle.loads(batches)]
         value = pickle.dumps(outputs, protocol=5)
         self._calls.append((started, time.monotonic(), sum(s.seconds for _, s in outputs)))
         return value
