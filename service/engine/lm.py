@@ -58,7 +58,7 @@ from rayeval.service.engine.response_cache import open_cache
 from rayeval.service.private_apis import check_private_apis
 from rayeval.service.vocabulary.config import DEFAULT_SEED, EngineConfig, HostOptions
 from rayeval.service.vocabulary.config_fields import config_from_keywords
-from rayeval.service.vocabulary.events import Progress
+from rayeval.service.vocabulary.events import Progress, RequestType
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class RayEvalLM(TemplateLM):
         return self._group.input_token_counts(timeout_s=self._timeouts.step_s)
 
     @property
-    def stats(self) -> dict[str, PhaseStats]:
+    def stats(self) -> dict[RequestType, PhaseStats]:
         """Per request type, what was computed and how fast (:class:`PhaseStats`)."""
         return self._executor.stats
 
@@ -343,7 +343,9 @@ class RayEvalLM(TemplateLM):
             return self._hooked(pairs, answers)
         part = tokens.make(0, len(pairs), None)
         scored = iter(
-            self._executor.score(part.pairs, self.max_length, "loglikelihood", disable_tqdm)
+            self._executor.score(
+                part.pairs, self.max_length, RequestType.LOGLIKELIHOOD, disable_tqdm
+            )
         )
         fixed = part.fixed
         return self._hooked(pairs, [fixed.get(i) or next(scored) for i in range(len(pairs))])
@@ -355,7 +357,9 @@ class RayEvalLM(TemplateLM):
         cont_enc)``; answers lm-eval gives without a model call are given so too."""
         fixed = self._checks()(requests, None, None).answers
         pairs = [(requests[i][1], requests[i][2]) for i in range(len(requests)) if i not in fixed]
-        scored = iter(self._executor.score(pairs, self.max_length, "loglikelihood", disable_tqdm))
+        scored = iter(
+            self._executor.score(pairs, self.max_length, RequestType.LOGLIKELIHOOD, disable_tqdm)
+        )
         answers = [fixed.get(i) or next(scored) for i in range(len(requests))]
         return self._hooked([request[0] for request in requests], answers)
 
@@ -368,13 +372,13 @@ class RayEvalLM(TemplateLM):
         """lm-eval's cache hook given each (context, continuation) request's answer."""
         for request, answer in zip(requests, answers, strict=True):
             if request is not None:
-                self.cache_hook.add_partial("loglikelihood", request, answer)
+                self.cache_hook.add_partial(RequestType.LOGLIKELIHOOD, request, answer)
         return answers
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         windows, counts = rolling_windows(self._encoder, [r.args[0] for r in requests])
         answers = self._executor.score(
-            windows, self.max_length, "loglikelihood_rolling", disable_tqdm
+            windows, self.max_length, RequestType.LOGLIKELIHOOD_ROLLING, disable_tqdm
         )
         totals: list[float] = []
         start = 0
@@ -382,7 +386,7 @@ class RayEvalLM(TemplateLM):
             total = sum(logprob for logprob, _ in answers[start : start + count])
             start += count
             totals.append(total)
-            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+            self.cache_hook.add_partial(RequestType.LOGLIKELIHOOD_ROLLING, request.args, total)
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
@@ -402,7 +406,7 @@ class RayEvalLM(TemplateLM):
             part = prompts.make(0, len(requests))
             texts = prompts.decode(self._executor.generate(part.requests, disable_tqdm, part.names))
         for request, text in zip(requests, texts, strict=True):
-            self.cache_hook.add_partial("generate_until", request.args, text)
+            self.cache_hook.add_partial(RequestType.GENERATE_UNTIL, request.args, text)
         return texts
 
     # ------------------------------------------------------------------------ internals

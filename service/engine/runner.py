@@ -190,7 +190,7 @@ def evaluate_on(
         evaluation_tracker=tracker,
         **_simple_evaluate_kwargs(config, cfg, task_manager),
     )
-    stats = {phase: phase_stats.report() for phase, phase_stats in lm.stats.items()}
+    stats = {str(phase): phase_stats.report() for phase, phase_stats in lm.stats.items()}
     request_warnings = lm.request_report.as_dict()
     try:
         ranks = lm.rank_sites()

@@ -32,6 +32,7 @@ here.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -78,6 +79,14 @@ class RankMemory(_Typed):
 
     rss_mib: float = Field(description="Resident memory of the rank's process.")
     device_mib: float = Field(description="Device (CUDA) memory held by its tensors.")
+
+
+class RequestType(StrEnum):
+    """lm-eval's request types, which the engine runs one after the other as its phases."""
+
+    LOGLIKELIHOOD = "loglikelihood"
+    LOGLIKELIHOOD_ROLLING = "loglikelihood_rolling"
+    GENERATE_UNTIL = "generate_until"
 
 
 class PhaseCounts(_Read):

@@ -45,7 +45,7 @@ from rayeval.service.engine.plan.planner import plan_score
 from rayeval.service.engine.plan.tokenisers import PartTokens, TokeniserPool, made_parts
 from rayeval.service.engine.response_cache import ResponseCache, generate_key, score_key
 from rayeval.service.vocabulary.config import EngineConfig
-from rayeval.service.vocabulary.events import Progress, RankMemory
+from rayeval.service.vocabulary.events import Progress, RankMemory, RequestType
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Executor:
         shell: Any = None,
         static_only: str | None = "no model shell given",
     ) -> None:
-        self.stats: dict[str, PhaseStats] = {}
+        self.stats: dict[RequestType, PhaseStats] = {}
         self._config = config
         self._device = device
         self._shell = shell
@@ -117,7 +117,7 @@ class Executor:
         self,
         pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
         max_length: int,
-        phase: str,
+        phase: RequestType,
         disable_tqdm: bool,
     ) -> list[tuple[float, bool]]:
         """(log-likelihood, is_greedy) of each (context, continuation) token pair, in order."""
@@ -168,7 +168,7 @@ class Executor:
         keys: list[Any] = [None] * len(requests)
         if self._cache is not None:  # hashed at once, as scores' keys
             keys = [self._cache.digest(generate_key(r.context, r.settings())) for r in requests]
-        cached, todo = self._cached(keys, "generate_until")
+        cached, todo = self._cached(keys, RequestType.GENERATE_UNTIL)
         pending = [requests[i] for i in todo]
         pending_keys = [keys[i] for i in todo]
         reason = self._batching([(r.max_length, r.kwargs) for r in pending])
@@ -184,7 +184,7 @@ class Executor:
         """Why requests with these (max_length, kwargs) take static batches (None: continuous
         batching), recorded in the phase's figures and logged."""
         reason = self._static_reason(settings)
-        phase = self.stats.setdefault("generate_until", PhaseStats())
+        phase = self.stats.setdefault(RequestType.GENERATE_UNTIL, PhaseStats())
         phase.batching = "continuous" if reason is None else "static"
         if reason is not None and settings:
             logger.info("generate_until runs in static batches: %s", reason)
@@ -213,7 +213,7 @@ class Executor:
         located = [(keys[i], mb, (position,)) for i, (mb, position) in enumerate(plan.locations)]
         outputs = self._run(
             plan.micro_batches,
-            "generate_until",
+            RequestType.GENERATE_UNTIL,
             Counter(mb for mb, _ in plan.locations),
             disable_tqdm,
             on_result=self._cache.storer(located) if self._cache is not None else None,
@@ -242,7 +242,7 @@ class Executor:
 
         outputs = self._run(
             plan.groups,
-            "generate_until",
+            RequestType.GENERATE_UNTIL,
             Counter(group for group, _ in plan.locations),
             disable_tqdm,
             on_piece=store,
@@ -253,7 +253,7 @@ class Executor:
     def _slot_budget(self) -> SlotBudget:
         return slot_budget(self._config, self._group)
 
-    def _cached(self, keys: Sequence[Any], phase: str) -> tuple[dict[int, Any], list[int]]:
+    def _cached(self, keys: Sequence[Any], phase: RequestType) -> tuple[dict[int, Any], list[int]]:
         """Answers the response cache has (position -> answer), and the positions to compute."""
         cached = self._cache.get_many(keys) if self._cache is not None else {}
         if cached:
@@ -282,7 +282,7 @@ class Executor:
     def _run(
         self,
         micro_batches: Sequence[MicroBatch],
-        phase: str,
+        phase: RequestType,
         requests_per_micro_batch: Counter[int],
         disable_tqdm: bool,
         on_result: Callable[[int, Any], None] | None = None,
@@ -323,7 +323,7 @@ class Executor:
 
     def _tracker(
         self,
-        phase: str,
+        phase: RequestType,
         requests_per_micro_batch: Counter[int],
         disable_tqdm: bool,
         start: StartUp | None = None,
@@ -367,7 +367,7 @@ class Executor:
             )
             parts = made_parts(bounds, tokens, pool)
             return self._run_parts(
-                "loglikelihood", total, parts, plan, ScoreMicroBatch, pool, disable_tqdm
+                RequestType.LOGLIKELIHOOD, total, parts, plan, ScoreMicroBatch, pool, disable_tqdm
             )
 
     def generate_parts(
@@ -402,7 +402,7 @@ class Executor:
             parts = made_parts(bounds, tokens, pool)
             decoder = decoding(pool)
             answers = self._run_parts(
-                "generate_until",
+                RequestType.GENERATE_UNTIL,
                 total,
                 parts,
                 plan,
@@ -413,7 +413,7 @@ class Executor:
                 decoder.finished,
             )
             texts = decoder.texts(answers)
-            self.stats["generate_until"].decoded_by_actors += decoder.decoded
+            self.stats[RequestType.GENERATE_UNTIL].decoded_by_actors += decoder.decoded
             return texts
 
     def _tokenisers(self, tokens: PartTokens) -> TokeniserPool:
@@ -421,7 +421,7 @@ class Executor:
 
     def _run_parts(
         self,
-        phase: str,
+        phase: RequestType,
         total: int,
         parts: Iterable[Any],
         plan: Callable[[Any], PlannedPart | Callable[[], PlannedPart]],
