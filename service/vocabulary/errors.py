@@ -21,7 +21,8 @@ def unknown_evaluation(evaluation_id: str) -> EvaluationNotFoundError:
     """The error of an id no evaluation has, or one the caller may not see: the same answer
     for both, so that a request cannot learn which evaluations exist."""
     return EvaluationNotFoundError(
-        f"no evaluation with id {evaluation_id!r}: list them with GET /evaluations"
+        f"no evaluation with id {evaluation_id!r}: list yours with `rayeval status` "
+        "(GET /evaluations)"
     )
 
 
