@@ -181,8 +181,8 @@ class ShardWorker:
             import ray
 
             mine, node_cpus = 1.0, float(os.cpu_count() or 1)
-            if ray.is_initialized():  # (outside Ray, as tests build a rank: one CPU's share)
-                context = ray.get_runtime_context()
+            context = ray.get_runtime_context() if ray.is_initialized() else None
+            if context is not None and context.get_actor_id() is not None:  # (else: one CPU's share)
                 mine = context.get_assigned_resources().get("CPU", mine)
                 nodes = [n for n in ray.nodes() if n["NodeID"] == context.get_node_id()]
                 node_cpus = nodes[0]["Resources"].get("CPU", node_cpus) if nodes else node_cpus
