@@ -182,7 +182,7 @@ class ShardWorker:
 
             mine, node_cpus = 1.0, float(os.cpu_count() or 1)
             context = ray.get_runtime_context() if ray.is_initialized() else None
-            if context is not None and context.get_actor_id() is not None:  # (else: one CPU's share)
+            if context is not None and context.get_actor_id() is not None:  # else: a CPU's share
                 mine = context.get_assigned_resources().get("CPU", mine)
                 nodes = [n for n in ray.nodes() if n["NodeID"] == context.get_node_id()]
                 node_cpus = nodes[0]["Resources"].get("CPU", node_cpus) if nodes else node_cpus
