@@ -17,12 +17,12 @@ def _queue(tmp_path: Path, *needs: tuple[str, float]) -> list[EvaluationRecord]:
     store = EvaluationStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
     store.create_schema()
     for key, cpus in needs:
-        store.create({"key": key}, {"CPU": cpus})
+        store.create({"model_args": {"pretrained": key}, "tasks": ["t"]}, {"CPU": cpus})
     return store.queued()
 
 
 def _key(record: EvaluationRecord) -> str:
-    return str(record.config["key"])
+    return record.config.pretrained  # its replica key in these tests
 
 
 @pytest.mark.unit

@@ -9,7 +9,6 @@ in ``tests/test_team.py``.
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import pytest
 
@@ -17,6 +16,7 @@ from rayeval.service.jobs.accounts import Share
 from rayeval.service.jobs.admission import Kept, plan
 from rayeval.service.jobs.fairness import fair_order, held_ranks, over_cap, room_made_first
 from rayeval.service.jobs.records import EvaluationRecord
+from rayeval.service.vocabulary.config import EvaluationConfig
 from rayeval.service.vocabulary.events import EvaluationProgress
 from rayeval.service.vocabulary.states import EvaluationStatus
 
@@ -36,11 +36,14 @@ def rec(
     started: int | None = None,
 ) -> EvaluationRecord:
     """Evaluation ``name`` of ``owner``, the ``number``-th submitted, of ``ranks`` 1-CPU ranks."""
-    config: dict[str, Any] = {
-        "parallelism": {"num_replicas": ranks, "shard_size": 1},
-        "scheduling": {"priority": priority, "preemptible": preemptible},
-        "key": name,
-    }
+    config = EvaluationConfig.from_json(
+        {
+            "model_args": {"pretrained": name},  # its replica key in these tests
+            "tasks": ["t"],
+            "parallelism": {"num_replicas": ranks, "shard_size": 1},
+            "scheduling": {"priority": priority, "preemptible": preemptible},
+        }
+    )
     started_at = T0 + timedelta(seconds=started) if started is not None else None
     return EvaluationRecord(
         name, number, status, config, {"CPU": float(ranks)}, T0, started_at, None, None,
@@ -143,7 +146,7 @@ def test_capped_evaluations_wait_and_an_impossible_one_is_named() -> None:
 
 
 def _key(record: EvaluationRecord) -> str:
-    return str(record.config["key"])
+    return record.config.pretrained
 
 
 RUNNING = EvaluationStatus.RUNNING

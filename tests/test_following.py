@@ -160,7 +160,7 @@ def test_a_watch_reads_the_evaluation_s_config() -> None:
     )
     now = datetime.now(UTC)
     record = EvaluationRecord(
-        "e1", 1, EvaluationStatus.RUNNING, config.to_json(), {}, now, now, None, None, HALF, 0, 0
+        "e1", 1, EvaluationStatus.RUNNING, config, {}, now, now, None, None, HALF, 0, 0
     )
     watch = Watch.of(record, now=100.0, heard_at=90.0, asked_at=None)
     assert watch.timeouts.step_s == 5 and watch.bootstrap_iters == 3

@@ -12,16 +12,19 @@ from rayeval.service.jobs.followed import FollowedEvaluations
 from rayeval.service.jobs.kept import KeptRunners
 from rayeval.service.jobs.records import EvaluationRecord
 from rayeval.service.jobs.recovery import FoundRunner, Recovery, plan_recovery
+from rayeval.service.vocabulary.config import EvaluationConfig
 from rayeval.service.vocabulary.events import EvaluationProgress
 from rayeval.service.vocabulary.states import EvaluationStatus
 
 pytestmark = pytest.mark.unit
 
+CONFIG = EvaluationConfig.from_json({"model_args": {"pretrained": "m"}, "tasks": ["t"]})
+
 
 def _active(evaluation_id: str) -> EvaluationRecord:
     now = datetime.now(UTC)
     return EvaluationRecord(
-        evaluation_id, 1, EvaluationStatus.RUNNING, {}, {}, now, now, None, None,
+        evaluation_id, 1, EvaluationStatus.RUNNING, CONFIG, {}, now, now, None, None,
         EvaluationProgress(), 0, 0,
     )  # fmt: skip
 

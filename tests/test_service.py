@@ -35,6 +35,9 @@ import pytest
 
 from tests.helpers import assert_same_results, hf_reference
 
+#: The smallest stored configuration (a store test needs only that it parses).
+CONFIG_JSON = {"model_args": {"pretrained": "m"}, "tasks": ["t"]}
+
 TASKS = ["demo_cloze", "demo_gen_short", "demo_mc"]
 RUN = {"limit": 6, "bootstrap_iters": 0}
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -953,7 +956,7 @@ def test_status_lifecycle(tmp_path: Path) -> None:
 
     store = EvaluationStore(f"sqlite:///{tmp_path / 'states.db'}")
     store.create_schema()
-    record = store.create({"model": "hf"}, {"CPU": 1.0})
+    record = store.create(CONFIG_JSON, {"CPU": 1.0})
     assert not store.transition(record.id, S.RUNNING), "queued -> running skips starting"
     assert not store.finish_succeeded(record.id, "{}", {}, {}, [])
     assert store.transition(record.id, S.STARTING)

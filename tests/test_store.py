@@ -30,6 +30,9 @@ from rayeval.service.vocabulary.states import EvaluationStatus as S
 from rayeval.service.vocabulary.states import EventKind
 from tests.postgres import DATABASES
 
+#: The smallest stored configuration (a store test needs only that it parses).
+CONFIG_JSON = {"model_args": {"pretrained": "m"}, "tasks": ["t"]}
+
 HOUSE_DUMP = Path(__file__).parent / "data" / "house_schema.sql"
 both = pytest.mark.parametrize("database_url", DATABASES, indirect=True)
 
@@ -80,7 +83,7 @@ def test_a_database_from_before_migrations_keeps_every_row(tmp_path: Path) -> No
     # New writes work on the migrated file: the next event is numbered after the old ones.
     assert store.transition(queued.id, S.STARTING)
     assert [e.seq for e in store.events_since(queued.id, 0)] == [1, 2]
-    assert store.create({"model": "hf"}, {"CPU": 1.0}, owner="bob").number == 3
+    assert store.create(CONFIG_JSON, {"CPU": 1.0}, owner="bob").number == 3
     store.close()
 
 
@@ -101,7 +104,7 @@ def test_state_changes_are_exclusive_and_events_numbered(database_url: str) -> N
     wins, results exist only if completion won, and event numbers stay 1, 2, 3, ..."""
     store = _store(database_url)
     for _ in range(5):
-        record = store.create({"model": "hf"}, {"CPU": 1.0})
+        record = store.create(CONFIG_JSON, {"CPU": 1.0})
         assert store.transition(record.id, S.STARTING)
         assert sorted(_race(store, record.id)) == [False, True]
         final = store.get(record.id)
@@ -139,7 +142,7 @@ def _race(store: EvaluationStore, record_id: str) -> list[bool]:
 @both
 def test_preempted_evaluations_queue_again_with_their_events(database_url: str) -> None:
     store = _store(database_url)
-    record = store.create({"model": "hf"}, {"CPU": 2.0}, owner="carol")
+    record = store.create(CONFIG_JSON, {"CPU": 2.0}, owner="carol")
     assert store.transition(record.id, S.STARTING) and store.transition(record.id, S.RUNNING)
     assert store.record_progress(record.id, {"phases": {}}, 7)
     assert store.requeue(record.id, PreemptedEvent(by="urgent", done=12))
@@ -220,7 +223,7 @@ def test_a_sweep_s_checkpoints_keep_their_order_and_results(database_url: str) -
     from rayeval.service.vocabulary.events import CheckpointOutputs, EvaluationProgress
 
     store = _store(database_url)
-    record = store.create({"model_args": {}}, {"CPU": 1.0})
+    record = store.create(CONFIG_JSON, {"CPU": 1.0})
     store.transition(record.id, S.STARTING)
 
     def report(label: str, status: str, results: str | None = None, **samples: str) -> Any:

@@ -113,7 +113,7 @@ def evaluation_samples(
             checkpoint sweep.
     """
     record = check_access(store.get(evaluation_id), caller)
-    if record.config.get("sweep"):
+    if record.config.sweep is not None:
         raise IncomparableError(
             f"evaluation {evaluation_id} is a checkpoint sweep: compare single evaluations; its "
             f"checkpoints' results are at /evaluations/{evaluation_id}/sweep"

@@ -43,7 +43,6 @@ from rayeval.api.views import EventFeed
 from rayeval.service.jobs.accounts import check_access
 from rayeval.service.jobs.manager import EvaluationManager
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore, EventRecord
-from rayeval.service.vocabulary.config import EvaluationConfig
 from rayeval.service.vocabulary.errors import (
     EvaluationNotFoundError,
     EvaluationStateError,
@@ -186,7 +185,7 @@ def get_samples(
     jsonl = store.samples_jsonl(evaluation_id, task)
     if jsonl is None:
         tasks = store.sample_tasks([evaluation_id])[evaluation_id]
-        if not record.config.get("log_samples"):
+        if not record.config.log_samples:
             hint = 'it was submitted without log_samples: resubmit with "log_samples": true'
         else:
             hint = f"tasks with samples: {tasks}"
@@ -326,7 +325,7 @@ def _public(
     stats = None
     if with_stats and record.status is EvaluationStatus.SUCCEEDED:
         stats = store.stats(record.id)
-    base, request = _url(record.id), EvaluationConfig.from_json(record.config)
+    base, request = _url(record.id), record.config
     return EvaluationPublic(
         id=record.id,
         kind=request.sweep.kind if request.sweep is not None else "evaluation",

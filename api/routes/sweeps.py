@@ -22,7 +22,6 @@ from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary,
 from rayeval.service.jobs.accounts import check_access
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
 from rayeval.service.jobs.sweep_results import StoredCheckpoint
-from rayeval.service.vocabulary.config import EvaluationConfig
 from rayeval.service.vocabulary.errors import EvaluationNotFoundError
 
 router = APIRouter(
@@ -99,7 +98,7 @@ def get_checkpoint_samples(
     if jsonl is None:
         hint = (
             f"tasks with samples are listed in its links at /evaluations/{evaluation_id}/sweep"
-            if record.config.get("log_samples")
+            if record.config.log_samples
             else 'it was submitted without log_samples: resubmit with "log_samples": true'
         )
         raise EvaluationNotFoundError(
@@ -110,7 +109,7 @@ def get_checkpoint_samples(
 
 def _sweep_record(store: EvaluationStore, evaluation_id: str, caller: Any) -> EvaluationRecord:
     record = check_access(store.get(evaluation_id), caller)
-    if not record.config.get("sweep"):
+    if record.config.sweep is None:
         raise EvaluationNotFoundError(
             f"evaluation {evaluation_id} is not a checkpoint sweep: its results are at "
             f"/evaluations/{evaluation_id}/results"
@@ -119,7 +118,7 @@ def _sweep_record(store: EvaluationStore, evaluation_id: str, caller: Any) -> Ev
 
 
 def _summary(record: EvaluationRecord, stored: list[StoredCheckpoint]) -> SweepSummary:
-    config = EvaluationConfig.from_json(record.config)
+    config = record.config
     return SweepSummary(
         model=config.pretrained,
         tasks=list(config.tasks),

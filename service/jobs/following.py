@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rayeval.service.jobs.records import EvaluationRecord
-from rayeval.service.vocabulary.config import EvaluationConfig, TimeoutSettings
+from rayeval.service.vocabulary.config import TimeoutSettings
 from rayeval.service.vocabulary.events import (
     CheckpointEvent,
     CheckpointOutputs,
@@ -146,7 +146,7 @@ class Watch:
         cls, record: EvaluationRecord, now: float, heard_at: float, asked_at: float | None
     ) -> Watch:
         """The watch of a stored evaluation (its progress and its config's waits)."""
-        config = EvaluationConfig.from_json(record.config)
+        config = record.config
         return cls(
             now, heard_at, asked_at, record.progress, config.timeouts, config.bootstrap_iters
         )

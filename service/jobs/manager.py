@@ -184,7 +184,7 @@ class EvaluationManager:
                 f"evaluation {evaluation_id} is {record.status.value}: only a failed or "
                 "cancelled evaluation can be retried"
             )
-        retried = self._queue(EvaluationConfig.from_json(record.config), record.owner)
+        retried = self._queue(record.config, record.owner)
         self._store.audit.record(caller.name, Action.RETRY, retried.id, {"of": evaluation_id})
         logger.info("evaluation %s retries %s", retried.id, evaluation_id)
         return retried

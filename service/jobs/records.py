@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from rayeval.service.jobs.rows import BUILTIN_ADMIN, EvaluationRow
-from rayeval.service.vocabulary.config import Parallelism, Scheduling
+from rayeval.service.vocabulary.config import EvaluationConfig, Scheduling
 from rayeval.service.vocabulary.events import EvaluationProgress, StreamEvent, stream_event
 from rayeval.service.vocabulary.states import EvaluationStatus, EventKind
 
@@ -20,7 +20,8 @@ from rayeval.service.vocabulary.states import EvaluationStatus, EventKind
 class EvaluationRecord:
     """One stored evaluation, detached from the database.
 
-    ``config`` is ``EvaluationConfig.to_json()``; ``progress`` is per request type its latest
+    ``config`` is the evaluation's configuration, parsed once here (the store keeps its
+    ``to_json()``); ``progress`` is per request type its latest
     report; ``runner_cursor`` is the last runner event already turned into stored events;
     ``owner`` is the user who submitted it.
     """
@@ -28,7 +29,7 @@ class EvaluationRecord:
     id: str
     number: int
     status: EvaluationStatus
-    config: dict[str, Any]
+    config: EvaluationConfig
     resources: dict[str, float]
     created_at: datetime
     started_at: datetime | None
@@ -42,15 +43,12 @@ class EvaluationRecord:
     @property
     def scheduling(self) -> Scheduling:
         """Its priority and whether it may be preempted (rows from before: the defaults)."""
-        return Scheduling.model_validate(self.config.get("scheduling") or {})
+        return self.config.scheduling
 
     @property
     def ranks(self) -> int:
         """Ranks its layout holds (R x G), what a user's cap counts."""
-        # Rows of rayeval 0.1 keep the layout's fields flat (EvaluationConfig.from_json too).
-        flat = {key: self.config[key] for key in Parallelism.model_fields if key in self.config}
-        parallelism = Parallelism.model_validate({**flat, **(self.config.get("parallelism") or {})})
-        return parallelism.num_replicas * parallelism.shard_size
+        return self.config.parallelism.num_replicas * self.config.parallelism.shard_size
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ def record_of(row: EvaluationRow) -> EvaluationRecord:
         number=row.number,
         owner=row.owner,
         status=EvaluationStatus(row.status),
-        config=row.config,
+        config=EvaluationConfig.from_json(row.config),  # rayeval 0.1's flat layout fields too
         resources=row.resources,
         created_at=row.created_at,
         started_at=row.started_at,

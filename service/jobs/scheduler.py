@@ -27,7 +27,6 @@ from rayeval.service.jobs.options import ManagerOptions
 from rayeval.service.jobs.ray_resources import brief
 from rayeval.service.jobs.runner_actor import launch_runner
 from rayeval.service.jobs.store import EvaluationRecord, EvaluationStore
-from rayeval.service.vocabulary.config import EvaluationConfig
 from rayeval.service.vocabulary.states import EvaluationStatus
 
 logger = logging.getLogger(__name__)
@@ -125,8 +124,8 @@ class Scheduler:
 
     def _start_on_kept(self, record: EvaluationRecord, owner: str) -> bool:
         """Run ``record`` on the runner kept by ``owner``; False (and it is released) if not."""
-        timeout_s = EvaluationConfig.from_json(record.config).timeouts.control_s
-        handle = self._kept.hand_over(owner, record.id, record.config, timeout_s)
+        timeout_s = record.config.timeouts.control_s
+        handle = self._kept.hand_over(owner, record.id, record.config.to_json(), timeout_s)
         if handle is None:
             return False
         self._followed.follow(record.id, handle, owner, heard=True)
@@ -138,7 +137,7 @@ class Scheduler:
         try:
             handle = launch_runner(
                 record.id,
-                record.config,
+                record.config.to_json(),
                 self._options.namespace,
                 self._include_paths,
                 self._options.response_cache,
