@@ -6,7 +6,7 @@ made part by part exactly as the product's planning thread makes them
 tokeniser actors, checked and read into the driver's shared ids) and consumed at once, with no
 replicas: what is measured is how fast parts can be made, the ceiling the replicas see.
 MMLU-style parts are planned too, by the product's planning thread
-(``service/engine/streamed.Planner`` over ``streamed_score.plan_part``: on the actors where
+(``service/engine/parts/pipeline.Planner`` over ``parts/score.plan_part``: on the actors where
 they tokenised the part; ``--budget`` tokens a micro-batch, shared prefixes packed). For
 ``W = 0`` (the driver alone, as before tokeniser actors) and each ``W`` of ``--workers``: the
 actors' start-up (separately), the seconds to make every part, requests a second, the driver
@@ -54,17 +54,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def part_tokens(encoder: Any, instances: list[Any], workload: str) -> tuple[Any, list[Any]]:
     """The product's PartTokens for the workload, and its parts' bounds."""
-    from rayeval.service.engine.parts import pipeline as streamed
+    from rayeval.service.engine.parts import pipeline
     from rayeval.service.engine.parts.generate import Prompts
     from rayeval.service.engine.parts.score import score_tokens
     from rayeval.service.engine.plan.checks import Origins, RequestChecks, RequestReport
 
     if workload == "generation":
-        bounds = list(streamed.even_bounds(len(instances), streamed.GENERATE_PART))
+        bounds = list(pipeline.even_bounds(len(instances), pipeline.GENERATE_PART))
         return Prompts(encoder, instances).tokens(), bounds
     pairs = [instance.args for instance in instances]
     checks = RequestChecks(encoder.tok_encode, True, RequestReport(), None)
-    bounds = list(streamed.part_bounds([c for c, _ in pairs], streamed.SCORE_PART))
+    bounds = list(pipeline.part_bounds([c for c, _ in pairs], pipeline.SCORE_PART))
     return score_tokens(encoder, pairs, Origins(instances), checks), bounds
 
 
