@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import threading
 import time
@@ -305,14 +306,21 @@ def test_submit_waits_with_progress_bars_and_writes_lm_eval_files(
 
 @pytest.mark.service
 def test_status_results_cancel_commands(
-    runs: dict[str, Any], server: Any, capsys: Any, monkeypatch: pytest.MonkeyPatch
+    runs: dict[str, Any],
+    server: Any,
+    capsys: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from rayeval.api.cli import main
 
     a, b = runs["a"]["id"], runs["b"]["id"]
     monkeypatch.setenv("RAYEVAL_API_TOKEN", TOKEN)
     monkeypatch.setenv("RAYEVAL_URL", server.url)
+    caplog.set_level(logging.INFO)
     assert main(["status"]) == 0
+    # A client command does not log the HTTP client's line per request.
+    assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
     listed = capsys.readouterr().out
     assert a in listed and b in listed and runs["c"]["id"] in listed and "cancelled" in listed
     assert main(["status", b, "--watch"]) == 0

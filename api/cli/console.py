@@ -46,8 +46,11 @@ class Console:
 
 
 def basic_logging() -> None:
-    """Every log line on standard error (the commands without a clean console, ``--verbose``)."""
+    """Every log line on standard error (the commands without a clean console, ``--verbose``),
+    but not the HTTP client's line per request (a client command makes many)."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def default_log_dir() -> Path:
