@@ -27,7 +27,8 @@ nothing of its own runs a dummy forward, so every rank issues the same collectiv
 compute one group together (tensor parallelism) see the same logits and so make the same
 decisions without agreeing. Which requests a group holds, the slots and
 the budget come from the driver's plan, so a request's steps never depend on the layout or on
-timing. :func:`unsupported` says when this engine cannot give ``generate``'s tokens (beams,
+timing (unless a rank's memory holds less than the plan's budget: then the driver lowers it and
+warns). :func:`unsupported` says when this engine cannot give ``generate``'s tokens (beams,
 processors it does not reproduce, other cache kinds): the driver then uses the static path and
 records why (the phase's ``batching`` figure, and the log).
 """
