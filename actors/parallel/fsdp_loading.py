@@ -109,23 +109,34 @@ def _load_sharded(
 def _shard_empty(
     model: nn.Module, keys: dict[str, str | None], mesh: DeviceMesh, device: torch.device
 ) -> dict[str, int]:
-    """Shard the meta ``model`` over ``mesh`` and give this rank's shards (empty) and the
-    buffers a place on ``device``; a vocabulary chunk's key is its whole tensor's. Returns the
-    first source row of each parameter that is a row chunk of a source tensor."""
+    """:func:`_materialise` the meta ``model`` sharded over ``mesh``; a vocabulary chunk's key
+    is its whole tensor's. Returns the first source row of each parameter that is a row chunk
+    of a source tensor."""
+    first_names = {id(param): name for name, param in model.named_parameters()}
+    offsets: dict[str, int] = {}
+    for name, (origin, start) in _materialise(model, mesh, device).items():
+        keys[name] = keys[first_names[id(origin)]]
+        offsets[name] = start
+    return offsets
+
+
+def _materialise(
+    model: nn.Module, mesh: DeviceMesh | None, device: torch.device
+) -> dict[str, tuple[nn.Parameter, int]]:
+    """Shard the meta ``model`` over ``mesh`` (None: keep it whole) and give this rank's
+    parameters (empty) and the buffers a place on ``device``. Returns
+    :func:`~rayeval.actors.parallel.fsdp_units.shard_model`'s vocabulary-chunk origins."""
     # Parameters on meta, buffers real: non-persistent buffers (rotary inv_freq) are computed in
     # __init__ and are not in the checkpoint, so they must survive to_empty().
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    first_names = {id(param): name for name, param in model.named_parameters()}
-    origins = shard_model(model, mesh)
-    offsets: dict[str, int] = {}
-    for name, (origin, start) in origins.items():
-        keys[name] = keys[first_names[id(origin)]]
-        offsets[name] = start
+    origins = shard_model(model, mesh) if mesh is not None else {}
     model.to_empty(device=device)
+    if mesh is None:
+        model.tie_weights()  # type: ignore[operator]  # to_empty untied a tied weight
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-    return offsets
+    return origins
 
 
 def _load_checkpoint(
@@ -140,15 +151,7 @@ def _load_checkpoint(
     assert spec.checkpoint is not None
     source = open_source(spec.checkpoint)
     model = _meta_model(spec, config, dtype)
-    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    if mesh is not None:
-        shard_model(model, mesh)
-    model.to_empty(device=device)
-    if mesh is None:
-        model.tie_weights()  # type: ignore[operator]  # to_empty untied a tied weight
-    with torch.no_grad():
-        for name, value in buffers.items():
-            model.get_buffer(name).copy_(value)
+    _materialise(model, mesh, device)
     fill(model, source, spec.pretrained)
     load_generation_config(model, spec)
     model.eval()
