@@ -7,7 +7,7 @@ from __future__ import annotations
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
 from rayeval.actors.protocol import LoadReport
-from rayeval.service.engine.plan.generation_planner import SlotBudget
+from rayeval.service.engine.plan.generation_planner import MEMORY_SETTING, SlotBudget
 from rayeval.service.engine.plan.planner import TokenBudget
 from rayeval.service.vocabulary.config import (
     DEFAULT_CPU_SCORE_BATCH_TOKENS,
@@ -43,10 +43,6 @@ def slot_budget(config: EngineConfig, group: WorkerGroup | None) -> SlotBudget:
     if held is None:
         return SlotBudget(slots, None, "--kv_cache_tokens", prefill)
     return SlotBudget(slots, held, MEMORY_SETTING, prefill)
-
-
-#: How an error names the memory bound (after "raise").
-MEMORY_SETTING = "the device memory each rank has free after loading (a larger --shard_size)"
 
 
 def memory_kv_tokens(reports: list[LoadReport]) -> int | None:

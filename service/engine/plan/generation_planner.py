@@ -95,6 +95,9 @@ def plan_generate(requests: Sequence[GenerateRequest], budget: TokenBudget) -> G
     return GeneratePlan(micro_batches, locations)
 
 
+#: How an error names the KV-cache bound that the ranks' free memory sets (after "raise").
+MEMORY_SETTING = "the device memory each rank has free after loading (a larger --shard_size)"
+
 #: A continuous-batching group holds this many requests per slot: enough that refilled slots stay
 #: busy for most of the group, few enough that replicas share the work.
 REQUESTS_PER_SLOT = 4
@@ -117,12 +120,10 @@ class SlotBudget:
     setting: str = "--max_batch_tokens"
     prefill_tokens: int | None = None
 
-    def group_kv_tokens(self, needs: Sequence[int], bound: bool = True) -> int:
-        """The KV-cache positions a group of requests needing ``needs`` may hold at once: the
-        budget (unless not ``bound``), or what its ``slots`` largest requests need together
-        (the slots alone bound it), whichever is smaller."""
-        together = sum(sorted(needs, reverse=True)[: self.slots])
-        return together if self.kv_tokens is None or not bound else min(self.kv_tokens, together)
+    def slots_need(self, needs: Sequence[int]) -> int:
+        """The KV-cache positions a group of requests needing ``needs`` holds at most when only
+        its slots bound it: what its ``slots`` largest requests need together."""
+        return sum(sorted(needs, reverse=True)[: self.slots])
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def plan_generate_groups(
         by_settings.setdefault(key, []).append(index)
     groups: list[GenerateGroup] = []
     locations: list[tuple[int, int]] = [(-1, -1)] * len(requests)
-    size = budget.slots * REQUESTS_PER_SLOT
+    size, bound = budget.slots * REQUESTS_PER_SLOT, 0
     for indices in by_settings.values():
         indices.sort(key=lambda i: _longest_first(requests[i].context))
         for start in range(0, len(indices), size):
@@ -171,31 +172,29 @@ def plan_generate_groups(
             for position, index in enumerate(chunk):
                 locations[index] = (len(groups), position)
             slotted = tuple(_slot_request(requests[i], seeds[i]) for i in chunk)
+            together = budget.slots_need([r.kv_tokens for r in slotted])
+            kv_tokens = together if budget.kv_tokens is None else min(budget.kv_tokens, together)
+            bound += kv_tokens < together
             groups.append(
                 GenerateGroup(
                     requests=slotted,
                     slots=budget.slots,
-                    kv_tokens=budget.group_kv_tokens([r.kv_tokens for r in slotted]),
+                    kv_tokens=kv_tokens,
                     kwargs=dict(requests[chunk[0]].kwargs),
                     prefill_tokens=budget.prefill_tokens,
                 )
             )
-    bound = [g for g in groups if g.kv_tokens < budget.group_kv_tokens(_needs(g), bound=False)]
-    if bound and not budget.setting.startswith("--"):
+    if bound and budget.setting == MEMORY_SETTING:
         logger.warning(
             "%d of %d continuous-batching groups hold fewer rows at once than their slots: %s "
             "holds %d KV-cache positions per rank, so which rows decode together can differ "
             "between layouts. Set --kv_cache_tokens to fix the plan.",
-            len(bound),
+            bound,
             len(groups),
             budget.setting,
             budget.kv_tokens,
         )
     return GroupPlan(groups, locations)
-
-
-def _needs(group: GenerateGroup) -> list[int]:
-    return [request.kv_tokens for request in group.requests]
 
 
 def check_fits(
