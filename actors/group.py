@@ -37,7 +37,7 @@ from rayeval.actors.layout import DeviceKind, ParallelLayout, ShardStrategy, Tim
 from rayeval.actors.parallel.strategies import settle, strategy
 from rayeval.actors.placement import Placement, reserve
 from rayeval.actors.process import rank_environment
-from rayeval.actors.protocol import LoadReport, SwapReport
+from rayeval.actors.protocol import InputTokens, LoadReport, NodeInfo, RankSite, SwapReport
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ class WorkerGroup:
             )
         return [_get_or_raise(ref, ModelLoadError, f"reading {checkpoint}") for ref in refs]
 
-    def input_token_counts(self, timeout_s: float) -> dict[str, int]:
+    def input_token_counts(self, timeout_s: float) -> InputTokens:
         """Tokens the ranks' models were fed so far, summed over ranks
         (:meth:`rayeval.actors.worker.ShardWorker.input_token_counts`).
 
@@ -329,18 +329,11 @@ class WorkerGroup:
         """
         self.wait_ready()
         refs = [w.input_token_counts.remote() for r in self.replicas for w in r.workers]
-        totals: dict[str, int] = {}
-        for counts in ray.get(refs, timeout=timeout_s):
-            for key, value in counts.items():
-                totals[key] = totals.get(key, 0) + value
-        return totals
+        return sum(ray.get(refs, timeout=timeout_s), InputTokens())
 
-    def rank_sites(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """Where every rank runs, as each rank actor reports it (not as it was planned).
-
-        Returns:
-            Per global rank: ``replica``, ``shard_rank``, ``node_id``, ``ip`` (its Ray node's
-            address) and ``pid``.
+    def rank_sites(self, timeout_s: float = 60.0) -> list[RankSite]:
+        """Where every rank runs, in global rank order, as each rank actor reports it (not as
+        it was planned).
 
         Raises:
             EvaluationTimeoutError: if the ranks do not answer within ``timeout_s``.
@@ -361,16 +354,8 @@ class WorkerGroup:
             )
         sites = []
         for (replica, shard_rank, _), ref in zip(workers, refs, strict=True):
-            info = _get_or_raise(ref, RayEvalError, "reporting where it runs")
-            sites.append(
-                {
-                    "replica": replica,
-                    "shard_rank": shard_rank,
-                    "node_id": info["node_id"],
-                    "ip": info["ip"],
-                    "pid": info["pid"],
-                }
-            )
+            info: NodeInfo = _get_or_raise(ref, RayEvalError, "reporting where it runs")
+            sites.append(RankSite(replica, shard_rank, info.node_id, info.ip, info.pid))
         return sites
 
     def shutdown(self) -> None:

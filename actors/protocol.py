@@ -56,6 +56,74 @@ class SwapReport:
     peak_rss_mib: float
 
 
+@dataclass(frozen=True)
+class NodeInfo:
+    """Where a rank runs, as its actor reports it.
+
+    Args:
+        node_id: Its Ray node.
+        ip: Its Ray node's address.
+        gpu_ids: The GPUs Ray assigned it.
+        pid: Its process.
+        cuda_visible_devices: ``CUDA_VISIBLE_DEVICES`` in its process (None: unset).
+        cuda_device: The local CUDA index it computes on (None for CPU ranks).
+    """
+
+    node_id: str
+    ip: str
+    gpu_ids: list[str]
+    pid: int
+    cuda_visible_devices: str | None
+    cuda_device: int | None
+
+
+@dataclass(frozen=True)
+class RankSite:
+    """Where one rank of a group runs: its replica, its rank in the replica, its node, its
+    address and its process."""
+
+    replica: int
+    shard_rank: int
+    node_id: str
+    ip: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class InputTokens:
+    """Tokens a model was fed, counted at its input embeddings (summed with ``+``).
+
+    Args:
+        fed: Every input position of every forward and ``generate`` step, padding and dummy
+            micro-batches included.
+        real: Those whose id is not the padding id.
+        calls: The embedding's calls.
+        decode_rows: The rows of the calls fed one position per row (one-token decode steps),
+            finished rows included.
+    """
+
+    fed: int = 0
+    real: int = 0
+    calls: int = 0
+    decode_rows: int = 0
+
+    def __add__(self, other: InputTokens) -> InputTokens:
+        return InputTokens(
+            self.fed + other.fed,
+            self.real + other.real,
+            self.calls + other.calls,
+            self.decode_rows + other.decode_rows,
+        )
+
+    def __sub__(self, other: InputTokens) -> InputTokens:
+        return InputTokens(
+            self.fed - other.fed,
+            self.real - other.real,
+            self.calls - other.calls,
+            self.decode_rows - other.decode_rows,
+        )
+
+
 class Computes(Protocol):
     """A rank's computations, one per micro-batch type."""
 

@@ -50,7 +50,14 @@ from rayeval.actors.process import (
     pin_socket_interfaces,
 )
 from rayeval.actors.profiles import ModelShape
-from rayeval.actors.protocol import LoadReport, SwapReport, compute, compute_many
+from rayeval.actors.protocol import (
+    InputTokens,
+    LoadReport,
+    NodeInfo,
+    SwapReport,
+    compute,
+    compute_many,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,33 +80,27 @@ class ShardWorker:
         self._rank: RankModel | None = None
         self._scorer: Scorer | None = None
         #: Tokens fed to the model's input embeddings (see input_token_counts).
-        self._fed = {"fed": 0, "real": 0, "calls": 0, "decode_rows": 0}
+        self._fed = {"fed": 0, "real": 0, "calls": 0, "decode_rows": 0}  # InputTokens' fields
         self._real_ids: torch.Tensor | None = None
         self._cuda_index: int | None = None
         if options.device is DeviceKind.CPU:  # host-allocator tuning: a GPU rank's tensors
             self._strategy.prepare_process(options.shard_size)  # live in device memory
 
     # ----------------------------------------------------------------------------- lifecycle
-    def node_info(self) -> dict[str, Any]:
-        """Where this rank runs, for placement checks and logs.
-
-        Returns:
-            ``node_id``, ``ip``, ``gpu_ids`` (as Ray assigned them), ``pid``,
-            ``cuda_visible_devices`` (None: unset) and ``cuda_device`` (the local CUDA index this
-            rank computes on; None for CPU ranks).
-        """
+    def node_info(self) -> NodeInfo:
+        """Where this rank runs, for placement checks and logs."""
         import ray
 
         context = ray.get_runtime_context()
         cuda = self._options.device is DeviceKind.CUDA
-        return {
-            "node_id": context.get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
-            "pid": os.getpid(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "cuda_device": self._local_cuda_index() if cuda else None,
-        }
+        return NodeInfo(
+            node_id=context.get_node_id(),
+            ip=ray.util.get_node_ip_address(),
+            gpu_ids=[str(gpu) for gpu in ray.get_gpu_ids()],
+            pid=os.getpid(),
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            cuda_device=self._local_cuda_index() if cuda else None,
+        )
 
     def begin_evaluation(self, seed: int) -> int:
         """Start an evaluation on this loaded rank: seed torch as a new rank is seeded.
@@ -269,19 +270,12 @@ class ShardWorker:
         synced = self._options.shard_size > 1 and not self._strategy.same_batch
         yield from generate_group(self._rank, group, synced, self._options.piece_interval_s)
 
-    def input_token_counts(self) -> dict[str, int]:
-        """Tokens this rank's model was fed since it loaded, counted at its input embeddings.
-
-        Returns:
-            ``fed``: every input position of every forward and ``generate`` step, padding and
-            dummy micro-batches included; ``real``: those whose id is not the padding id;
-            ``calls``: the embedding's calls; ``decode_rows``: the rows of the calls fed one
-            position per row (one-token decode steps), finished rows included.
-        """
+    def input_token_counts(self) -> InputTokens:
+        """Tokens this rank's model was fed since it loaded, counted at its input embeddings."""
         if self._real_ids is not None:  # summed on the device, read here (no sync per step)
             self._fed["real"] += int(self._real_ids)
             self._real_ids = None
-        return dict(self._fed)
+        return InputTokens(**self._fed)
 
     # ------------------------------------------------------------------------------- helpers
     def _count_input(self, module: Any, args: tuple[Any, ...]) -> None:

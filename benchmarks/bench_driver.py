@@ -111,14 +111,14 @@ def make_lm(args: argparse.Namespace, probe: DriverProbe, replicas: Any = None) 
         tunables=Tunables(rank_class=simulated_rank(cost)),
         **options,
     )
-    lm.load_reports  # noqa: B018  (waits until every rank answered)
+    lm.engine.load_reports  # noqa: B018  (waits until every rank answered)
     return lm
 
 
 def measure(lm: Any, requests: list[Any], args: argparse.Namespace, probe: DriverProbe) -> dict:
     """Submit ``requests`` to the LM's request method; the figures of that one call."""
     phase = "loglikelihood" if args.workload == "mmlu" else "generate_until"
-    pids = [site["pid"] for site in lm.rank_sites()]
+    pids = [site.pid for site in lm.engine.rank_sites()]
     load_before = os.getloadavg()[0]
     ranks_before = ranks_cpu_s(pids)
     probe.submit()
@@ -127,7 +127,7 @@ def measure(lm: Any, requests: list[Any], args: argparse.Namespace, probe: Drive
     ranks = ranks_cpu_s(pids) - ranks_before
     start, first, last = probe.start, probe.first, probe.last
     assert start is not None and first is not None and last is not None
-    stats = lm.stats[phase]
+    stats = lm.engine.stats[phase]
     utilisation = stats.replica_utilisation
     steps_between = max(1, stats.micro_batches - 1)
     return {

@@ -18,7 +18,7 @@ What each column means:
 * ``load s`` — making the model ready. hf: reading the weights onto the device. rayeval: the
   driver's weightless tokeniser model, the placement group, the rank actors (each a new process
   that imports torch), their process groups and every rank's model load (the constructor, then
-  ``lm.load_reports``, which waits until every rank is ready).
+  ``lm.engine.load_reports``, which waits until every rank is ready).
 * ``eval s`` — the ``simple_evaluate`` call: building tasks and requests, every model call,
   metrics. ``total s`` = load + eval (+ releasing the actors for rayeval).
 * ``LM s`` — time spent inside the LM's request methods (``loglikelihood``,
@@ -27,7 +27,7 @@ What each column means:
   driver work, identical for every row.
 * ``req/s`` — lm-eval requests (``Instance`` objects) / ``LM s``.
 * ``tok/s`` — workload tokens / ``LM s``. Workload tokens are the distinct model-input tokens of
-  the requests as rayeval's planner counts them (``lm.stats[phase].real_tokens``: identical
+  the requests as rayeval's planner counts them (``lm.engine.stats[phase].real_tokens``: identical
   multiple-choice inputs counted once, prompt tokens only for ``generate_until`` — generated
   tokens are not counted). The requests are the same for every row, so the same count is used
   for the hf row; it is n/a when no rayeval row ran.
@@ -40,7 +40,7 @@ What each column means:
   every logged sample: the largest log-prob difference and how many ``is_greedy`` flags or
   generations differ. In float32 anything above 1e-4 or any diff fails the run (exit status 1).
 
-A per-request-type table follows, with rayeval's own figures (``lm.stats``): ``engine s`` =
+A per-request-type table follows, with rayeval's own figures (``lm.engine.stats``): ``engine s`` =
 dispatch wall time from the first step sent to the last result, micro-batches, real-token
 fraction, and ``replica util`` = per replica, the share of ``engine s`` its slowest rank spent
 computing (low values: the replica idled or waited on Ray/the driver).

@@ -190,8 +190,8 @@ def run_row(
             device=args.device,
             batch_size=batch,
         )
-        lm.load_reports  # noqa: B018 - waits until every rank has loaded
-        figures.strategy = lm.shard_strategy.value if spec.shard_size > 1 else None
+        lm.engine.load_reports  # noqa: B018 - waits until every rank has loaded
+        figures.strategy = lm.engine.shard_strategy.value if spec.shard_size > 1 else None
         close = lm.close
     figures.load_s = time.perf_counter() - started
     try:

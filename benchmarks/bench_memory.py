@@ -95,7 +95,7 @@ def run_layout(
             name=name,
         ) as lm,
     ):
-        lm.load_reports  # noqa: B018 - waits until every rank has loaded
+        lm.engine.load_reports  # noqa: B018 - waits until every rank has loaded
         sampler.sample()
         sampler.phase = "between"
         sampler.track(lm)

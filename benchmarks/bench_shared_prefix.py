@@ -39,6 +39,7 @@ import platform
 import shutil
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -252,9 +253,11 @@ def run_with_rayeval(
                         share_prefixes=not args.no_share,
                     )
                 )
-                lm.load_reports  # noqa: B018 -- loading stays out of every shape's time
+                lm.engine.load_reports  # noqa: B018 -- loading stays out of every shape's time
                 name = f"rayeval {replicas}x{shards}"
-                backends.append(Backend(name, lm, lm.input_token_counts))
+                backends.append(
+                    Backend(name, lm, lambda lm=lm: asdict(lm.engine.input_token_counts()))
+                )
             run_interleaved(backends, shapes, task_manager, args.repeat)
     finally:
         ray.shutdown()

@@ -56,7 +56,7 @@ class PhaseFigures:
 
     requests: int = 0
     seconds: float = 0.0  # inside the LM method
-    engine_seconds: float | None = None  # rayeval: dispatch wall time (lm.stats)
+    engine_seconds: float | None = None  # rayeval: dispatch wall time (lm.engine.stats)
     micro_batches: int | None = None
     real_tokens: int | None = None
     padded_tokens: int | None = None

@@ -61,19 +61,19 @@ def ranks_cpu_s(pids: list[int]) -> float:
 
 def grid_point(lm: Any, pairs: list, replicas: int, step_ms: float, probe: DriverProbe) -> dict:
     """Score ``pairs`` with the LM's executor; the point's figures."""
-    pids = [site["pid"] for site in lm.rank_sites()]
+    pids = [site.pid for site in lm.engine.rank_sites()]
     load = os.getloadavg()[0]
-    replicas_now = lm._group.replicas
+    replicas_now = lm.engine._group.replicas
     rank_calls(replicas_now)  # forget earlier points' calls
     ranks_before = ranks_cpu_s(pids)
     with SubmitLog().recording() as submits:
         probe.submit()
         # The product path after tokenising.
-        lm._executor.score(pairs, WINDOW, "loglikelihood", True)
+        lm.engine._executor.score(pairs, WINDOW, "loglikelihood", True)
         end = probe.end()
     ranks = ranks_cpu_s(pids) - ranks_before
     shares = time_shares(submits.sent, rank_calls(replicas_now))
-    stats = lm.stats["loglikelihood"]
+    stats = lm.engine.stats["loglikelihood"]
     first, last = probe.first, probe.last
     assert first is not None and last is not None and probe.start is not None
     after_first = stats.micro_batches * (1 - first.done / max(1, len(pairs)))

@@ -1,7 +1,7 @@
 """bench_engine.py's rows: lm-eval's ``hf`` backend and rayeval layouts, each timed as a Row.
 
 A row's load time, ``simple_evaluate`` time, release time and per-request-type figures (seconds
-inside the LM's request methods; for rayeval also the engine's own ``lm.stats``).
+inside the LM's request methods; for rayeval also the engine's own ``lm.engine.stats``).
 """
 
 from __future__ import annotations
@@ -124,10 +124,10 @@ def run_rayeval(
     row.start_s = time.perf_counter() - started
     try:
         # Waits until every rank has loaded the model, so the load stays out of the eval time.
-        row.load_reports = [asdict(r) for r in lm.load_reports]
+        row.load_reports = [asdict(r) for r in lm.engine.load_reports]
         row.load_s = time.perf_counter() - started
         evaluate_timed(row, lm, args, task_manager)
-        _add_engine_stats(row, lm.stats, replicas)
+        _add_engine_stats(row, lm.engine.stats, replicas)
     finally:
         started = time.perf_counter()
         lm.close()
@@ -136,7 +136,7 @@ def run_rayeval(
 
 
 def _add_engine_stats(row: Row, stats: dict[str, Any], replicas: int) -> None:
-    """rayeval's own figures per request type (``lm.stats``) beside the timed ones."""
+    """rayeval's own figures per request type (``lm.engine.stats``) beside the timed ones."""
     for phase, phase_stats in stats.items():
         figures = row.phases.setdefault(phase, PhaseFigures())
         figures.engine_seconds = phase_stats.seconds

@@ -376,13 +376,13 @@ def open_rayeval(
         on_progress=on_progress,
     )
     try:
-        row.load_reports = [asdict(r) for r in lm.load_reports]  # waits for every rank
+        row.load_reports = [asdict(r) for r in lm.engine.load_reports]  # waits for every rank
     except BaseException:
         lm.close()  # the next row needs these GPUs
         raise
 
     def close() -> None:
-        row.engine_stats = {phase: stats.report() for phase, stats in lm.stats.items()}
+        row.engine_stats = {phase: stats.report() for phase, stats in lm.engine.stats.items()}
         if held and args.device == "cuda":
             row.memory_mib["rank_allocated"] = max(held)
         lm.close()

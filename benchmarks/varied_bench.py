@@ -9,7 +9,7 @@ rows per batch, as ``lm_eval --model hf --batch_size 16``) and with rayeval in t
 * **decode row-steps** -- the rows of every call of the model whose input has one position (one-
   token decode steps), counted by a forward pre-hook on the input embeddings: finished rows that a
   static batch still computes are counted, the prefill calls are not. rayeval's ranks count the
-  same (``RayEvalLM.input_token_counts()["decode_rows"]``), summed over the ranks of FSDP (each
+  same (``RayEvalLM.engine.input_token_counts().decode_rows``), summed over the ranks of FSDP (each
   computes its own rows) and divided by G under tensor parallelism (every rank computes the
   replica's rows, a G-th of each);
 * **fed** -- every position of every call, prefill and padding included;
@@ -187,18 +187,18 @@ def run_rayeval(spec: Any, model_dir: Path, task_manager: Any, args: Any) -> Var
         batch_size=batch,
     )
     try:
-        lm.load_reports  # noqa: B018 - waits until every rank has loaded
+        lm.engine.load_reports  # noqa: B018 - waits until every rank has loaded
         figures.startup_s = time.perf_counter() - started
-        figures.strategy = lm.shard_strategy.value if spec.shard_size > 1 else None
-        before = lm.input_token_counts()
+        figures.strategy = lm.engine.shard_strategy.value if spec.shard_size > 1 else None
+        before = lm.engine.input_token_counts()
         _evaluate(lm, task_manager, figures)
-        after = lm.input_token_counts()
+        after = lm.engine.input_token_counts()
     finally:
         lm.close()
     # Tensor parallelism: every rank is fed the replica's rows and computes a G-th of each.
     per_replica = spec.shard_size if figures.strategy == "tp" else 1
     for key in ("decode_rows", "fed", "calls"):
-        setattr(figures, key, (after[key] - before.get(key, 0)) // per_replica)
+        setattr(figures, key, getattr(after - before, key) // per_replica)
     return figures
 
 

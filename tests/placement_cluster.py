@@ -145,17 +145,17 @@ def _record_gpu_group(model_dir: str, names: dict[str, str]) -> dict[str, Any]:
             records.append(
                 {
                     "name": f"gpu-group-r{coord.replica}-s{coord.shard_rank}",
-                    "node": names[info["node_id"]],
-                    "gpu_ids": info["gpu_ids"],
-                    "cuda_visible_devices": info["cuda_visible_devices"],
-                    "cuda_device": info["cuda_device"],
+                    "node": names[info.node_id],
+                    "gpu_ids": info.gpu_ids,
+                    "cuda_visible_devices": info.cuda_visible_devices,
+                    "cuda_device": info.cuda_device,
                     "placed_node": names[site.node_id],
                     "placed_device": site.device,
                 }
             )
         for record in records:  # the names the dashboard shows resolve to these actors
             named = ray.get_actor(record["name"])
-            assert ray.get(named.node_info.remote(), timeout=60)["gpu_ids"] == record["gpu_ids"]
+            assert ray.get(named.node_info.remote(), timeout=60).gpu_ids == record["gpu_ids"]
         try:
             group.wait_ready()
             load_error = ""
@@ -212,11 +212,11 @@ def _record_evaluation(model_dir: str, tasks_dir: str, names: dict[str, str]) ->
             for shard in range(2):
                 name = f"{EVAL_NAME}-r{replica}-s{shard}"
                 info = ray.get(ray.get_actor(name).node_info.remote(), timeout=60)
-                ranks.append({"name": name, "node": names[info["node_id"]]})
+                ranks.append({"name": name, "node": names[info.node_id]})
         groups = [
-            info["name"]
+            info.name
             for info in ray.util.placement_group_table().values()
-            if info["state"] == "CREATED"
+            if info.state == "CREATED"
         ]
     return {
         "results": json.loads(json.dumps(results, default=str)),

@@ -54,7 +54,7 @@ def _run(
 
     def on_progress(progress: Any) -> None:
         if kill and not killed and progress.phase == "loglikelihood" and progress.done > 0:
-            name = f"{lm.name}-r0-s0"
+            name = f"{lm.engine.name}-r0-s0"
             ray.kill(ray.get_actor(name), no_restart=True)
             killed.append(name)
 
@@ -79,9 +79,9 @@ def _run(
             out["loglikelihood"] = lm.loglikelihood(mc, disable_tqdm=True)
         if gen:
             out["generate_until"] = lm.generate_until(gen, disable_tqdm=True)
-        out["stats"] = {phase: stats.report() for phase, stats in lm.stats.items()}
+        out["stats"] = {phase: stats.report() for phase, stats in lm.engine.stats.items()}
         if not kill:
-            out["calls"] = lm.input_token_counts()["calls"]
+            out["calls"] = lm.engine.input_token_counts().calls
     return out
 
 

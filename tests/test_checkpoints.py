@@ -100,16 +100,16 @@ def test_checkpoints_match_lm_eval_hf_on_merged_weights(
         pretrained=str(demo.model_dir), checkpoint=str(run_dir / steps[0]), dtype=dtype,
         shard_size=shard_size, shard_strategy=strategy, batch_size="auto", max_batch_tokens=256,
     ) as lm:  # fmt: skip
-        reports = lm.load_reports
+        reports = lm.engine.load_reports
         for step in steps:
             if step != steps[0]:
-                swap = lm.load_checkpoint(str(run_dir / step))
-                assert swap["bytes"] > 0
-            assert lm.config.model_args["checkpoint"] == str(run_dir / step)
+                swap = lm.engine.swap_checkpoint(str(run_dir / step))
+                assert swap.bytes > 0
+            assert lm.engine.config.model_args["checkpoint"] == str(run_dir / step)
             ours = evaluate(lm, task_manager, TASKS, **RUN)
             exact = dtype != "float32"
             assert_same_results(references[(step, dtype) if exact else step], ours, exact=exact)
-            assert lm.shard_strategy.value == strategy
+            assert lm.engine.shard_strategy.value == strategy
     total = sum(r.local_parameters for r in reports)
     if shard_size == 2:  # each rank holds (and read) its half, not the whole model
         assert max(r.local_parameters for r in reports) <= total / 2 * 1.05

@@ -47,7 +47,7 @@ def _run(demo: Any, task_manager: Any, layout: tuple[int, int, str], **kwargs: A
         **kwargs,
     ) as lm:
         results = evaluate(lm, task_manager, TASKS, **run)
-        figures = lm.stats["generate_until"].report()
+        figures = lm.engine.stats["generate_until"].report()
     return results, figures, progress
 
 
@@ -106,8 +106,8 @@ def test_a_request_larger_than_the_kv_budget_is_refused_before_any_batch(
             r"--kv_cache_tokens",
         ):
             evaluate(lm, task_manager, ["demo_gen_long"], **RUN)
-        assert lm.stats["generate_until"].micro_batches == 0
-        assert lm.input_token_counts()["calls"] == 0
+        assert lm.engine.stats["generate_until"].micro_batches == 0
+        assert lm.engine.input_token_counts().calls == 0
 
 
 def test_an_explicit_max_length_falls_back_to_static_batches(

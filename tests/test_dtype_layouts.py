@@ -77,9 +77,9 @@ def runs(models: dict[str, Path], task_manager: Any, ray_session: None) -> Any:
                     max_batch_tokens=512,  # several micro-batches, so replicas share the work
                 ) as lm:
                     results = evaluate(lm, task_manager, ["demo"], **RUN)
-                    strategies = {report.strategy for report in lm.load_reports}
+                    strategies = {report.strategy for report in lm.engine.load_reports}
                     assert lm.share_prefixes
-                    assert lm.stats["generate_until"].report()["batching"] == "continuous"
+                    assert lm.engine.stats["generate_until"].report()["batching"] == "continuous"
                 cache[key] = (results, strategies)
         return cache[key]
 

@@ -142,7 +142,7 @@ def test_lost_replica_is_dropped_and_its_work_rerun(
 
     def kill_first_replica(progress: Any) -> None:
         if not killed and progress.done > 0:
-            name = f"{lm.name}-r0-s1"
+            name = f"{lm.engine.name}-r0-s1"
             ray.kill(ray.get_actor(name), no_restart=True)
             killed.append(name)
 
@@ -180,13 +180,13 @@ def test_tied_embeddings_gpt2_sharded(tmp_path: Path, task_manager: Any, ray_ses
     ) as lm:
         ours = evaluate(lm, task_manager, tasks, **run)
         # Each rank holds only its shard: about half of the (tied, so counted once) parameters.
-        local = [report.local_parameters for report in lm.load_reports]
+        local = [report.local_parameters for report in lm.engine.load_reports]
         # GPT-2 has no TP plan: FSDP (its all-gathers on gloo).
-        assert [(r.strategy, r.collectives) for r in lm.load_reports] == [
+        assert [(r.strategy, r.collectives) for r in lm.engine.load_reports] == [
             ("fsdp", "process group")
         ] * 2
         # Each rank reports the KV-cache positions its share of the node's memory holds.
-        held = [report.kv_capacity_tokens for report in lm.load_reports]
+        held = [report.kv_capacity_tokens for report in lm.engine.load_reports]
     assert_same_results(reference, ours)
     assert all(isinstance(h, int) and h > 100_000 for h in held)
     assert sum(local) == model.num_parameters()

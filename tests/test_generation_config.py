@@ -103,8 +103,8 @@ def _run(model_dir: Path, task_manager: Any, layout: str) -> tuple[Any, dict[str
         batch_size=2,  # two slots: rows leave and others join while a row's history grows
     ) as lm:
         results = evaluate(lm, task_manager, TASKS, **RUN)
-        figures = lm.stats["generate_until"].report()
-        strategies = {report.strategy for report in lm.load_reports}
+        figures = lm.engine.stats["generate_until"].report()
+        strategies = {report.strategy for report in lm.engine.load_reports}
     return results, figures, strategies
 
 

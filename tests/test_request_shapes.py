@@ -235,7 +235,7 @@ def test_chat_template_sweep_matches_lm_eval_hf(
             for name, options in SWEEP.items():
                 ours = evaluate(lm, shapes["tasks"], tasks, **BASE_RUN, **options)
                 assert_same_results(expected[name], ours)
-            report = lm.request_report.as_dict()
+            report = lm.engine.request_report.as_dict()
     # Reported beyond lm-eval: the empty contexts everywhere; the swallowed choices under the
     # gemma template only (the qwen template ends in "t\n", which nothing merges with).
     assert report["shapes_empty_context"]["empty_context"]["count"] > 0
@@ -272,7 +272,7 @@ def test_a_shape_lm_eval_crashes_on_is_refused_naming_task_and_fix(
         pytest.raises(ConfigError, match=r"task 'shapes_crash', doc \d+: the continuation"),
     ):
         evaluate(lm, shapes["tasks"], ["shapes_crash"], **run)
-    assert not lm.stats, "refused before any batch ran"
+    assert not lm.engine.stats, "refused before any batch ran"
 
 
 def test_flagged_requests_reach_the_results_file_and_the_live_callback(

@@ -850,7 +850,7 @@ def _rank_pids(owner: str) -> list[int]:
         if entry["name"].startswith(f"rayeval-{owner}-r")
     ]
     infos = ray.get([rank.node_info.remote() for rank in ranks], timeout=60)
-    return sorted(info["pid"] for info in infos)
+    return sorted(info.pid for info in infos)
 
 
 # --------------------------------------------------------------------- auth and binding

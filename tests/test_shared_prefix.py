@@ -227,9 +227,9 @@ def _ours(
         batch_size="auto",
         max_batch_tokens=1024,
     ) as lm:
-        assert lm.share_prefixes
+        assert lm.engine.share_prefixes
         results = evaluate(lm, task_manager, TASKS, limit=LIMIT, bootstrap_iters=0, **kwargs)
-        return results, lm.input_token_counts()
+        return results, lm.engine.input_token_counts()
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_matches_hf_and_feeds_fewer_tokens(wide_reference: Any, wide_1x1: Any) -
     (reference, hf_fed), (ours, counts) = wide_reference, wide_1x1
     assert_same_results(reference, ours)
     # Shared contexts went through the model once: well under lm-eval's tokens, padding included.
-    assert counts["fed"] <= 0.6 * hf_fed, (counts, hf_fed)
+    assert counts.fed <= 0.6 * hf_fed, (counts, hf_fed)
 
 
 @pytest.mark.e2e

@@ -314,7 +314,7 @@ def test_the_product_never_reaches_the_simulated_rank() -> None:
                     assert not any(n.split(".")[0] == "benchmarks" for n in names), path
                 if isinstance(node, ast.keyword) and node.arg == "rank_class":
                     passed_on.append(path.relative_to(REPO).as_posix())
-    assert passed_on == ["service/engine/lm.py"]  # from its tunables, to WorkerGroup.create
+    assert passed_on == ["service/engine/engine.py"]  # from its tunables, to WorkerGroup.create
 
 
 @pytest.mark.e2e
@@ -337,7 +337,7 @@ def test_scores_planned_in_parts_match_lm_eval_hf(
         tunables=Tunables(score_part=8),
     ) as lm:
         ours = evaluate(lm, task_manager, tasks, **run)
-        figures = lm.stats["loglikelihood"].report()
+        figures = lm.engine.stats["loglikelihood"].report()
     assert time.monotonic() - started < 300
     assert figures["requests"] > 8 * 3, "the requests should make several parts"
     assert_same_results(reference, ours)
@@ -404,7 +404,7 @@ def _generate(demo: Any, task_manager: Any, replicas: int, **kwargs: Any) -> tup
         **kwargs,
     ) as lm:
         results = evaluate(lm, task_manager, GEN_TASKS, **run)
-        return results, lm.stats["generate_until"].report()
+        return results, lm.engine.stats["generate_until"].report()
 
 
 @pytest.mark.e2e

@@ -72,8 +72,8 @@ def test_tp_matches_lm_eval_hf(
         max_batch_tokens=256,  # several micro-batches, so replicas share the work
     ) as lm:
         ours = evaluate(lm, task_manager, ["demo"], **RUN)
-        reports = lm.load_reports
-        assert lm.shard_strategy is ShardStrategy.TP
+        reports = lm.engine.load_reports
+        assert lm.engine.shard_strategy is ShardStrategy.TP
     assert_same_results(reference, ours)
     assert_same_results(fsdp_1x2, ours, exact=True)
     assert {"demo_mc", "demo_rolling", "demo_gen_short", "demo_gen_long"} <= set(ours["samples"])
@@ -120,6 +120,6 @@ def test_heads_g_does_not_divide_fall_back_to_fsdp_or_are_refused(
     reference = hf_reference(model_dir, task_manager, tasks, **run)
     with RayEvalLM(pretrained=str(model_dir), shard_size=2, dtype="float32") as lm:
         ours = evaluate(lm, task_manager, tasks, **run)
-        assert lm.shard_strategy is ShardStrategy.FSDP
+        assert lm.engine.shard_strategy is ShardStrategy.FSDP
         assert lm.get_model_info()["rayeval_layout"]["shard_strategy"] == "fsdp"
     assert_same_results(reference, ours)

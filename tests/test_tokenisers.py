@@ -278,7 +278,7 @@ def test_an_evaluation_tokenised_by_actors_matches_lm_eval_hf(demo: Any, task_ma
         tunables=Tunables(score_part=8, generate_part=3),
     ) as lm:
         ours = evaluate(lm, task_manager, tasks, **run)
-        figures = {phase: stats.report() for phase, stats in lm.stats.items()}
+        figures = {phase: stats.report() for phase, stats in lm.engine.stats.items()}
     for phase in ("loglikelihood", "generate_until"):
         assert 0 < figures[phase]["tokenised_by_actors"] < figures[phase]["requests"], phase
     scored, generated = figures["loglikelihood"], figures["generate_until"]
@@ -349,4 +349,4 @@ def test_a_request_unfit_for_the_kv_budget_in_a_later_part_is_refused_before_any
     ) as lm:
         with pytest.raises(ConfigError, match=r"doc 30 needs \d+ KV-cache.*--kv_cache_tokens"):
             lm.generate_until(instances, disable_tqdm=True)
-        assert lm.input_token_counts()["calls"] == 0
+        assert lm.engine.input_token_counts().calls == 0

@@ -177,8 +177,8 @@ def _print_statistics(output: Any, out: TextIO) -> None:
         print(
             "ranks: "
             + "; ".join(
-                f"r{rank['replica']}.s{rank['shard_rank']} on {rank['ip']} "
-                f"(node {rank['node_id'][:8]}, pid {rank['pid']})"
+                f"r{rank.replica}.s{rank.shard_rank} on {rank.ip} "
+                f"(node {rank.node_id[:8]}, pid {rank.pid})"
                 for rank in output.ranks
             ),
             file=out,

@@ -22,6 +22,7 @@ from lm_eval.config.evaluate_config import EvaluatorConfig
 from lm_eval.tasks import TaskManager
 
 from rayeval.actors.errors import ConfigError, RayEvalError
+from rayeval.actors.protocol import RankSite
 from rayeval.service.engine.dispatch.warm import KeptReplicas
 from rayeval.service.engine.experiments import ExperimentLog, written_files
 from rayeval.service.engine.lm import RayEvalLM
@@ -35,12 +36,12 @@ logger = logging.getLogger(__name__)
 @dataclass
 class EvaluationOutput:
     """lm-eval's results dict (``samples`` removed), the samples, rayeval's figures, and where
-    each rank ran (``RayEvalLM.rank_sites``)."""
+    each rank ran (``Engine.rank_sites``)."""
 
     results: dict[str, Any]
     samples: dict[str, list[dict[str, Any]]] | None
     stats: dict[str, Any]
-    ranks: list[dict[str, Any]] = field(default_factory=list)
+    ranks: list[RankSite] = field(default_factory=list)
 
 
 def resolve_tasks(cfg: EvaluatorConfig) -> TaskManager:
@@ -190,10 +191,10 @@ def evaluate_on(
         evaluation_tracker=tracker,
         **_simple_evaluate_kwargs(config, cfg, task_manager),
     )
-    stats = {str(phase): phase_stats.report() for phase, phase_stats in lm.stats.items()}
-    request_warnings = lm.request_report.as_dict()
+    stats = {str(phase): phase_stats.report() for phase, phase_stats in lm.engine.stats.items()}
+    request_warnings = lm.engine.request_report.as_dict()
     try:
-        ranks = lm.rank_sites()
+        ranks = lm.engine.rank_sites()
     except RayEvalError as exc:  # the results are complete: say so, do not drop them
         logger.warning("could not ask the ranks where they ran: %s", exc)
         ranks = []

@@ -220,17 +220,17 @@ class Sweep:
                 on_progress=on_progress,
                 on_warning=on_warning,
             )
-            reports = self._lm.load_reports  # the ranks' start is this checkpoint's swap
+            reports = self._lm.engine.load_reports  # the ranks' start is this checkpoint's swap
             record.seconds["read"] = max(r.seconds for r in reports)
         else:
-            record.seconds["read"] = self._lm.load_checkpoint(checkpoint)["read_s"]
-        record.fingerprint = model_fingerprint(self._lm.config.model_args)
+            record.seconds["read"] = self._lm.engine.swap_checkpoint(checkpoint).read_s
+        record.fingerprint = model_fingerprint(self._lm.engine.config.model_args)
         record.seconds["swap"] = time.monotonic() - started
 
     def _run_lm_eval(self, record: CheckpointRecord, label: str) -> Any:
         """lm-eval's evaluation of the loaded checkpoint, its files written."""
         assert self._lm is not None
-        self._cfg.model_args = dict(self._lm.config.model_args)
+        self._cfg.model_args = dict(self._lm.engine.config.model_args)
         local = self._target.local_path if self._target is not None else None
         tracker = make_tracker(self._cfg, f"{local}/{label}" if local is not None else None)
         try:

@@ -46,7 +46,7 @@ from rayeval.actors.batches import (
     piece_due,
 )
 from rayeval.actors.layout import RankCoord
-from rayeval.actors.protocol import LoadReport, compute
+from rayeval.actors.protocol import InputTokens, LoadReport, NodeInfo, compute
 
 #: Generated token ids are drawn from this range (ordinary tokens of any tokenizer).
 TOKEN_LOW, TOKEN_SPAN = 100, 500
@@ -130,17 +130,11 @@ class SimulatedRank:
         self._calls: list[tuple[float, float, float]] = []
 
     # ----------------------------------------------------------------------------- lifecycle
-    def node_info(self) -> dict[str, Any]:
+    def node_info(self) -> NodeInfo:
         import ray
 
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "ip": ray.util.get_node_ip_address(),
-            "gpu_ids": [],
-            "pid": os.getpid(),
-            "cuda_visible_devices": None,
-            "cuda_device": None,
-        }
+        node_id = ray.get_runtime_context().get_node_id()
+        return NodeInfo(node_id, ray.util.get_node_ip_address(), [], os.getpid(), None, None)
 
     def begin_evaluation(self, seed: int) -> int:
         return os.getpid()
@@ -154,8 +148,8 @@ class SimulatedRank:
     def shutdown(self) -> None:
         """Nothing to release."""
 
-    def input_token_counts(self) -> dict[str, int]:
-        return dict(self._fed)
+    def input_token_counts(self) -> InputTokens:
+        return InputTokens(**self._fed)
 
     # ------------------------------------------------------------------------------- compute
     def compute(self, batch: ScoreMicroBatch | GenerateMicroBatch) -> tuple[Any, StepStats]:
