@@ -136,7 +136,7 @@ def run_name(config: EvaluationConfig) -> str:
     sweep's checkpoints are named by their directories) or of its model."""
     if config.tracking is not None and config.tracking.run_name:
         return config.tracking.run_name
-    source = str(config.model_args.get("checkpoint") or config.pretrained)
+    source = config.checkpoint or config.pretrained
     return Path(source.rstrip("/")).name or source
 
 
@@ -145,8 +145,8 @@ def run_tags(config: EvaluationConfig, trackers: Trackers) -> dict[str, str]:
     evaluation's id and URL."""
     tags = dict(config.tracking.tags) if config.tracking is not None else {}
     tags["rayeval.model"] = config.pretrained
-    if config.model_args.get("checkpoint"):
-        tags["rayeval.checkpoint"] = str(config.model_args["checkpoint"])
+    if config.checkpoint:
+        tags["rayeval.checkpoint"] = config.checkpoint
     if trackers.evaluation_id is not None:
         tags["rayeval.evaluation_id"] = trackers.evaluation_id
     if trackers.evaluation_url is not None:

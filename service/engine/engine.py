@@ -114,9 +114,8 @@ class Engine:
         #: lm-eval's HF backend over the weightless model: every tokeniser rule is its own.
         self.encoder, self.dtype = build_encoder(config.pretrained, model_args)
         obstacles = model_shell.obstacles(self.encoder.model, config)
-        checkpoint = config.model_args.get("checkpoint")
-        if checkpoint:  # refused here, before any rank starts
-            model_shell.check_checkpoint(str(checkpoint), self.encoder.model, config.pretrained)
+        if config.checkpoint:  # refused here, before any rank starts
+            model_shell.check_checkpoint(config.checkpoint, self.encoder.model, config.pretrained)
         self._cache = open_cache(host.lm_eval.get("use_cache"), config.model_args)
         self.connection = connect(host.address, config.layout(DeviceKind.CPU))
         self.layout = config.layout(pick_device(config.device))
@@ -207,10 +206,9 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        args = {**self.config.model_args, "checkpoint": checkpoint}
-        self.config = self.config.model_copy(update={"model_args": args})
+        self.config = self.config.with_checkpoint(checkpoint)
         if self._cache is not None:
-            self._cache.use_model(args)
+            self._cache.use_model(self.config.model_args)
         if self._replicas is not None:
             self._key = replica_key(self.config)
         read_s = max(r.seconds for r in reports)

@@ -116,7 +116,7 @@ class Sweep:
         on_progress: Callable[[Progress], None] | None = None,
         on_warning: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        if config.model_args.get("checkpoint"):
+        if config.checkpoint:
             raise ConfigError(
                 "a sweep names its checkpoints itself (--checkpoints, or the watched directory): "
                 "drop checkpoint= from --model_args"
@@ -212,10 +212,9 @@ class Sweep:
     def _swap(self, checkpoint: str, record: CheckpointRecord) -> None:
         started = time.monotonic()
         if self._lm is None:
-            args = {**self._config.model_args, "checkpoint": checkpoint}
             on_progress, on_warning = self._callbacks
             self._lm = RayEvalLM.from_config(
-                self._config.model_copy(update={"model_args": args}),
+                self._config.with_checkpoint(checkpoint),
                 self._host,
                 on_progress=on_progress,
                 on_warning=on_warning,
@@ -270,8 +269,8 @@ class Sweep:
         return record
 
     def _fingerprint(self, checkpoint: Path) -> str:
-        args = {**self._config.model_args, "checkpoint": str(Path(checkpoint).resolve())}
-        return model_fingerprint(args)
+        config = self._config.with_checkpoint(str(Path(checkpoint).resolve()))
+        return model_fingerprint(config.model_args)
 
     def close(self) -> None:
         """Release the ranks, the cache and a staged output directory. Safe to call twice."""
@@ -294,9 +293,8 @@ class Sweep:
 def _settings_digest(config: EvaluationConfig) -> str:
     """What, beside the weights, decides a sweep's answers: the config without the checkpoint
     and without the sweep's own list or watch."""
-    data = config.to_json()
+    data = config.with_checkpoint(None).to_json()
     data.pop("sweep", None)
-    data["model_args"] = {k: v for k, v in data["model_args"].items() if k != "checkpoint"}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 

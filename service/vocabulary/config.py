@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -187,6 +187,21 @@ class EngineConfig(_Frozen):
     def pretrained(self) -> str:
         """The model's hub id or path."""
         return str(self.model_args["pretrained"])
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The training checkpoint whose weights the model loads (None: ``pretrained``'s own).
+        Users give it as lm-eval's model args are given (``checkpoint=DIR``), so it travels in
+        them; this is where the engine reads it."""
+        value = self.model_args.get("checkpoint")
+        return str(value) if value else None
+
+    def with_checkpoint(self, checkpoint: str | None) -> Self:
+        """This config evaluating ``checkpoint`` (None: ``pretrained``'s own weights)."""
+        args = {k: v for k, v in self.model_args.items() if k != "checkpoint"}
+        if checkpoint is not None:
+            args["checkpoint"] = checkpoint
+        return self.model_copy(update={"model_args": args})
 
     @property
     def seeds(self) -> tuple[int | None, ...]:
