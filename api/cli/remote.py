@@ -146,7 +146,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run one client command; returns the exit status (2: refused or unreachable)."""
+    """Run one client command.
+
+    Returns:
+        The exit status: 0; 1 when the server refused (its message is printed: 401, 403, 404,
+        409, 422 ...) or could not be reached, or the evaluation failed; 2 for a usage error
+        (flags that cannot make a request).
+    """
     token = args.token or os.environ.get("RAYEVAL_API_TOKEN") or None
     try:
         with RayEvalClient(args.url, token=token) as client:
@@ -160,6 +166,9 @@ def main(args: argparse.Namespace) -> int:
                 return _audit(client, args)
             print(_line(client.cancel(args.id)))
             return 0
+    except ServiceError as exc:
+        print(f"rayeval {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except (RayEvalError, ValueError, TypeError) as exc:
         print(f"rayeval {args.command}: error: {exc}", file=sys.stderr)
         return 2
