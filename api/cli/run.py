@@ -14,6 +14,7 @@ import argparse
 import logging
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any, TextIO
 
 from rayeval.api.cli.evaluation_flags import (
@@ -209,7 +210,18 @@ def print_output(config: Any, host: Any, output: Any, file: TextIO | None = None
     if "groups" in results:
         print(make_table(results, "groups"), file=out)
     _print_statistics(output, out)
+    _print_files(getattr(output, "files", []), host.output_path, out)
     out.flush()
+
+
+def _print_files(files: list[str], output_path: str | None, out: TextIO) -> None:
+    """Where lm-eval's files went: a line per file (lm-eval says it only in the log file)."""
+    if not output_path:
+        print("no files written: --output_path DIR keeps lm-eval's results file there", file=out)
+        return
+    for path in files:
+        kind = "samples" if Path(path).name.startswith("samples_") else "results"
+        print(f"{kind}: {path}", file=out)
 
 
 def _print_statistics(output: Any, out: TextIO) -> None:

@@ -34,13 +34,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EvaluationOutput:
-    """lm-eval's results dict (``samples`` removed), the samples, rayeval's figures, and where
-    each rank ran (``RayEvalLM.rank_sites``)."""
+    """lm-eval's results dict (``samples`` removed), the samples, rayeval's figures, where
+    each rank ran (``RayEvalLM.rank_sites``), and the files written (the results file first,
+    then the samples files; URLs when ``--output_path`` is one; none without an output path)."""
 
     results: dict[str, Any]
     samples: dict[str, list[dict[str, Any]]] | None
     stats: dict[str, Any]
     ranks: list[dict[str, Any]] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
 
 
 def resolve_tasks(cfg: EvaluatorConfig) -> TaskManager:
@@ -153,8 +155,10 @@ def _evaluate(
     save(tracker, output.results, output.samples)
     files = written_files(tracker, output.results)
     experiments.record_mlflow(output.results, output.samples, files)
+    output.files = [str(path) for path in files]
     if target is not None:
-        target.publish()
+        published = target.publish()
+        output.files = published if target.remote else output.files
     return output
 
 
