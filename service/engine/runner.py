@@ -67,9 +67,21 @@ def resolve_tasks(cfg: EvaluatorConfig) -> TaskManager:
         return cfg.process_tasks(cfg.metadata)
     except ValueError as exc:
         raise ConfigError(
-            f"{exc}. List available tasks with `lm_eval ls tasks`, or point --include_path at "
-            "the directory holding your task YAMLs."
+            f"{exc}{_nearest_tasks(cfg, names)}. List available tasks with `lm_eval ls tasks`, "
+            "or point --include_path at the directory holding your task YAMLs."
         ) from None
+
+
+def _nearest_tasks(cfg: EvaluatorConfig, names: list[str]) -> str:
+    """``: 'x' (did you mean y?)`` for each name no task, group or tag matches, as the service
+    says it (lm-eval's index is scanned again: seconds, on this error's path only)."""
+    from rayeval.service.vocabulary.nearest import unknown_name
+
+    manager = TaskManager(include_path=cfg.include_path, metadata=cfg.metadata or {})
+    names = [name for task in names for name in task.split(",") if name]
+    unknown = [name for name in names if not manager.match_tasks([name])]
+    known = manager.all_tasks
+    return (": " + "; ".join(unknown_name(name, known) for name in unknown)) if unknown else ""
 
 
 def run_evaluation(
