@@ -98,6 +98,25 @@ def adapt_lm_eval_flags(parser: argparse.ArgumentParser) -> None:
     actions["--batch_size"].help = BATCH_SIZE_HELP
 
 
+def add_ray_flags(parser: argparse._ActionsContainer) -> None:
+    """``--address`` (also spelt ``--ray-address``, as ``serve`` spells it) and
+    ``--oversubscribe``: where the ranks of ``run`` and ``watch`` run."""
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address, e.g. auto or ray://HOST:10001 (also --ray-address; default: "
+        "$RAY_ADDRESS, else a Ray embedded in this process, sized to this machine)",
+    )
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="with an embedded Ray: start more CPU ranks (R x G x --cpus_per_rank) than this "
+        "machine has cores (they share the cores: slower, the same results). Without it such a "
+        "layout is refused before Ray starts. GPUs cannot be oversubscribed, and an existing "
+        "cluster (--address) holds what its nodes declare",
+    )
+
+
 def _metavar(kind: Callable[[str], Any], choices: list[str] | None) -> str:
     if choices:
         return "{" + ",".join(choices) + "}"

@@ -21,6 +21,7 @@ from rayeval.api.cli.evaluation_flags import (
     GROUP_TITLE,
     adapt_lm_eval_flags,
     add_config_flags,
+    add_ray_flags,
     config_from_args,
 )
 from rayeval.api.cli.sweep import add_checkpoints_flag, run_sweep_command
@@ -84,25 +85,6 @@ examples:
 
 `rayeval submit` takes the same flags and sends the evaluation to a server.
 """
-
-
-def add_ray_flags(parser: argparse._ActionsContainer) -> None:
-    """``--address`` (also spelt ``--ray-address``, as ``serve`` spells it) and
-    ``--oversubscribe``: where the ranks of ``run`` and ``watch`` run."""
-    parser.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster address, e.g. auto or ray://HOST:10001 (also --ray-address; default: "
-        "$RAY_ADDRESS, else a Ray embedded in this process, sized to this machine)",
-    )
-    parser.add_argument(
-        "--oversubscribe",
-        action="store_true",
-        help="with an embedded Ray: start more CPU ranks (R x G x --cpus_per_rank) than this "
-        "machine has cores (they share the cores: slower, the same results). Without it such a "
-        "layout is refused before Ray starts. GPUs cannot be oversubscribed, and an existing "
-        "cluster (--address) holds what its nodes declare",
-    )
 
 
 def command(args: argparse.Namespace) -> int:

@@ -48,9 +48,8 @@ def add_watch_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add ``watch``: ``run``'s flags, the directory, the polling interval and when to stop."""
     from lm_eval._cli.run import Run
 
-    from rayeval.api.cli.evaluation_flags import adapt_lm_eval_flags
+    from rayeval.api.cli.evaluation_flags import adapt_lm_eval_flags, add_ray_flags
     from rayeval.api.cli.remote import _Renamed
-    from rayeval.api.cli.run import add_ray_flags
 
     watch = Run.create(
         _Renamed(
