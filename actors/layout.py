@@ -155,11 +155,23 @@ class ParallelLayout:
         """What the whole layout reserves on the cluster."""
         return {key: value * self.world for key, value in self.bundle().items()}
 
-    def check_fits(self, cluster_total: Mapping[str, float]) -> None:
+    def check_fits(
+        self,
+        cluster_total: Mapping[str, float],
+        where: str = "the cluster",
+        more: str = "add nodes to the Ray cluster",
+    ) -> None:
         """Refuse a layout that the cluster can never hold, whatever else is running.
 
+        The one rule of every door: the service applies it to its cluster when it accepts an
+        evaluation, ``rayeval run`` to this machine before it starts an embedded Ray (and to an
+        existing cluster once connected), the ranks' group again before placing.
+
         Args:
-            cluster_total: The cluster's total resources (``ray.cluster_resources()``).
+            cluster_total: The cluster's total resources (``ray.cluster_resources()``), or what
+                a Ray embedded here would have.
+            where: What ``cluster_total`` describes, as the message names it.
+            more: The other way to make room, after lowering the layout.
 
         Raises:
             LayoutError: naming requested and available amounts and how to fix it.
@@ -172,16 +184,14 @@ class ParallelLayout:
         if not short:
             return
         detail = ", ".join(
-            f"{need:g} {key} requested, {have:g} in the cluster"
-            for key, (need, have) in short.items()
+            f"{need:g} {key} requested, {have:g} in {where}" for key, (need, have) in short.items()
         )
         if "GPU" in short and short["GPU"][1] == 0:
             fix = (
-                "The cluster has no GPU: run on the CPU with --device cpu (or --device auto, "
-                "which takes GPUs only where the cluster has some)."
+                f"{where[0].upper()}{where[1:]} has no GPU: run on the CPU with --device cpu (or "
+                f"--device auto, which takes GPUs only where {where} has some)."
             )
         else:
-            fix = "Lower --num_replicas / --shard_size, or add nodes to the Ray cluster."
-        raise LayoutError(
-            f"layout {self.describe()} needs more than the whole cluster has: {detail}. {fix}"
-        )
+            fix = f"Lower --num_replicas / --shard_size, or {more}."
+        whole = "the whole cluster" if where == "the cluster" else where
+        raise LayoutError(f"layout {self.describe()} needs more than {whole} has: {detail}. {fix}")

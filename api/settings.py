@@ -32,8 +32,9 @@ class Settings(BaseSettings):
     )
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on; 0: any free port.")
     data_dir: Path = Field(
-        Path("rayeval-data"),
-        description="Where the SQLite database (and the response cache) lives.",
+        Path(".rayeval/service"),
+        description="Where the SQLite database (and the response cache) lives; the default is "
+        "what `make run` serves, and where `rayeval users` looks (default .rayeval/service).",
     )
     database_url: str | None = Field(
         None, description="Any SQLAlchemy URL; default: the SQLite file under data_dir."

@@ -24,6 +24,12 @@ def test_run_writes_what_lm_eval_writes(
     assert status == 0
     printed = capsys.readouterr().out
     assert "|demo_mc" in printed and "exact_match" in printed and "layout: 2x1" in printed
+    # Where the files went, on the console (lm-eval says it only in the log file).
+    said = {line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("results: ")}
+    (results_file,) = said
+    assert Path(results_file).is_file() and Path(results_file).is_relative_to(tmp_path / "ours")
+    samples = [line for line in printed.splitlines() if line.startswith("samples: ")]
+    assert len(samples) == 2 and all(Path(line[9:]).is_file() for line in samples)
 
     ref_name, ref_results, ref_samples = read_outputs(tmp_path / "ref")
     our_name, our_results, our_samples = read_outputs(tmp_path / "ours")

@@ -191,3 +191,202 @@ def test_submit_names_a_sweep_or_a_watch() -> None:
         body("--checkpoints", "/a", "--watch", "/b")
     with pytest.raises(ConfigError, match="poll_s"):
         body("--watch", "/b", "--poll_interval", "0")
+
+
+# ----------------------------------------------------------- one convention, clear refusals
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """What ``rayeval ARGV`` says when argparse refuses it (exit status 2)."""
+    with pytest.raises(SystemExit) as exited:
+        _parse(*argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """``rayeval ARGV --help``, its lines joined (help texts wrap anywhere)."""
+    with pytest.raises(SystemExit) as exited:
+        _parse(*argv, "--help")
+    assert exited.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_every_flag_takes_both_spellings() -> None:
+    """lm-eval's underscores and the server's dashes, each accepted where the other is spelt;
+    the Ray address as --address or --ray-address in run and serve alike."""
+    run = _parse("run", "--model-args", "pretrained=/m", "--tasks", "t", "--num-replicas", "2",
+                 "--output-path", "o", "--batch-size", "4", "--ray-address", "auto",
+                 "--load-timeout", "5")  # fmt: skip
+    assert run.model_args == {"pretrained": "/m"} and run.num_replicas == 2
+    assert (run.output_path, run.batch_size, run.address, run.load_timeout) == ("o", "4", "auto", 5)
+    assert _parse("run", "--model_args", "pretrained=/m", "--ray_address", "a").address == "a"
+    serve = _parse("serve", "--data_dir", "d", "--no_response_cache", "--address", "h:6379",
+                   "--include_path", "x", "--stall_timeout=3")  # fmt: skip
+    assert (serve.data_dir, serve.response_cache, serve.ray_address) == ("d", False, "h:6379")
+    assert serve.include_paths == ["x"] and serve.stall_timeout_s == 3.0
+    assert _parse("users", "list", "--database_url", "sqlite://").database_url == "sqlite://"
+    submit = _parse("submit", "--model-args", "pretrained=/m", "--tasks", "t",
+                    "--watch", "/r", "--poll-interval", "5", "--max-checkpoints", "2")  # fmt: skip
+    assert (submit.poll_interval, submit.max_checkpoints) == (5.0, 2)
+    assert _parse("results", "x", "--output-path", "o").output_path == "o"
+    assert _parse("watch", "d", "--model-args", "pretrained=/m", "--idle-timeout", "1").directory
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "hint"),
+    [
+        (["run", "--model_args", "pretrained=/m", "--modle_args", "x"], "rayeval run",
+         "--modle_args (did you mean --model_args?)"),
+        (["run", "--tasks", "t", "--num_replcas", "2"], "rayeval run",
+         "did you mean --num_replicas?"),
+        (["status", "--wait"], "rayeval status", "--wait (did you mean --watch?)"),
+        (["users", "list", "--data-dirs", "x"], "rayeval users list",
+         "did you mean --data-dir?"),
+        (["serve", "--include_paths", "x"], "rayeval serve", "did you mean --include-path?"),
+    ],
+)  # fmt: skip
+def test_an_unknown_flag_is_refused_under_its_command_naming_the_nearest(
+    argv: list[str], usage: str, hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    said = _refused(capsys, *argv)
+    assert said.startswith(f"usage: {usage}"), said
+    assert f"{usage}: error: unrecognized arguments: " in said and hint in said
+
+
+def test_run_help_offers_only_what_run_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    """No mps, no lm-eval example with a refused model, no server-only flag; both spellings and
+    the opt-in to oversubscribe said; the three watches told apart."""
+    shown = _help(capsys, "run")
+    assert "mps" not in shown and "vllm" not in shown and "lm-eval run" not in shown
+    assert "--device {auto,cpu,cuda}" in shown and "$ rayeval run --model_args" in shown
+    assert "--priority" not in shown and "--preemptible" not in shown
+    assert "--oversubscribe" in shown and "either spelling" in shown
+    assert "auto (the default, as over REST" in shown  # --batch_size
+    submit = _help(capsys, "submit")
+    for refused in ("--use_cache", "--include_path", "--wandb_args", "--write_out"):
+        assert refused not in submit, refused
+    assert "--priority" in submit and "--device {auto,cpu,cuda}" in submit
+    assert "rayeval status --watch" in submit  # its --wait
+    assert "not `rayeval watch`" in _help(capsys, "status")
+    watch = _help(capsys, "watch")
+    assert "submit --watch DIR" in watch and "status --watch ID" in watch
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--priority", "3"), ("--preemptible", "true")])
+def test_run_refuses_the_server_s_scheduling_flags_naming_submit(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for command in (["run"], ["watch", "dir"]):
+        said = _refused(capsys, *command, "--model_args", "pretrained=/m", flag, value)
+        assert f"{flag} orders evaluations in a server's queue" in said
+        assert f"`rayeval submit ... {flag} {value}`" in said
+
+
+def test_batch_size_defaults_to_auto_as_over_rest(tmp_path: Path) -> None:
+    """One default on every door (the REST body's); a flag or a --config YAML sets another."""
+    from rayeval.api.cli.evaluation_flags import config_from_args
+    from rayeval.api.cli.remote import submission_body
+    from rayeval.service.vocabulary.config import EvaluationConfig
+
+    rest = EvaluationConfig.model_validate({"model_args": "pretrained=/m", "tasks": ["t"]})
+    assert rest.batch_size == "auto"
+    base = ["--model_args", "pretrained=/m", "--tasks", "t"]
+    assert config_from_args(_parse("run", *base))[0].batch_size == rest.batch_size
+    assert submission_body(_parse("submit", *base)).batch_size == rest.batch_size
+    assert config_from_args(_parse("run", *base, "--batch_size", "4"))[0].batch_size == 4
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("batch_size: 8\n")
+    assert config_from_args(_parse("run", *base, "--config", str(yaml_file)))[0].batch_size == 8
+
+
+# ------------------------------------------------------------ a layout this machine can hold
+def _config(**parallelism: Any) -> Any:
+    from rayeval.service.vocabulary.config import EvaluationConfig
+
+    device = parallelism.pop("device", "auto")
+    return EvaluationConfig.model_validate(
+        {"model_args": "pretrained=/m", "tasks": ["t"], "device": device,
+         "parallelism": parallelism}
+    )  # fmt: skip
+
+
+def test_a_layout_larger_than_the_machine_is_refused_with_the_server_s_rule() -> None:
+    """The rule is ParallelLayout.check_fits, the server's; on a machine it names the cores,
+    the fixes, and the opt-in that lifts it for CPU ranks only."""
+    from rayeval.actors.errors import LayoutError
+    from rayeval.service.engine.dispatch.cluster import check_machine
+
+    two_cores = {"CPU": 2.0}
+    check_machine(_config(num_replicas=2), two_cores)
+    with pytest.raises(LayoutError) as refused:
+        check_machine(_config(num_replicas=8, shard_size=4), two_cores)
+    said = str(refused.value)
+    assert "layout 8x4 (32 cpu ranks) needs more than this machine has" in said
+    assert "32 CPU requested, 2 in this machine" in said
+    assert "--num_replicas / --shard_size" in said and "--address" in said
+    assert "--oversubscribe" in said
+    with pytest.raises(LayoutError, match="4 CPU requested, 2 in this machine"):
+        check_machine(_config(num_replicas=2, cpus_per_rank=2), two_cores)
+    check_machine(_config(num_replicas=8, shard_size=4), two_cores, oversubscribe=True)
+
+
+def test_gpu_ranks_on_a_machine_without_enough_gpus_are_refused_naming_the_device() -> None:
+    from rayeval.actors.errors import LayoutError
+    from rayeval.service.engine.dispatch.cluster import check_machine
+
+    for oversubscribe in (False, True):  # GPUs are never oversubscribed
+        with pytest.raises(LayoutError) as refused:
+            check_machine(_config(device="cuda"), {"CPU": 8.0}, oversubscribe)
+        said = str(refused.value)
+        assert "1 GPU requested, 0 in this machine" in said
+        assert "This machine has no GPU: run on the CPU with --device cpu" in said
+        assert "--device auto" in said and "--num_replicas" not in said
+    one_gpu = {"CPU": 8.0, "GPU": 1.0}
+    check_machine(_config(), one_gpu)  # auto: the GPU
+    with pytest.raises(LayoutError, match="2 GPU requested, 1 in this machine") as refused:
+        check_machine(_config(num_replicas=2), one_gpu, oversubscribe=True)
+    assert "--oversubscribe" not in str(refused.value)
+    check_machine(_config(num_replicas=4, device="cpu"), {"CPU": 4.0, "GPU": 1.0})
+
+
+def _rayeval_run(tmp_path: Path, *flags: str) -> tuple[int, str, float]:
+    """``rayeval run`` in a fresh process (no Ray in it yet): (status, what it said, seconds)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAYEVAL_LOG_DIR"] = str(tmp_path / "logs")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "rayeval.api.cli", "run",
+         "--model_args", "pretrained=/nonexistent/model", "--tasks", "demo_mc", *flags],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - started
+
+
+def test_rayeval_run_refuses_an_oversized_layout_before_ray_starts(tmp_path: Path) -> None:
+    """8 x 64 CPU ranks is more than any machine here has: refused at once, nothing started."""
+    status, said, seconds = _rayeval_run(tmp_path, "--num_replicas", "8", "--shard_size", "64")
+    assert status == 2, said
+    assert "rayeval run: error: layout 8x64 (512 cpu ranks) needs more than this machine" in said
+    assert "--oversubscribe" in said and "Traceback" not in said
+    assert "embedded Ray" not in said and seconds < 120
+    log = next((tmp_path / "logs").glob("run-*.log")).read_text()
+    assert "embedded Ray" not in log and "ray.init" not in log
+
+
+def test_rayeval_run_device_cuda_without_a_gpu_names_the_cpu(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    status, said, _ = _rayeval_run(tmp_path, "--device", "cuda")
+    assert status == 2, said
+    assert "1 GPU requested, 0 in this machine" in said and "--device cpu" in said
+    assert "embedded Ray" not in said

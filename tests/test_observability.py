@@ -328,14 +328,14 @@ def test_status_results_cancel_commands(
     assert "succeeded" in shown and "loglikelihood:" in shown and "tokens/s" in shown
     assert main(["results", b, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["n-samples"]["demo_mc"]["effective"] == 15
-    # Refusals name the fix; nothing is a traceback.
-    assert main(["cancel", a]) == 2
+    # Refusals name the fix; nothing is a traceback. The server's answers exit 1, usage 2.
+    assert main(["cancel", a]) == 1
     assert "already succeeded" in capsys.readouterr().err
     monkeypatch.setenv("RAYEVAL_API_TOKEN", "wrong")
-    assert main(["status", a]) == 2
+    assert main(["status", a]) == 1
     assert "Authorization: Bearer" in capsys.readouterr().err
     monkeypatch.setenv("RAYEVAL_URL", "http://127.0.0.1:9")
-    assert main(["status"]) == 2
+    assert main(["status"]) == 1
     assert "cannot reach the rayeval server" in capsys.readouterr().err
     assert main(["submit", "--model_args", "pretrained=x", "--tasks", "demo_mc",
                  "--include_path", "/tmp", "--use_cache", "c"]) == 2  # fmt: skip

@@ -1,5 +1,6 @@
-"""``rayeval users``: on the server's database directly (a SQLite file here), keys printed once,
-mistakes refused with exit status 2 and a message naming the field and the fix."""
+"""``rayeval users``: on the server's database directly (a SQLite file here; by default the one
+``make run`` serves), named on every use; keys printed once; bad input refused with exit status 2,
+an unknown or taken name with 1, each with a message naming the field and the fix."""
 
 from __future__ import annotations
 
@@ -45,18 +46,52 @@ def test_add_list_set_rotate_revoke(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize(
-    ("argv", "words"),
+    ("argv", "words", "expected"),
     [
-        (["set", "nobody", "--weight", "2"], "no user 'nobody'"),
-        (["rotate", "nobody"], "rayeval users add nobody"),
-        (["add", "erin", "--role", "member", "--weight", "0"], "weight: 0.0 is out of range"),
-        (["add", "erin", "--role", "member", "--max-ranks", "0"], "max_ranks: 0 is out of range"),
-        (["add", "Erin!", "--role", "member"], "name: 'Erin!' is not a user name"),
-        (["add", "admin", "--role", "admin"], "--api-token"),
+        (["set", "nobody", "--weight", "2"], "no user 'nobody'", 1),
+        (["rotate", "nobody"], "rayeval users add nobody", 1),
+        (["add", "erin", "--role", "member", "--weight", "0"], "weight: 0.0 is out of range", 2),
+        (
+            ["add", "erin", "--role", "member", "--max-ranks", "0"],
+            "max_ranks: 0 is out of range",
+            2,
+        ),
+        (["add", "Erin!", "--role", "member"], "name: 'Erin!' is not a user name", 2),
+        (["add", "admin", "--role", "admin"], "--api-token", 2),
     ],
 )
-def test_mistakes_exit_2_naming_the_fix(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], words: str
+def test_mistakes_exit_2_and_refusals_1_naming_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], words: str, expected: int
 ) -> None:
+    _users(capsys, tmp_path, "add", "dana", "--role", "member")  # the database exists
     status, _, err = _users(capsys, tmp_path, *argv)
-    assert status == 2 and err.startswith(f"rayeval users {argv[0]}: error:") and words in err
+    said = err.splitlines()[-1]
+    assert status == expected and said.startswith(f"rayeval users {argv[0]}: error:"), err
+    assert words in said
+
+
+def test_the_database_is_named_and_defaults_to_the_one_make_run_serves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rayeval serve`'s default data dir, .rayeval/service (what `make run` passes), or
+    RAYEVAL_DATA_DIR; only `add` makes a database that is not there, saying so."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAYEVAL_DATA_DIR", raising=False)
+    monkeypatch.delenv("RAYEVAL_DATABASE_URL", raising=False)
+    default = (tmp_path / ".rayeval" / "service" / "rayeval.db").resolve()
+    assert main(["users", "list"]) == 2
+    err = capsys.readouterr().err
+    assert f"no database at {default}" in err and "--data-dir" in err and "make run" in err
+    assert not default.exists()  # nothing made by a look
+    assert main(["users", "add", "ana", "--role", "admin"]) == 0
+    err = capsys.readouterr().err
+    assert f"rayeval users: database {default}, new: `rayeval serve --data-dir" in err
+    assert default.is_file()
+    assert main(["users", "list"]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip() == f"rayeval users: database {default}" and out.startswith("ana  admin")
+    monkeypatch.setenv("RAYEVAL_DATA_DIR", str(tmp_path / "elsewhere"))
+    assert main(["users", "list"]) == 2
+    assert f"no database at {(tmp_path / 'elsewhere' / 'rayeval.db').resolve()}" in (
+        capsys.readouterr().err
+    )

@@ -11,11 +11,16 @@
 - ``rayeval users`` manages users and API keys on the server's database (:mod:`.users`).
 - ``rayeval run --checkpoints`` (a sweep over training checkpoints), ``rayeval watch DIR`` (each
   new checkpoint of a training run) and ``rayeval results OUT`` of a sweep (:mod:`.sweep`).
+  "watch" names three things: ``rayeval watch DIR`` (checkpoints, here), ``submit --watch DIR``
+  (checkpoints, on a server) and ``status --watch ID`` (one evaluation's progress bars).
 - ``rayeval compare A B`` (:mod:`.compare`): a paired comparison of two evaluations' result
   directories, or of two evaluations on a server.
 
 ``run`` and ``serve --demo`` keep the console for rayeval's own lines and send the rest to a log
 file (:mod:`.console`; ``--verbose`` shows everything).
+
+Every flag takes both spellings (``--model_args``, ``--model-args``), and an unknown flag is
+refused under its command's usage naming the nearest one (:mod:`.parsing`).
 
 Nothing heavy is imported until a command runs.
 """
@@ -34,10 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         The parser; ``args.command`` names the command given.
     """
     from rayeval.api.cli import compare, remote, run, serve, sweep, users
+    from rayeval.api.cli.parsing import SPELLINGS_NOTE, Parser, leaves
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rayeval",
-        description="Distributed lm-evaluation-harness on Ray, with FSDP2-sharded models.",
+        description="Distributed lm-evaluation-harness on Ray, with FSDP2-sharded models. "
+        + SPELLINGS_NOTE,
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run.add_parser(subparsers)
@@ -46,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_parsers(subparsers)
     compare.add_parser(subparsers)
     users.add_parser(subparsers)
+    for command in leaves(parser):
+        command.epilog = (
+            f"{command.epilog.rstrip()}\n\n{SPELLINGS_NOTE}" if command.epilog else SPELLINGS_NOTE
+        )
     return parser
 
 

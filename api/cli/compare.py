@@ -48,10 +48,16 @@ def command(args: argparse.Namespace) -> int:
     """Compare, and print the comparison.
 
     Returns:
-        The exit status: 0, or 2 when the two cannot be compared (the message says why).
+        The exit status: 0; 1 when the server refused or could not be reached (its message is
+        printed); 2 when the two cannot be compared (the message says why).
     """
+    from rayeval.api.client import ServiceError
+
     try:
         answer = comparison(args.a, args.b, args.url, _token(args))
+    except ServiceError as exc:
+        print(f"rayeval compare: error: {exc}", file=sys.stderr)
+        return 1
     except RayEvalError as exc:
         print(f"rayeval compare: error: {exc}", file=sys.stderr)
         return 2

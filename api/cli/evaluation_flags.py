@@ -17,10 +17,20 @@ from typing import Any
 #: Title of the argument group that holds rayeval's own flags in ``run`` and ``submit``.
 GROUP_TITLE = "rayeval layout, batching and timeouts"
 #: ``rayeval run``'s flags of the host and the console, not of the evaluation.
-HOST_FLAGS = frozenset({"address", "mlflow_tracking_uri", "verbose"})
+HOST_FLAGS = frozenset({"address", "mlflow_tracking_uri", "verbose", "oversubscribe"})
+#: ``--device``'s help in ``run``, ``watch`` and ``submit`` (lm-eval's offers ``mps``).
+DEVICE_HELP = (
+    "what each rank holds: auto (GPUs where the cluster has some, else CPU slots; the default), "
+    "cpu or cuda (cuda:N is read as cuda: Ray assigns the GPUs)"
+)
+BATCH_SIZE_HELP = (
+    "an integer (rows per micro-batch, as lm-eval), or auto (the default, as over REST: "
+    "micro-batches cut by a padded-token budget, --max_batch_tokens, of at most "
+    "--max_batch_size rows)"
+)
 
 
-def add_config_flags(group: argparse._ArgumentGroup) -> None:
+def add_config_flags(group: argparse._ArgumentGroup, queued: bool = True) -> None:
     """Add rayeval's own ``run`` flags, one per config field lm-eval has no flag for.
 
     Name, type, default and help all come from the field in
@@ -28,6 +38,9 @@ def add_config_flags(group: argparse._ArgumentGroup) -> None:
 
     Args:
         group: Where the flags go (``run``'s or ``submit``'s argument group).
+        queued: Whether the evaluation waits in a server's queue (``submit``): else the
+            scheduling flags (``--priority``, ``--preemptible``) are not shown, and refused
+            naming ``rayeval submit`` when given.
     """
     from rayeval.service.vocabulary.config_fields import RAYEVAL_FLAGS, field_info
 
@@ -46,6 +59,12 @@ def add_config_flags(group: argparse._ArgumentGroup) -> None:
             kind = parse_key_values
         else:
             kind = float if path[0] == "timeouts" else int
+        shown = (
+            info.description
+            if "default" in info.description
+            else f"{info.description.rstrip('.')} (default {default})."
+        )
+        server_only = not queued and path[0] == "scheduling"
         group.add_argument(
             flag,
             dest=dest(path),
@@ -53,10 +72,49 @@ def add_config_flags(group: argparse._ArgumentGroup) -> None:
             default=default,
             choices=choices,
             metavar=_metavar(kind, choices),
-            help=info.description
-            if "default" in info.description
-            else f"{info.description.rstrip('.')} (default {default}).",
+            help=argparse.SUPPRESS if server_only else shown,
+            action=_QueueOnly if server_only else "store",
         )
+
+
+class _QueueOnly(argparse.Action):
+    """A scheduling flag given to a command without a queue: refused, naming ``submit``."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        values = str(values).lower() if isinstance(values, bool) else values
+        parser.error(
+            f"{option} orders evaluations in a server's queue; {parser.prog} has no queue (it "
+            f"runs at once on its own Ray): drop {option}, or send the evaluation to a server "
+            f"with `rayeval submit ... {option} {values}`"
+        )
+
+
+def adapt_lm_eval_flags(parser: argparse.ArgumentParser) -> None:
+    """lm-eval's ``run`` flags as rayeval reads them: ``--device`` (no ``mps``) and
+    ``--batch_size`` (default ``auto``, as over REST) say so in their help."""
+    actions = parser._option_string_actions
+    actions["--device"].help = DEVICE_HELP
+    actions["--device"].metavar = "{auto,cpu,cuda}"
+    actions["--batch_size"].help = BATCH_SIZE_HELP
+
+
+def add_ray_flags(parser: argparse._ActionsContainer) -> None:
+    """``--address`` (also spelt ``--ray-address``, as ``serve`` spells it) and
+    ``--oversubscribe``: where the ranks of ``run`` and ``watch`` run."""
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address, e.g. auto or ray://HOST:10001 (also --ray-address; default: "
+        "$RAY_ADDRESS, else a Ray embedded in this process, sized to this machine)",
+    )
+    parser.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="with an embedded Ray: start more CPU ranks (R x G x --cpus_per_rank) than this "
+        "machine has cores (they share the cores: slower, the same results). Without it such a "
+        "layout is refused before Ray starts. GPUs cannot be oversubscribed, and an existing "
+        "cluster (--address) holds what its nodes declare",
+    )
 
 
 def _metavar(kind: Callable[[str], Any], choices: list[str] | None) -> str:
@@ -182,8 +240,13 @@ def _lm_eval_config(given: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
+    from rayeval.service.vocabulary.config import EvaluationConfig
+
     given["device"] = given.get("device") or "auto"  # lm-eval would default to cuda
-    values = asdict(EvaluatorConfig())
+    # The batch size defaults as in a REST body (lm-eval's default is 1); a --config YAML or the
+    # flag sets another.
+    default_batch = EvaluationConfig.model_fields["batch_size"].default
+    values = asdict(EvaluatorConfig()) | {"batch_size": default_batch}
     if given.get("config"):
         values.update(EvaluatorConfig.load_yaml_config(given["config"]))
     values.update(

@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from rayeval.actors.errors import ConfigError, RayEvalError
-from rayeval.api.cli.evaluation_flags import GROUP_TITLE, add_config_flags, config_from_args
+from rayeval.api.cli.evaluation_flags import (
+    GROUP_TITLE,
+    adapt_lm_eval_flags,
+    add_config_flags,
+    config_from_args,
+)
 from rayeval.api.cli.remote_sweeps import (
     SWEEP_FLAGS,
     add_remote_sweep_flags,
@@ -28,12 +33,16 @@ from rayeval.api.cli.remote_sweeps import (
 from rayeval.api.client import RayEvalClient, ServiceError
 from rayeval.service.result_files import write_lm_eval_files
 from rayeval.service.vocabulary.events import PhaseCounts
+from rayeval.service.vocabulary.lm_eval_options import LM_EVAL_HOST_FIELDS
 
 #: A request type's bar: the server's rates (tqdm's own would time this client's polls).
 _BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} req [{elapsed}{postfix}]"
 #: The commands this module runs.
 COMMANDS = ("submit", "status", "results", "cancel", "audit")
 _REMOTE_FLAGS = ("url", "token", "wait")
+#: lm-eval ``run`` flags the server's operator sets: ``submit`` refuses them, and does not offer
+#: them in its help.
+SERVER_SET = LM_EVAL_HOST_FIELDS | {"include_path"}
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +52,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "status", help="list evaluations on a server, or show one (--watch: progress bars)"
     )
     status.add_argument("id", nargs="?", help="an evaluation id (none: list the newest)")
-    status.add_argument("--watch", action="store_true", help="follow it until it ends")
+    status.add_argument(
+        "--watch",
+        action="store_true",
+        help="follow the evaluation's progress bars until it ends (not `rayeval watch`, which "
+        "evaluates new checkpoints)",
+    )
     add_server_flags(status)
     results = subparsers.add_parser(
         "results", help="print a finished evaluation's results, or write lm-eval's files"
@@ -101,11 +115,17 @@ def _add_submit_parser(subparsers: argparse._SubParsersAction) -> None:
         )  # type: ignore[arg-type]
     )._parser
     submit.prog = "rayeval submit"
+    adapt_lm_eval_flags(submit)
+    for name in sorted(SERVER_SET):  # refused by submission_body: not offered either
+        submit._option_string_actions[f"--{name}"].help = argparse.SUPPRESS
     add_config_flags(submit.add_argument_group(GROUP_TITLE))
     remote = submit.add_argument_group("the server")
     add_server_flags(remote)  # type: ignore[arg-type]
     remote.add_argument(
-        "--wait", action="store_true", help="follow the evaluation until it ends (progress bars)"
+        "--wait",
+        action="store_true",
+        help="follow the evaluation's progress bars until it ends, then print its results (as "
+        "`rayeval status --watch ID` follows one already submitted)",
     )
     add_remote_sweep_flags(submit.add_argument_group("checkpoints (paths on the server)"))
 
@@ -126,7 +146,13 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run one client command; returns the exit status (2: refused or unreachable)."""
+    """Run one client command.
+
+    Returns:
+        The exit status: 0; 1 when the server refused (its message is printed: 401, 403, 404,
+        409, 422 ...) or could not be reached, or the evaluation failed; 2 for a usage error
+        (flags that cannot make a request).
+    """
     token = args.token or os.environ.get("RAYEVAL_API_TOKEN") or None
     try:
         with RayEvalClient(args.url, token=token) as client:
@@ -140,6 +166,9 @@ def main(args: argparse.Namespace) -> int:
                 return _audit(client, args)
             print(_line(client.cancel(args.id)))
             return 0
+    except ServiceError as exc:
+        print(f"rayeval {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except (RayEvalError, ValueError, TypeError) as exc:
         print(f"rayeval {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -160,10 +189,8 @@ def submission_body(
     Raises:
         ConfigError: a bad flag, or one that only the server's operator sets.
     """
-    from rayeval.service.vocabulary.lm_eval_options import LM_EVAL_HOST_FIELDS
-
     given = vars(args)
-    refused = [f"--{name}" for name in LM_EVAL_HOST_FIELDS | {"include_path"} if given.get(name)]
+    refused = [f"--{name}" for name in SERVER_SET if given.get(name)]
     if refused:
         raise ConfigError(
             f"{', '.join(sorted(refused))}: the server's operator sets these (task directories, "

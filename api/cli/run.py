@@ -13,9 +13,17 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
+from pathlib import Path
 from typing import Any, TextIO
 
-from rayeval.api.cli.evaluation_flags import GROUP_TITLE, add_config_flags, config_from_args
+from rayeval.api.cli.evaluation_flags import (
+    GROUP_TITLE,
+    adapt_lm_eval_flags,
+    add_config_flags,
+    add_ray_flags,
+    config_from_args,
+)
 from rayeval.api.cli.sweep import add_checkpoints_flag, run_sweep_command
 
 logger = logging.getLogger(__name__)
@@ -31,13 +39,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "rayeval run --model hf --model_args pretrained=PATH_OR_ID --tasks TASKS "
         "[--num_replicas R] [--shard_size G] [lm-eval options]"
     )
-    add_config_flags(run.add_argument_group(GROUP_TITLE))
-    add_checkpoints_flag(run)
-    run.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)",
+    run.description = textwrap.fill(
+        "Evaluate a model on lm-eval's tasks in this process, its ranks on Ray: lm-eval's `run` "
+        "flags (same meanings; --model hf only), rayeval's layout, batching and timeouts, and "
+        "where Ray runs. A layout larger than this machine (or the --address cluster) is refused "
+        "before anything starts.",
+        width=88,
     )
+    run.epilog = EXAMPLES
+    adapt_lm_eval_flags(run)
+    add_config_flags(run.add_argument_group(GROUP_TITLE), queued=False)
+    add_checkpoints_flag(run)
+    add_ray_flags(run)
     run.add_argument(
         "--mlflow_tracking_uri",
         default=None,
@@ -53,6 +66,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="show every library's log lines and Ray's worker output on the console (by "
         "default they go to a log file under .rayeval/logs, whose path is printed first)",
     )
+
+
+#: ``rayeval run --help``'s examples (lm-eval's use models rayeval refuses).
+EXAMPLES = """\
+examples:
+  # the bundled demo model and tasks (built by `make demo-cli`), 2 replicas on the CPU
+  $ rayeval run --model_args pretrained=.rayeval/demo/model,dtype=float32 \\
+      --include_path .rayeval/demo/tasks --tasks demo --num_replicas 2 --device cpu \\
+      --output_path out/ --log_samples
+
+  # a hub model, 2 replicas of 2 GPU ranks each (FSDP2 or tensor parallel shards)
+  $ rayeval run --model_args pretrained=meta-llama/Llama-3.1-8B,dtype=bfloat16 \\
+      --tasks hellaswag,arc_easy --num_fewshot 0 --num_replicas 2 --shard_size 2
+
+  # on an existing Ray cluster (also what `ray job submit -- rayeval run ...` runs)
+  $ rayeval run --address auto --model_args pretrained=/models/m --tasks mmlu
+
+`rayeval submit` takes the same flags and sends the evaluation to a server.
+"""
 
 
 def command(args: argparse.Namespace) -> int:
@@ -98,6 +130,7 @@ def _in_console(args: argparse.Namespace, shown: Any) -> int:
 def _run(args: argparse.Namespace, shown: Any) -> int:
     """The evaluation, its results on ``shown.out``."""
     from rayeval.actors.errors import ConfigError, RayEvalError
+    from rayeval.service.engine.dispatch.cluster import preflight
     from rayeval.service.engine.runner import run_evaluation
 
     try:
@@ -107,6 +140,7 @@ def _run(args: argparse.Namespace, shown: Any) -> int:
                 "--tracking names the evaluation's MLflow run: give --mlflow_tracking_uri URI "
                 "too (W&B takes lm-eval's --wandb_args)"
             )
+        preflight(config, host.address, args.oversubscribe)
         layout = config.parallelism
         logger.info(
             "evaluating %s on %s, layout %dx%d",
@@ -158,7 +192,18 @@ def print_output(config: Any, host: Any, output: Any, file: TextIO | None = None
     if "groups" in results:
         print(make_table(results, "groups"), file=out)
     _print_statistics(output, out)
+    _print_files(getattr(output, "files", []), host.output_path, out)
     out.flush()
+
+
+def _print_files(files: list[str], output_path: str | None, out: TextIO) -> None:
+    """Where lm-eval's files went: a line per file (lm-eval says it only in the log file)."""
+    if not output_path:
+        print("no files written: --output_path DIR keeps lm-eval's results file there", file=out)
+        return
+    for path in files:
+        kind = "samples" if Path(path).name.startswith("samples_") else "results"
+        print(f"{kind}: {path}", file=out)
 
 
 def _print_statistics(output: Any, out: TextIO) -> None:

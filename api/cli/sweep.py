@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -47,25 +48,31 @@ def add_watch_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add ``watch``: ``run``'s flags, the directory, the polling interval and when to stop."""
     from lm_eval._cli.run import Run
 
+    from rayeval.api.cli.evaluation_flags import adapt_lm_eval_flags, add_ray_flags
     from rayeval.api.cli.remote import _Renamed
 
     watch = Run.create(
         _Renamed(
             subparsers,
             "watch",
-            help="evaluate each new checkpoint of a training run as it is saved",
+            help="evaluate each new checkpoint of a training run here, as it is saved (on a "
+            "server: submit --watch DIR)",
             description="Evaluate every checkpoint that appears under DIR (a DCP directory "
             "with its .metadata written, or safetensors files complete) with rayeval run's "
-            "flags, on ranks started once, skipping checkpoints evaluated before (their "
-            "results under --output_path, or --use_cache). Ctrl-C stops it.",
+            "flags, in this process, on ranks started once, skipping checkpoints evaluated "
+            "before (their results under --output_path, or --use_cache). Ctrl-C stops it. "
+            "(`rayeval submit --watch DIR` asks a server to do the same; `rayeval status "
+            "--watch ID` follows one evaluation's progress.)",
             usage="rayeval watch DIR --model_args pretrained=CONFIG_DIR --tasks TASKS "
             "[--output_path OUT] [--poll_interval S] [--max_checkpoints N] [rayeval run flags]",
             epilog=None,
         )  # type: ignore[arg-type]
     )._parser
     watch.prog = "rayeval watch"
+    watch.description = textwrap.fill(watch.description or "", width=88)
     watch.add_argument("directory", metavar="DIR", help="the training run's checkpoint folder")
-    add_config_flags(watch.add_argument_group(GROUP_TITLE))
+    adapt_lm_eval_flags(watch)
+    add_config_flags(watch.add_argument_group(GROUP_TITLE), queued=False)
     group = watch.add_argument_group("watching")
     group.add_argument(
         "--poll_interval",
@@ -88,11 +95,7 @@ def add_watch_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="stop after S seconds without a new checkpoint (default: never)",
     )
-    group.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster address (default: $RAY_ADDRESS, else an embedded local Ray)",
-    )
+    add_ray_flags(group)
 
 
 def _without(args: argparse.Namespace, names: tuple[str, ...]) -> argparse.Namespace:
@@ -114,11 +117,13 @@ def run_sweep_command(
     """
     from rayeval.actors.errors import RayEvalError
     from rayeval.actors.weights.checkpoint_dirs import expand
+    from rayeval.service.engine.dispatch.cluster import preflight
     from rayeval.service.engine.sweep import run_sweep
 
     out = out or sys.stdout
     try:
         config, host = config_from_args(_without(args, _SWEEP_FLAGS))
+        preflight(config, host.address, args.oversubscribe)
         on_checkpoint = functools.partial(_print_record, out=out)
         summary = run_sweep(config, host, expand(args.checkpoints), on_checkpoint=on_checkpoint)
     except (RayEvalError, ValueError, TypeError, FileNotFoundError) as exc:
@@ -134,11 +139,13 @@ def watch_command(args: argparse.Namespace) -> int:
         0 (also after Ctrl-C), 2 for input that cannot run.
     """
     from rayeval.actors.errors import RayEvalError
+    from rayeval.service.engine.dispatch.cluster import preflight
     from rayeval.service.engine.watch import WatchOptions, watch
 
     try:
         options = WatchOptions(args.poll_interval, args.max_checkpoints, args.idle_timeout)
         config, host = config_from_args(_without(args, _WATCH_FLAGS))
+        preflight(config, host.address, args.oversubscribe)
         print(f"watching {args.directory} (Ctrl-C stops)", flush=True)
         summary = watch(args.directory, config, host, options, on_checkpoint=_print_record)
     except KeyboardInterrupt:

@@ -2,9 +2,12 @@
 
 It works on the server's database directly, as its operator at the shell, with ``rayeval
 serve``'s own ``--data-dir`` and ``--database-url`` (and their ``RAYEVAL_*`` variables), so the
-first admin can be made before the server has any. A new key is printed once: the database keeps
-only its hash. Every change goes to the audit trail as ``<login> (cli)``. A running server sees
-the changes at once (it reads keys per request).
+first admin can be made before the server has any. Both default as ``serve``'s do: the SQLite file
+under ``.rayeval/service`` of the current folder, which ``make run`` serves. Every action says
+which database it used; only ``add`` creates a SQLite database that is not there yet (saying so),
+the others refuse a missing one, naming the flags that find the server's. A new key is printed
+once: the database keeps only its hash. Every change goes to the audit trail as ``<login> (cli)``.
+A running server sees the changes at once (it reads keys per request).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import getpass
 import sys
 from typing import Any
 
-from rayeval.actors.errors import RayEvalError
+from rayeval.actors.errors import ConfigError, RayEvalError
 
 ROLES = ("admin", "member", "viewer")
 
@@ -25,7 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "users",
         help="manage users and API keys (on the server's database)",
         description="Users and their API keys, on the database `rayeval serve` uses (same "
-        "--data-dir / --database-url). New keys are printed once.",
+        "--data-dir / --database-url, same RAYEVAL_DATA_DIR / RAYEVAL_DATABASE_URL, same "
+        "default: .rayeval/service, what `make run` serves). Each action names the database it "
+        "used. New keys are printed once.",
     )
     actions = users.add_subparsers(dest="users_command", metavar="ACTION", required=True)
     add = actions.add_parser("add", help="add a user and print their first key")
@@ -74,29 +79,70 @@ def _add_database_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run one ``users`` action; returns the exit status (2: refused)."""
+    """Run one ``users`` action.
+
+    Returns:
+        The exit status: 0; 1 when the database answers no (an unknown user or key, a name
+        taken); 2 for input that cannot be used (a bad value, a database that is not there).
+    """
+    from rayeval.service.vocabulary.errors import UserConflictError, UserNotFoundError
+
     try:
         store = _store(args)
         try:
             return _act(store, args)
         finally:
             store.close()
+    except (UserNotFoundError, UserConflictError) as exc:
+        print(f"rayeval users {args.users_command}: error: {exc}", file=sys.stderr)
+        return 1
     except (RayEvalError, ValueError) as exc:
         print(f"rayeval users {args.users_command}: error: {exc}", file=sys.stderr)
         return 2
 
 
 def _store(args: argparse.Namespace) -> Any:
+    """The server's store, named on standard error; a missing SQLite file is made by ``add``
+    only.
+
+    Raises:
+        ConfigError: no SQLite database where the flags (or their defaults) point, for any
+            action but ``add``.
+    """
     from rayeval.api.settings import Settings
     from rayeval.service.jobs.store import EvaluationStore
 
     given = {k: getattr(args, k) for k in ("data_dir", "database_url") if getattr(args, k)}
     settings = Settings(**given)
+    where = _describe(settings)
     if not settings.database_url:
+        database = settings.data_dir / "rayeval.db"
+        if not database.is_file():
+            if args.users_command != "add":
+                raise ConfigError(
+                    f"no database at {database.resolve()}: give the server's --data-dir (or "
+                    "--database-url; or set RAYEVAL_DATA_DIR / RAYEVAL_DATABASE_URL), or run "
+                    "this where the server runs (`make run` serves .rayeval/service in the "
+                    "repository)"
+                )
+            where = f"{where}, new: `rayeval serve --data-dir {settings.data_dir}` serves it"
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+    print(f"rayeval users: database {where}", file=sys.stderr)
     store = EvaluationStore(settings.effective_database_url)
     store.create_schema()
     return store
+
+
+def _describe(settings: Any) -> str:
+    """The database as a person recognises it: the SQLite file, or the URL without a password."""
+    if not settings.database_url:
+        return str((settings.data_dir / "rayeval.db").resolve())
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(settings.database_url).render_as_string(hide_password=True)
+    except ValueError:
+        return "given by --database-url"
 
 
 def _act(store: Any, args: argparse.Namespace) -> int:

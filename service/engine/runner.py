@@ -35,13 +35,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EvaluationOutput:
-    """lm-eval's results dict (``samples`` removed), the samples, rayeval's figures, and where
-    each rank ran (``Engine.rank_sites``)."""
+    """lm-eval's results dict (``samples`` removed), the samples, rayeval's figures, where
+    each rank ran (``Engine.rank_sites``), and the files written (the results file first,
+    then the samples files; URLs when ``--output_path`` is one; none without an output path)."""
 
     results: dict[str, Any]
     samples: dict[str, list[dict[str, Any]]] | None
     stats: dict[str, Any]
     ranks: list[RankSite] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
 
 
 def resolve_tasks(cfg: EvaluatorConfig) -> TaskManager:
@@ -66,9 +68,21 @@ def resolve_tasks(cfg: EvaluatorConfig) -> TaskManager:
         return cfg.process_tasks(cfg.metadata)
     except ValueError as exc:
         raise ConfigError(
-            f"{exc}. List available tasks with `lm_eval ls tasks`, or point --include_path at "
-            "the directory holding your task YAMLs."
+            f"{exc}{_nearest_tasks(cfg, names)}. List available tasks with `lm_eval ls tasks`, "
+            "or point --include_path at the directory holding your task YAMLs."
         ) from None
+
+
+def _nearest_tasks(cfg: EvaluatorConfig, names: list[str]) -> str:
+    """``: 'x' (did you mean y?)`` for each name no task, group or tag matches, as the service
+    says it (lm-eval's index is scanned again: seconds, on this error's path only)."""
+    from rayeval.service.vocabulary.nearest import unknown_name
+
+    manager = TaskManager(include_path=cfg.include_path, metadata=cfg.metadata or {})
+    names = [name for task in names for name in task.split(",") if name]
+    unknown = [name for name in names if not manager.match_tasks([name])]
+    known = manager.all_tasks
+    return (": " + "; ".join(unknown_name(name, known) for name in unknown)) if unknown else ""
 
 
 def run_evaluation(
@@ -154,8 +168,10 @@ def _evaluate(
     save(tracker, output.results, output.samples)
     files = written_files(tracker, output.results)
     experiments.record_mlflow(output.results, output.samples, files)
+    output.files = [str(path) for path in files]
     if target is not None:
-        target.publish()
+        published = target.publish()
+        output.files = published if target.remote else output.files
     return output
 
 

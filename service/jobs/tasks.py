@@ -11,7 +11,6 @@ would meet the group's tasks twice and stop at run time. No torch here.
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import subprocess
@@ -23,6 +22,7 @@ from enum import StrEnum
 
 from rayeval.actors.errors import ConfigError
 from rayeval.service.vocabulary.errors import ServiceNotReadyError
+from rayeval.service.vocabulary.nearest import unknown_name
 
 logger = logging.getLogger(__name__)
 
@@ -163,10 +163,7 @@ class TaskCatalog:
         if not unknown:
             return
         everything = [*self._local, *builtin]
-        hints = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, everything, n=3, cutoff=0.75)
-            hints.append(f"{name!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        hints = [unknown_name(name, everything) for name in unknown]
         where = (
             f" or under the server's include paths {list(self.include_paths)}"
             if (self.include_paths)

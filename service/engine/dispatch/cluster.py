@@ -1,14 +1,21 @@
-"""Connecting the driver to Ray: an existing cluster, or an embedded one sized for the layout."""
+"""Connecting the driver to Ray: an existing cluster, or an embedded one sized for the layout;
+and the check, before an embedded Ray starts, that this machine can hold the layout."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import ray
 
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.layout import DeviceKind, ParallelLayout
+
+if TYPE_CHECKING:
+    from rayeval.service.vocabulary.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,3 +57,58 @@ def pick_device(requested: str | None) -> DeviceKind:
     if kind not in {k.value for k in DeviceKind}:
         raise ConfigError(f"unknown device {requested!r}: use auto, cpu or cuda")
     return DeviceKind(kind)
+
+
+def machine_resources() -> dict[str, float]:
+    """What a Ray embedded in this process would have: this machine's CPUs and GPUs."""
+    import torch  # the engine needs it anyway; the count does not initialise CUDA
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cpus = float(os.cpu_count() or 1)
+    return {"CPU": cpus, "GPU": float(gpus)} if gpus else {"CPU": cpus}
+
+
+def preflight(config: EngineConfig, address: str | None, oversubscribe: bool = False) -> None:
+    """Refuse, before Ray starts, a layout that a Ray embedded here could never hold
+    (:func:`check_machine` on this machine's resources).
+
+    An existing cluster (``address``, ``RAY_ADDRESS``, a Ray already initialised) is only known
+    once connected; the ranks' group checks it then, with the same rule, before placing.
+
+    Args:
+        config: The evaluation.
+        address: The Ray address asked for (None: ``RAY_ADDRESS``, else an embedded Ray).
+        oversubscribe: Start more CPU ranks than cores (see :func:`check_machine`).
+
+    Raises:
+        LayoutError: naming what the layout needs, what this machine has and the fixes.
+    """
+    if ray.is_initialized() or address or os.environ.get("RAY_ADDRESS"):
+        return
+    check_machine(config, machine_resources(), oversubscribe)
+
+
+def check_machine(
+    config: EngineConfig, machine: Mapping[str, float], oversubscribe: bool = False
+) -> None:
+    """The service's rule (:meth:`ParallelLayout.check_fits`) applied to one machine: its cores
+    for CPU ranks, its GPUs for GPU ranks (``auto`` takes GPUs where it has some).
+
+    Args:
+        config: The evaluation.
+        machine: The machine's resources (:func:`machine_resources`).
+        oversubscribe: CPU slots may outnumber cores (an embedded Ray then gets a logical CPU
+            per rank: slower, the same results); GPUs are never oversubscribed.
+
+    Raises:
+        LayoutError: naming what the layout needs, what the machine has and the fixes.
+    """
+    have = dict(machine)
+    wants_gpu = config.device == "cuda" or (config.device == "auto" and have.get("GPU", 0) > 0)
+    layout = config.layout(DeviceKind.CUDA if wants_gpu else DeviceKind.CPU)
+    if oversubscribe:
+        have["CPU"] = math.inf
+    more = "run on a Ray cluster (--address)"
+    if not wants_gpu:
+        more += ", or pass --oversubscribe to run more ranks than cores (slower, same results)"
+    layout.check_fits(have, where="this machine", more=more)
