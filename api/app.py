@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 from sqlalchemy.exc import SQLAlchemyError
 
 from rayeval.actors.errors import ConfigError, LayoutError, RayEvalError
@@ -67,13 +68,25 @@ _STATUS_OF_ERROR: tuple[tuple[type[RayEvalError], int], ...] = (
 )
 
 
+#: Where Swagger UI's and ReDoc's assets are served from (a folder of the fastapi-offline package).
+DOCS_ASSETS_URL = "/docs-assets"
+
+
 def create_app(settings: Settings) -> FastAPI:
-    """Build the application for ``settings`` (nothing starts until its lifespan runs)."""
-    app = FastAPI(
+    """Build the application for ``settings`` (nothing starts until its lifespan runs).
+
+    ``/docs`` (Swagger UI) loads its script, style and icon from this server (fastapi-offline
+    ships them): FastAPI's own page fetches them from a CDN and stays blank on a cluster without
+    internet. There is no ``/redoc``: ReDoc's bundle fetches its logo from its CDN whatever the
+    page says, and ``/docs`` shows the same document.
+    """
+    app = FastAPIOffline(
         title="rayeval",
         summary="Distributed lm-evaluation-harness on Ray, with FSDP2-sharded models.",
         version="0.1.0",
         lifespan=_lifespan,
+        redoc_url=None,
+        static_url=DOCS_ASSETS_URL,
     )
     app.state.settings = settings
     if not settings.keys_required:

@@ -691,6 +691,54 @@ def test_big_numbers_and_foreign_hosts_are_4xx(client: httpx.Client, server: Ser
     assert client.get("/healthz", headers={"Host": f"localhost:{port}"}).status_code == 200
 
 
+def page_references(html: str) -> list[str]:
+    """Every URL an API docs page loads: links, scripts, its spec (Swagger's ``url:``)."""
+    import re
+
+    pattern = r"""(?:href|src|spec-url)=["']([^"']+)["']|\burl:\s*["']([^"']+)["']"""
+    return [a or b for a, b in re.findall(pattern, html)]
+
+
+@pytest.mark.service
+def test_api_docs_load_everything_from_this_server(client: httpx.Client) -> None:
+    """/docs works without internet: each asset it references is served here."""
+    response = client.get("/docs")
+    assert response.status_code == 200
+    references = page_references(response.text)
+    assert any(url.endswith("swagger-ui-bundle.js") for url in references), references
+    assert any(url.endswith(".css") for url in references), references
+    for url in references:
+        assert url.startswith("/") and not url.startswith("//"), f"/docs loads {url}"
+        fetched = client.get(url)
+        assert fetched.status_code == 200 and fetched.content, url
+    # ReDoc's bundle fetches its logo from its CDN whatever the page says: not served.
+    assert client.get("/redoc").status_code == 404
+
+
+@pytest.mark.e2e
+def test_api_docs_render_offline_in_a_browser(server: ServerThread) -> None:
+    """Chromium renders /docs with every request (the script's own included) to this server."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is absent: install it with `apt-get install -y chromium`")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            requested: list[str] = []
+            page.on("request", lambda request: requested.append(request.url))
+            page.goto(server.url + "/docs")
+            operations = page.locator("#swagger-ui .opblock-summary-path")
+            operations.first.wait_for(timeout=30_000)
+            page.wait_for_load_state("networkidle")
+            assert "/evaluations" in operations.all_text_contents()
+            foreign = [url for url in requested if not url.startswith(server.url + "/")]
+            assert foreign == [], foreign
+        finally:
+            browser.close()
+
+
 @pytest.mark.unit
 def test_openapi_is_true_to_the_server(tmp_path: Path) -> None:
     from rayeval.api.app import create_app
