@@ -227,7 +227,8 @@ async def _database_error(request: Request, exc: SQLAlchemyError) -> JSONRespons
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = [_explain(error) for error in exc.errors()]
+    content_type = request.headers.get("content-type", "")
+    errors = [_explain(error, content_type) for error in exc.errors()]
     return JSONResponse(
         {
             "detail": "; ".join(dict.fromkeys(message for message, _ in errors)),
@@ -237,13 +238,20 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     )
 
 
-def _explain(error: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """One validation error as a sentence that names the fix, plus its machine-readable form."""
+def _explain(error: dict[str, Any], content_type: str = "") -> tuple[str, dict[str, Any]]:
+    """One validation error as a sentence that names the fix, plus its machine-readable form.
+
+    ``content_type`` is the request's header: a body that is not a JSON object at all is most
+    often one sent without ``Content-Type: application/json`` (``curl -d`` sends a form).
+    """
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
     where = ".".join(loc) or "body"
     kind = error.get("type", "")
     message = str(error.get("msg", "")).removeprefix("Value error, ")
-    if kind == "extra_forbidden":
+    whole_body = not loc and tuple(error.get("loc", ())) == ("body",)
+    if whole_body and kind in ("missing", "model_attributes_type", "dict_type"):
+        text = _whole_body_problem(kind, content_type)
+    elif kind == "extra_forbidden":
         text = f"unknown field {where!r}: remove it (accepted fields are listed at /docs)"
     elif kind == "json_invalid":
         reason = error.get("ctx", {}).get("error", message)
@@ -253,3 +261,17 @@ def _explain(error: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     else:
         text = f"{where}: {message}"
     return text, {"loc": loc, "msg": message, "type": kind}
+
+
+def _whole_body_problem(kind: str, content_type: str) -> str:
+    """Why a body is not a JSON object: no body, the wrong Content-Type, or another JSON value."""
+    media_type = content_type.split(";")[0].strip().lower()
+    if media_type != "application/json":
+        sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        return (
+            f"send the body as a JSON object with the header Content-Type: application/json "
+            f"(this request had {sent}; curl: -H 'Content-Type: application/json')"
+        )
+    if kind == "missing":
+        return "the body is empty: send a JSON object (the accepted fields are listed at /docs)"
+    return "the body must be a JSON object (the accepted fields are listed at /docs)"

@@ -635,6 +635,30 @@ def test_bad_input_is_a_422_naming_the_fix(
 
 
 @pytest.mark.service
+def test_a_body_that_is_not_a_json_object_says_what_to_send(
+    client: httpx.Client, demo: Any
+) -> None:
+    payload = json.dumps(body(demo)).encode()
+    form = "application/x-www-form-urlencoded"  # what `curl -d` sends
+    for headers, message in (
+        ({}, "(this request had no Content-Type;"),
+        ({"content-type": form}, f"(this request had Content-Type '{form}';"),
+        ({"content-type": "text/plain"}, "Content-Type 'text/plain'"),
+    ):
+        response = client.post("/evaluations", content=payload, headers=headers)
+        assert response.status_code == 422, response.text
+        detail = response.json()["detail"]
+        assert "with the header Content-Type: application/json" in detail, detail
+        assert message in detail, detail
+    for content, message in ((b"", "the body is empty"), (b"[1]", "must be a JSON object")):
+        response = client.post(
+            "/evaluations", content=content, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 422, response.text
+        assert message in response.json()["detail"], response.text
+
+
+@pytest.mark.service
 def test_unknown_ids_and_bad_queries(client: httpx.Client, main_run: dict[str, Any]) -> None:
     for path in (
         "/evaluations/nope",
