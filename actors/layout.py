@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from rayeval.actors.errors import LayoutError
+from rayeval.actors.errors import LayoutError, field
 
 
 class DeviceKind(StrEnum):
@@ -104,7 +104,7 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         problems = [
-            f"{name} must be an integer >= 1, got {value!r}"
+            f"{field('parallelism', name)} must be an integer >= 1, got {value!r}"
             for name, value in (
                 ("num_replicas", self.num_replicas),
                 ("shard_size", self.shard_size),
@@ -114,7 +114,8 @@ class ParallelLayout:
         ]
         if self.placement not in {policy.value for policy in PlacementPolicy}:
             problems.append(
-                f"placement must be one of {', '.join(p.value for p in PlacementPolicy)}, "
+                f"{field('parallelism', 'placement')} must be one of "
+                f"{', '.join(p.value for p in PlacementPolicy)}, "
                 f"got {self.placement!r}"
             )
         if problems:
@@ -177,11 +178,15 @@ class ParallelLayout:
         )
         if "GPU" in short and short["GPU"][1] == 0:
             fix = (
-                "The cluster has no GPU: run on the CPU with --device cpu (or --device auto, "
-                "which takes GPUs only where the cluster has some)."
+                f"The cluster has no GPU: run on the CPU with {field('device', value='cpu')} "
+                f"(or {field('device', value='auto')}, which takes GPUs only where the cluster "
+                "has some)."
             )
         else:
-            fix = "Lower --num_replicas / --shard_size, or add nodes to the Ray cluster."
+            fix = (
+                f"Lower {field('parallelism', 'num_replicas')} / "
+                f"{field('parallelism', 'shard_size')}, or add nodes to the Ray cluster."
+            )
         raise LayoutError(
             f"layout {self.describe()} needs more than the whole cluster has: {detail}. {fix}"
         )

@@ -44,6 +44,7 @@ from rayeval.service.jobs.ray_resources import connect_ray
 from rayeval.service.jobs.store import EvaluationStore
 from rayeval.service.jobs.tasks import TaskCatalog
 from rayeval.service.jobs.validation import ServerPolicy
+from rayeval.service.vocabulary.doors import Door, render
 from rayeval.service.vocabulary.errors import (
     EvaluationNotFoundError,
     EvaluationStateError,
@@ -214,7 +215,7 @@ async def _domain_error(request: Request, exc: RayEvalError) -> JSONResponse:
     headers = {"Retry-After": "5"} if status == 503 else None
     if status == 500:
         logger.error("unexpected service error on %s: %s", request.url.path, exc)
-    return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
+    return JSONResponse({"detail": render(exc, Door.REST)}, status_code=status, headers=headers)
 
 
 async def _database_error(request: Request, exc: SQLAlchemyError) -> JSONResponse:
@@ -247,7 +248,7 @@ def _explain(error: dict[str, Any], content_type: str = "") -> tuple[str, dict[s
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
     where = ".".join(loc) or "body"
     kind = error.get("type", "")
-    message = str(error.get("msg", "")).removeprefix("Value error, ")
+    message = render(str(error.get("msg", "")).removeprefix("Value error, "), Door.REST)
     whole_body = not loc and tuple(error.get("loc", ())) == ("body",)
     if whole_body and kind in ("missing", "model_attributes_type", "dict_type"):
         text = _whole_body_problem(kind, content_type)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from rayeval.actors.errors import ConfigError
+from rayeval.actors.errors import field as config_field
 
 #: Bootstrap resamples and seed, unless the caller says otherwise.
 DEFAULT_ITERATIONS = 10_000
@@ -159,7 +160,8 @@ def _check_fewshot(task: str, a: EvaluationSamples, b: EvaluationSamples) -> Non
     if shots[0] != shots[1]:
         raise IncomparableError(
             f"task {task}: {a.label} ran {shots[0]}-shot, {b.label} {shots[1]}-shot; few-shot "
-            "settings differ, so their documents' prompts do: compare runs with one num_fewshot"
+            "settings differ, so their documents' prompts do: compare runs with one "
+            f"{config_field('num_fewshot')}"
         )
     for what in ("fewshot_config", "fewshot_delimiter", "target_delimiter"):
         values = [e.results.get("configs", {}).get(task, {}).get(what) for e in (a, b)]
@@ -169,7 +171,7 @@ def _check_fewshot(task: str, a: EvaluationSamples, b: EvaluationSamples) -> Non
     if shots[0] and seeds[0] != seeds[1]:
         raise IncomparableError(
             f"task {task}: few-shot examples drawn with seed {seeds[0]} in {a.label} and "
-            f"{seeds[1]} in {b.label}: compare runs with the same --seed"
+            f"{seeds[1]} in {b.label}: compare runs with the same {config_field('seed')}"
         )
 
 

@@ -585,11 +585,18 @@ BAD_BODIES = [
     ({"num_fewshot": 1e30}, "num_fewshot"),
     ({"seed": 2**40}, "seed"),
     ({"samples": {"demo_nope": [0]}, "limit": None}, "samples: unknown tasks: 'demo_nope'"),
-    ({"model_args": "pretrained=org/model,parallelize=True"}, "parallelize: rayeval shards"),
+    (
+        {"model_args": "pretrained=org/model,parallelize=True"},
+        "parallelize: rayeval shards the model itself: use parallelism.shard_size instead",
+    ),
     ({"tasks": ["../../etc/task.yaml"]}, "look like paths"),
     ({"tasks": []}, "at least one task"),
     ({"tasks": ["demo_nope"]}, "tasks: unknown tasks: 'demo_nope'"),
-    ({"parallelism": {"num_replicas": 3, "shard_size": 2}}, "6 CPU requested, 4 in the cluster"),
+    (
+        {"parallelism": {"num_replicas": 3, "shard_size": 2}},
+        "6 CPU requested, 4 in the cluster. Lower parallelism.num_replicas / "
+        "parallelism.shard_size, or add nodes",
+    ),
     ({"parallelism": {"num_replicas": 0}}, "parallelism.num_replicas"),
     (
         {"parallelism": {"shard_size": 3, "shard_strategy": "tp"}},
@@ -632,6 +639,7 @@ def test_bad_input_is_a_422_naming_the_fix(
     assert response.status_code == 422, response.text
     detail = response.json()["detail"]
     assert message in detail, detail
+    assert "--num_replicas" not in detail and "--shard_" not in detail, "a REST body has no flags"
 
 
 @pytest.mark.service

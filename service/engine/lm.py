@@ -26,7 +26,7 @@ from typing import Any
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from rayeval.actors.errors import ConfigError
+from rayeval.actors.errors import ConfigError, RayEvalError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, ShardStrategy
 from rayeval.actors.protocol import LoadReport
@@ -58,6 +58,7 @@ from rayeval.service.engine.response_cache import open_cache
 from rayeval.service.private_apis import check_private_apis
 from rayeval.service.vocabulary.config import DEFAULT_SEED, EngineConfig, HostOptions
 from rayeval.service.vocabulary.config_fields import config_from_keywords
+from rayeval.service.vocabulary.doors import Door, reword
 from rayeval.service.vocabulary.events import Progress, RequestType
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,27 @@ class RayEvalLM(TemplateLM):
         **options: Any,
     ) -> None:
         super().__init__()
+        try:
+            self._start(
+                pretrained, config, host, on_progress, on_warning, replicas, tunables, options
+            )
+        except RayEvalError as exc:
+            if config is None:  # built from keywords: the fields it names are keywords too
+                reword(exc, Door.PYTHON)
+            raise
+
+    def _start(
+        self,
+        pretrained: str | None,
+        config: EngineConfig | None,
+        host: HostOptions | None,
+        on_progress: Callable[[Progress], None] | None,
+        on_warning: Callable[[dict[str, Any]], None] | None,
+        replicas: KeptReplicas | None,
+        tunables: Tunables | None,
+        options: dict[str, Any],
+    ) -> None:
+        """What ``__init__`` does: check, build the driver's encoder, start the ranks."""
         self._tunables = tunables or Tunables()
         check_private_apis()  # names a package version that moved, before anything starts
         self._created = time.monotonic()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayeval.actors.errors import ConfigError, LayoutError
+from rayeval.actors.errors import ConfigError, LayoutError, field
 from rayeval.actors.layout import ShardStrategy
 from rayeval.actors.parallel.strategies import refusal, strategy
 from rayeval.actors.profiles import ModelShape
@@ -138,14 +138,14 @@ def check_submission(
             HostOptions(output_path="unused", include_paths=catalog.include_paths)
         )
     except ConfigError as exc:
-        problems.append(str(exc))
+        problems.append(exc.marked_message)
     if not task_problems(config):
         try:
             catalog.check(config.tasks, wait_s=task_index_wait_s)
             if config.samples:
                 catalog.check(tuple(config.samples), wait_s=task_index_wait_s, field="samples")
         except ConfigError as exc:
-            problems.append(str(exc))
+            problems.append(exc.marked_message)
         except ServiceNotReadyError:
             if not problems:
                 raise
@@ -154,7 +154,7 @@ def check_submission(
     except LayoutError as exc:
         if not problems:
             raise
-        problems.append(str(exc))
+        problems.append(exc.marked_message)
     if problems:
         raise ConfigError("; ".join(problems))
     return config
@@ -189,8 +189,9 @@ def strategy_problems(
     if chosen.one_node and holds and max(holds) < parallelism.shard_size:
         problems.append(
             f"shard_strategy {chosen.name} needs a replica's {parallelism.shard_size} ranks on one "
-            f"node, and no node of the cluster holds more than {max(holds)}: lower --shard_size "
-            "or use --shard_strategy auto (FSDP across nodes)"
+            f"node, and no node of the cluster holds more than {max(holds)}: lower "
+            f"{field('parallelism', 'shard_size')} or use "
+            f"{field('parallelism', 'shard_strategy', value='auto')} (FSDP across nodes)"
         )
     return problems
 
