@@ -40,7 +40,7 @@ from rayeval.actors.weights.checkpoint_dirs import by_step
 from rayeval.service.jobs.tasks import TaskCatalog
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
 from rayeval.service.vocabulary.errors import ServiceNotReadyError
-from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS
+from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS, looks_local
 
 #: lm-eval HF model args a request may set (others reach ``from_pretrained`` and could load
 #: files or code: the operator's business).
@@ -300,7 +300,7 @@ def _model_source_problems(
     A missing path and a path outside the roots get the same answer, so a request cannot probe
     the server's files.
     """
-    if not _looks_local(value) and not Path(value).exists():
+    if not looks_local(value) and not Path(value).exists():
         if policy.allow_hub_models:
             return []
         return [f"{where}: this server takes no hub ids: name a model under its model roots"]
@@ -392,8 +392,3 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, _NUMBER) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _looks_local(value: str) -> bool:
-    """A path, not a hub id: absolute, home- or dot-relative, or more than one ``/``."""
-    return value.startswith(("/", "~", "./", "../")) or value.count("/") > 1

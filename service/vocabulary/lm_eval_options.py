@@ -9,6 +9,7 @@ form parsed the way lm-eval parses it. No torch here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -152,6 +153,18 @@ def parse_args_string(value: Any) -> Any:
                 f"cannot parse {value!r}: use key=value pairs separated by commas"
             ) from None
     return value
+
+
+def looks_local(value: str) -> bool:
+    """A model named by a path, not a hub id (``org/name``): absolute, home- or dot-relative,
+    more than one ``/``, or a separator a hub id never has."""
+    separators = {os.sep, os.altsep} - {None, "/"}
+    return (
+        value.startswith(("/", "~", "./", "../"))
+        or value in (".", "..")
+        or value.count("/") > 1
+        or any(sep in value for sep in separators if sep)
+    )
 
 
 def checked_model_args(value: dict[str, Any]) -> dict[str, Any]:
