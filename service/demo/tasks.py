@@ -107,10 +107,19 @@ _TASKS: dict[str, dict[str, Any]] = {
         "output_type": "loglikelihood_rolling",
         "doc_to_text": "",
         "doc_to_target": "{{text}}",
+        # lm-eval's defaults for these metrics, spelled out (lm-eval warns when they are not).
         "metric_list": [
-            {"metric": "word_perplexity"},
-            {"metric": "byte_perplexity"},
-            {"metric": "bits_per_byte"},
+            {
+                "metric": "word_perplexity",
+                "aggregation": "weighted_perplexity",
+                "higher_is_better": False,
+            },
+            {
+                "metric": "byte_perplexity",
+                "aggregation": "weighted_perplexity",
+                "higher_is_better": False,
+            },
+            {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
         ],
     },
     "demo_gen_short": {
