@@ -17,7 +17,9 @@ Tasks (every one has a ``train`` split for few-shot examples and a ``test`` spli
 * ``demo_gen_long`` -- generate_until ``"."``, at most 40 tokens; ``exact_match``
   (case-insensitive).
 * ``demo`` -- group of all five, aggregating ``acc`` (size-weighted) over the tasks that
-  report it.
+  report it. lm-eval says so at the end of an evaluation ("metric 'acc,none' is missing in 3/5
+  tasks"): that is the design, and lm-eval 0.4.13's group config has no way to name the tasks
+  an aggregate covers short of another group level, which would change the results' shape.
 """
 
 from __future__ import annotations
