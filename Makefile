@@ -59,7 +59,7 @@ postgres:
 test: install browser postgres
 	$(BIN)/python -m pytest -q -ra --durations=25
 
-# The unit tier only: no Ray cluster, no server, no model evaluation (under 2 minutes on 2 cores).
+# The unit tier only: no Ray cluster, no server, no model evaluation (about 25 s on 2 cores).
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m unit
 

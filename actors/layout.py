@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from rayeval.actors.errors import LayoutError
+from rayeval.actors.errors import LayoutError, field
 
 
 class DeviceKind(StrEnum):
@@ -104,7 +104,7 @@ class ParallelLayout:
 
     def __post_init__(self) -> None:
         problems = [
-            f"{name} must be an integer >= 1, got {value!r}"
+            f"{field('parallelism', name)} must be an integer >= 1, got {value!r}"
             for name, value in (
                 ("num_replicas", self.num_replicas),
                 ("shard_size", self.shard_size),
@@ -114,7 +114,8 @@ class ParallelLayout:
         ]
         if self.placement not in {policy.value for policy in PlacementPolicy}:
             problems.append(
-                f"placement must be one of {', '.join(p.value for p in PlacementPolicy)}, "
+                f"{field('parallelism', 'placement')} must be one of "
+                f"{', '.join(p.value for p in PlacementPolicy)}, "
                 f"got {self.placement!r}"
             )
         if problems:
@@ -188,10 +189,14 @@ class ParallelLayout:
         )
         if "GPU" in short and short["GPU"][1] == 0:
             fix = (
-                f"{where[0].upper()}{where[1:]} has no GPU: run on the CPU with --device cpu (or "
-                f"--device auto, which takes GPUs only where {where} has some)."
+                f"{where[0].upper()}{where[1:]} has no GPU: run on the CPU with "
+                f"{field('device', value='cpu')} (or {field('device', value='auto')}, which takes "
+                f"GPUs only where {where} has some)."
             )
         else:
-            fix = f"Lower --num_replicas / --shard_size, or {more}."
+            fix = (
+                f"Lower {field('parallelism', 'num_replicas')} / "
+                f"{field('parallelism', 'shard_size')}, or {more}."
+            )
         whole = "the whole cluster" if where == "the cluster" else where
         raise LayoutError(f"layout {self.describe()} needs more than {whole} has: {detail}. {fix}")

@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 from sqlalchemy.exc import SQLAlchemyError
 
 from rayeval.actors.errors import ConfigError, LayoutError, RayEvalError
@@ -43,6 +44,7 @@ from rayeval.service.jobs.ray_resources import connect_ray
 from rayeval.service.jobs.store import EvaluationStore
 from rayeval.service.jobs.tasks import TaskCatalog
 from rayeval.service.jobs.validation import ServerPolicy
+from rayeval.service.vocabulary.doors import Door, render
 from rayeval.service.vocabulary.errors import (
     EvaluationNotFoundError,
     EvaluationStateError,
@@ -67,13 +69,25 @@ _STATUS_OF_ERROR: tuple[tuple[type[RayEvalError], int], ...] = (
 )
 
 
+#: Where Swagger UI's and ReDoc's assets are served from (a folder of the fastapi-offline package).
+DOCS_ASSETS_URL = "/docs-assets"
+
+
 def create_app(settings: Settings) -> FastAPI:
-    """Build the application for ``settings`` (nothing starts until its lifespan runs)."""
-    app = FastAPI(
+    """Build the application for ``settings`` (nothing starts until its lifespan runs).
+
+    ``/docs`` (Swagger UI) loads its script, style and icon from this server (fastapi-offline
+    ships them): FastAPI's own page fetches them from a CDN and stays blank on a cluster without
+    internet. There is no ``/redoc``: ReDoc's bundle fetches its logo from its CDN whatever the
+    page says, and ``/docs`` shows the same document.
+    """
+    app = FastAPIOffline(
         title="rayeval",
         summary="Distributed lm-evaluation-harness on Ray, with FSDP2-sharded models.",
         version="0.1.0",
         lifespan=_lifespan,
+        redoc_url=None,
+        static_url=DOCS_ASSETS_URL,
     )
     app.state.settings = settings
     if not settings.keys_required:
@@ -201,7 +215,7 @@ async def _domain_error(request: Request, exc: RayEvalError) -> JSONResponse:
     headers = {"Retry-After": "5"} if status == 503 else None
     if status == 500:
         logger.error("unexpected service error on %s: %s", request.url.path, exc)
-    return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
+    return JSONResponse({"detail": render(exc, Door.REST)}, status_code=status, headers=headers)
 
 
 async def _database_error(request: Request, exc: SQLAlchemyError) -> JSONResponse:
@@ -214,7 +228,8 @@ async def _database_error(request: Request, exc: SQLAlchemyError) -> JSONRespons
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = [_explain(error) for error in exc.errors()]
+    content_type = request.headers.get("content-type", "")
+    errors = [_explain(error, content_type) for error in exc.errors()]
     return JSONResponse(
         {
             "detail": "; ".join(dict.fromkeys(message for message, _ in errors)),
@@ -224,13 +239,20 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     )
 
 
-def _explain(error: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """One validation error as a sentence that names the fix, plus its machine-readable form."""
+def _explain(error: dict[str, Any], content_type: str = "") -> tuple[str, dict[str, Any]]:
+    """One validation error as a sentence that names the fix, plus its machine-readable form.
+
+    ``content_type`` is the request's header: a body that is not a JSON object at all is most
+    often one sent without ``Content-Type: application/json`` (``curl -d`` sends a form).
+    """
     loc = [str(part) for part in error.get("loc", ()) if part != "body"]
     where = ".".join(loc) or "body"
     kind = error.get("type", "")
-    message = str(error.get("msg", "")).removeprefix("Value error, ")
-    if kind == "extra_forbidden":
+    message = render(str(error.get("msg", "")).removeprefix("Value error, "), Door.REST)
+    whole_body = not loc and tuple(error.get("loc", ())) == ("body",)
+    if whole_body and kind in ("missing", "model_attributes_type", "dict_type"):
+        text = _whole_body_problem(kind, content_type)
+    elif kind == "extra_forbidden":
         text = f"unknown field {where!r}: remove it (accepted fields are listed at /docs)"
     elif kind == "json_invalid":
         reason = error.get("ctx", {}).get("error", message)
@@ -240,3 +262,17 @@ def _explain(error: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     else:
         text = f"{where}: {message}"
     return text, {"loc": loc, "msg": message, "type": kind}
+
+
+def _whole_body_problem(kind: str, content_type: str) -> str:
+    """Why a body is not a JSON object: no body, the wrong Content-Type, or another JSON value."""
+    media_type = content_type.split(";")[0].strip().lower()
+    if media_type != "application/json":
+        sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        return (
+            f"send the body as a JSON object with the header Content-Type: application/json "
+            f"(this request had {sent}; curl: -H 'Content-Type: application/json')"
+        )
+    if kind == "missing":
+        return "the body is empty: send a JSON object (the accepted fields are listed at /docs)"
+    return "the body must be a JSON object (the accepted fields are listed at /docs)"

@@ -12,7 +12,10 @@ by task, filter and document and reports, per task and metric:
   exact test for 0/1 metrics (accuracy, exact match), the paired bootstrap otherwise;
 - the unpaired 95% interval beside it (``difference ± 1.96 * sqrt(se_a^2 + se_b^2)`` from each
   results file's own stderr), to show what pairing buys;
-- how many documents flipped each way, and which.
+- how many documents moved each way, and which: for 0/1 metrics the documents that flipped; for
+  other per-document values those whose value rose or fell; for corpus metrics (perplexities,
+  bits per byte: lm-eval keeps a (log-likelihood, length) pair per document) those whose
+  log-likelihood rose or fell.
 
 It refuses, naming why (:class:`IncomparableError`), to pair evaluations whose documents or
 few-shot settings differ. Torch-free: the API process and ``rayeval compare`` both use it.
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from rayeval.actors.errors import ConfigError
+from rayeval.actors.errors import field as config_field
 
 #: Bootstrap resamples and seed, unless the caller says otherwise.
 DEFAULT_ITERATIONS = 10_000
@@ -74,9 +78,13 @@ class MetricComparison:
     unpaired_interval: tuple[float, float] | None
     higher_is_better: bool | None
     #: 0/1 metrics: documents B got right and A wrong ("better"), and the reverse ("worse");
-    #: other metrics: documents whose value rose, and fell.
+    #: other metrics: documents whose value (``moved``) rose, and fell.
     better: list[Any] = field(default_factory=list)
     worse: list[Any] = field(default_factory=list)
+    #: What ``better`` and ``worse`` compare per document: "flips" (0/1 metrics), "value",
+    #: "loglikelihood" (corpus metrics' (log-likelihood, length) pairs), or "" (nothing to
+    #: compare one document by: only the corpus has a value).
+    moved: str = ""
 
     @property
     def significant(self) -> bool:
@@ -159,7 +167,8 @@ def _check_fewshot(task: str, a: EvaluationSamples, b: EvaluationSamples) -> Non
     if shots[0] != shots[1]:
         raise IncomparableError(
             f"task {task}: {a.label} ran {shots[0]}-shot, {b.label} {shots[1]}-shot; few-shot "
-            "settings differ, so their documents' prompts do: compare runs with one num_fewshot"
+            "settings differ, so their documents' prompts do: compare runs with one "
+            f"{config_field('num_fewshot')}"
         )
     for what in ("fewshot_config", "fewshot_delimiter", "target_delimiter"):
         values = [e.results.get("configs", {}).get(task, {}).get(what) for e in (a, b)]
@@ -169,7 +178,7 @@ def _check_fewshot(task: str, a: EvaluationSamples, b: EvaluationSamples) -> Non
     if shots[0] and seeds[0] != seeds[1]:
         raise IncomparableError(
             f"task {task}: few-shot examples drawn with seed {seeds[0]} in {a.label} and "
-            f"{seeds[1]} in {b.label}: compare runs with the same --seed"
+            f"{seeds[1]} in {b.label}: compare runs with the same {config_field('seed')}"
         )
 
 
@@ -238,8 +247,9 @@ def _compare_metric(
     diffs = paired_bootstrap(values_a, values_b, aggregate, rng, iterations)
     interval = (float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5)))
     binary = _is_binary(values_a) and _is_binary(values_b)
-    better = [doc for doc, x, y in docs if _number(y) > _number(x)] if _scalar(values_a) else []
-    worse = [doc for doc, x, y in docs if _number(y) < _number(x)] if _scalar(values_a) else []
+    moved, score = _document_score(values_a + values_b, binary)
+    better = [doc for doc, x, y in docs if score(y) > score(x)] if moved else []
+    worse = [doc for doc, x, y in docs if score(y) < score(x)] if moved else []
     if binary:
         p_value, test = mcnemar_exact(len(worse), len(better)), "mcnemar"
     else:
@@ -259,7 +269,21 @@ def _compare_metric(
         higher_is_better=a.results.get("higher_is_better", {}).get(task, {}).get(metric),
         better=better,
         worse=worse,
+        moved=moved,
     )
+
+
+def _document_score(values: Sequence[Any], binary: bool) -> tuple[str, Callable[[Any], float]]:
+    """What one document's values can be compared by (see ``MetricComparison.moved``), and how
+    to read it from a value."""
+    if _scalar(values):
+        return ("flips" if binary else "value"), _number
+    pairs = all(
+        isinstance(v, list | tuple) and len(v) == 2 and _scalar(v) for v in values
+    )  # lm-eval's weighted_perplexity and bits_per_byte items: (log-likelihood, words or bytes)
+    if pairs:
+        return "loglikelihood", lambda pair: float(pair[0])
+    return "", _number
 
 
 def aggregation(results: Mapping[str, Any], task: str, metric: str) -> Callable[[list[Any]], float]:

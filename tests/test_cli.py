@@ -59,7 +59,7 @@ def test_run_writes_what_lm_eval_writes(
         (["--step_timeout", "-1"], "--step_timeout: Input should be greater than 0, got -1.0"),
         (
             ["--model_args", "pretrained=/nonexistent/model"],
-            "cannot load model '/nonexistent/model'",
+            "no such folder: '/nonexistent/model' (pretrained=/nonexistent/model)",
         ),
         (["--model_args", "pretrained=MODEL,parallelize=True"], "parallelize: rayeval shards"),
     ],

@@ -164,3 +164,49 @@ def test_refuses_to_pair_other_documents_or_few_shot_settings(pair: Any) -> None
     del other_seed.samples["t_acc"], other_seed.samples["t_ppl"]
     with pytest.raises(IncomparableError, match="no common task"):
         compare(a, other_seed)
+
+
+def test_corpus_metrics_say_which_documents_moved_by_their_log_likelihood() -> None:
+    """Perplexities keep a (log-likelihood, words) pair per document: the documents moved by
+    that log-likelihood, not "+0/-0"; a metric with no number per document says n/a."""
+    from rayeval.api.cli.compare import render
+
+    loglik_a = [-10.0, -20.0, -30.0, -40.0]
+    loglik_b = [-9.0, -21.0, -30.0, -35.0]
+
+    def evaluation(label: str, loglik: list[float]) -> EvaluationSamples:
+        samples = [
+            {
+                "doc_id": i,
+                "filter": "none",
+                "doc_hash": f"w{i}",
+                "metrics": ["word_perplexity", "bleu"],
+                "word_perplexity": [value, 5],
+                "bleu": [f"reference {i}", f"prediction {label} {i}"],
+            }
+            for i, value in enumerate(loglik)
+        ]
+        aggregations = {"word_perplexity": "weighted_perplexity", "bleu": "bleu"}
+        metric_list = [{"metric": m, "aggregation": agg} for m, agg in aggregations.items()]
+        results = {
+            "results": {"t_wiki": {"word_perplexity,none": 1.0, "bleu,none": 1.0}},
+            "configs": {"t_wiki": {"metric_list": metric_list}},
+            "n-shot": {"t_wiki": 0},
+            "higher_is_better": {"t_wiki": {"word_perplexity": False, "bleu": True}},
+            "config": {},
+        }
+        return EvaluationSamples(label, results, {"t_wiki": samples})
+
+    result = compare(evaluation("A", loglik_a), evaluation("B", loglik_b), iterations=200)
+    by_metric = {m.metric: m for m in result.metrics}
+    perplexity = by_metric["word_perplexity"]
+    assert perplexity.moved == "loglikelihood"
+    assert perplexity.better == [0, 3] and perplexity.worse == [1]
+    assert by_metric["bleu"].moved == "" and not by_metric["bleu"].better
+    table = render(result.to_json())
+    row = next(line for line in table.splitlines() if "word_perplexity" in line)
+    assert row.rstrip(" |").endswith("+2/-1"), row
+    assert (
+        next(line for line in table.splitlines() if "| bleu" in line).rstrip(" |").endswith("n/a")
+    )
+    assert "documents whose log-likelihood rose (+) or fell (-)" in table

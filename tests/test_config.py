@@ -100,6 +100,45 @@ def test_errors_name_rest_fields_and_cli_flags() -> None:
     assert "parallelism.num_replicas:" in rest and "timeouts.step_s:" in rest
 
 
+def test_refusals_name_fields_in_each_doors_words() -> None:
+    """A field named inside a message reads as a body field, a flag or a keyword (issue 38)."""
+    import pickle
+
+    from rayeval.actors.errors import ConfigError, LayoutError, RayEvalError
+    from rayeval.actors.layout import DeviceKind, ParallelLayout
+    from rayeval.service.vocabulary.doors import Door, render, reword
+
+    with pytest.raises(LayoutError) as caught:
+        ParallelLayout(3, 2).check_fits({"CPU": 4})
+    oversized = caught.value
+    assert "Lower --num_replicas / --shard_size" in str(oversized)
+    assert render(oversized, Door.CLI) == str(oversized)
+    rest = render(oversized, Door.REST)
+    assert "6 CPU requested, 4 in the cluster" in rest and "--" not in rest
+    assert "Lower parallelism.num_replicas / parallelism.shard_size" in rest
+    assert "Lower num_replicas= / shard_size=" in render(oversized, Door.PYTHON)
+    revived = pickle.loads(pickle.dumps(oversized))  # as it crosses Ray actors
+    assert render(revived, Door.REST) == rest and str(revived) == str(oversized)
+    reworded = reword(RayEvalError(oversized.marked_message), Door.PYTHON)
+    assert "Lower num_replicas= / shard_size=" in str(reworded)
+
+    with pytest.raises(LayoutError) as caught:
+        ParallelLayout(1, 1, device=DeviceKind.CUDA).check_fits({"CPU": 4})
+    assert '"device": "cpu"' in render(caught.value, Door.REST)
+    assert "device='auto'" in render(caught.value, Door.PYTHON)
+    assert "--device cpu" in str(caught.value)
+
+    bad = {**BASE, "model_args": "pretrained=org/model,tp_plan=auto"}
+    with pytest.raises(ValidationError) as invalid:
+        EvaluationConfig.model_validate(bad)
+    cli = describe_errors(invalid.value, cli_flag)
+    assert "use --shard_size with --shard_strategy tp (or auto)" in cli
+    rest = describe_errors(invalid.value, ".".join, Door.REST)
+    assert 'parallelism.shard_size with "parallelism": {"shard_strategy": "tp"}' in rest
+    with pytest.raises(ConfigError, match=r"parallelize: .* use shard_size= instead"):
+        config_from_keywords("org/model", parallelize=True)
+
+
 def test_placement_reaches_the_layout_from_every_door() -> None:
     from rayeval.actors.layout import DeviceKind, PlacementPolicy
     from rayeval.api.cli import build_parser

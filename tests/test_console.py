@@ -109,6 +109,38 @@ def test_rayeval_run_console_has_no_worker_output_and_the_results(
     assert HARMLESS not in log  # dropped at the source, not just hidden
 
 
+@pytest.mark.unit
+def test_watch_writes_plain_lines_where_there_is_no_terminal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``serve --demo`` and ``submit --wait`` into a file or a pipe: lines, no cursor codes."""
+    from rayeval.api.cli import remote
+
+    def state(status: str, done: int, seconds: float) -> dict[str, Any]:
+        counts = {"done": done, "total": 8, "tokens_per_s": 100.0, "real_token_fraction": 1.0}
+        phases = {"loglikelihood": {**counts, "seconds": seconds}} if status != "queued" else {}
+        return {"status": status, "progress": {"phases": phases}}
+
+    class Server:  # the one seam: what the server answers, poll after poll
+        def wait(self, evaluation_id: str, on_update: Any) -> dict[str, Any]:
+            states = [state("queued", 0, 0), state("running", 0, 0), state("running", 2, 1)]
+            states += [state("running", 4, 2), state("succeeded", 8, 4)]
+            for evaluation in states:
+                on_update(evaluation)
+            return states[-1]
+
+    monkeypatch.setattr(remote, "LINE_INTERVAL_S", 3600.0)  # one line at the start, one at the end
+    stream = io.StringIO()
+    assert remote.watch(Server(), "e1", stream)["status"] == "succeeded"  # type: ignore[arg-type]
+    assert stream.getvalue().splitlines() == [
+        "e1: queued",
+        "e1: running",
+        "loglikelihood: 0/8 req (0.0 req/s, 100 tokens/s)",
+        "e1: succeeded",
+        "loglikelihood: 8/8 req (2.0 req/s, 100 tokens/s)",
+    ]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -146,6 +178,8 @@ def test_make_run_shows_the_demo_lines(demo: Any, tmp_path: Path) -> None:
     assert "|demo" in console and "acc" in console  # lm-eval's table
     assert not WORKER_PREFIX.search(console), console[-4000:]
     assert HARMLESS not in console and '"GET /' not in console  # no access log either
+    assert "\x1b[" not in console and "\r" not in console, "cursor codes in a file"
+    assert re.search(r"^loglikelihood: \d+/\d+ req", console, re.MULTILINE), console[-4000:]
     (log_file,) = (tmp_path / "logs").glob("serve-*.log")
     log = log_file.read_text(errors="replace")
     assert WORKER_PREFIX.search(log) and "uvicorn" in log

@@ -180,3 +180,20 @@ def test_greedy_generations_vary_by_prompt(results: dict[str, Any]) -> None:
         generations = [sample["filtered_resps"][0] for sample in results["samples"][task]]
         assert len(set(generations)) >= len(generations) // 2, task
         assert all(generation.strip() for generation in generations), task
+
+
+@pytest.mark.unit
+def test_demo_tasks_load_without_lm_eval_warnings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every metric of the demo tasks says its aggregation and direction: lm-eval does not warn
+    that it falls back to its defaults."""
+    from lm_eval.tasks import TaskManager
+
+    from rayeval.service.demo.tasks import write_demo_tasks
+
+    manager = TaskManager(include_path=str(write_demo_tasks(tmp_path)), include_defaults=False)
+    with caplog.at_level("WARNING", logger="lm_eval"):
+        loaded = manager.load([DEMO_GROUP])
+    assert set(DEMO_TASKS) <= set(loaded["tasks"])
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []

@@ -79,6 +79,24 @@ def test_uneven_work_over_2x2_finishes_and_matches(demo: Any, ray_session: None)
         assert abs(ref_lp - lp) <= 1e-4 and ref_greedy == greedy
 
 
+@pytest.mark.unit
+def test_a_missing_local_model_is_a_missing_folder(tmp_path: Path) -> None:
+    """A path that does not exist is not explained as a malformed hub repo id."""
+    from rayeval.actors.errors import ConfigError
+    from rayeval.service.engine.lm import RayEvalLM
+
+    for given, folder in (
+        ("./no/such/model", "./no/such/model"),
+        (str(tmp_path / "missing"), str(tmp_path / "missing")),
+        ("~/no-such-model-here", str(Path("~/no-such-model-here").expanduser())),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            RayEvalLM(pretrained=given)
+        message = str(caught.value)
+        assert message.startswith(f"no such folder: {folder!r} (pretrained={given})"), message
+        assert "repo" not in message.lower(), message
+
+
 @pytest.mark.service
 def test_impossible_layout_fails_fast(demo: Any, ray_session: None) -> None:
     import ray
@@ -87,7 +105,7 @@ def test_impossible_layout_fails_fast(demo: Any, ray_session: None) -> None:
     from rayeval.service.engine.lm import RayEvalLM
 
     started = time.monotonic()
-    with pytest.raises(LayoutError, match=r"6 CPU requested, 4 in the cluster"):
+    with pytest.raises(LayoutError, match=r"4 in the cluster\. Lower num_replicas= / shard_size="):
         RayEvalLM(pretrained=str(demo.model_dir), num_replicas=3, shard_size=2)
     with pytest.raises(ConfigError, match=r"num_replicas: .* greater than or equal to 1, got 0"):
         RayEvalLM(pretrained=str(demo.model_dir), num_replicas=0, shard_size=1)

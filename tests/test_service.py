@@ -585,11 +585,18 @@ BAD_BODIES = [
     ({"num_fewshot": 1e30}, "num_fewshot"),
     ({"seed": 2**40}, "seed"),
     ({"samples": {"demo_nope": [0]}, "limit": None}, "samples: unknown tasks: 'demo_nope'"),
-    ({"model_args": "pretrained=org/model,parallelize=True"}, "parallelize: rayeval shards"),
+    (
+        {"model_args": "pretrained=org/model,parallelize=True"},
+        "parallelize: rayeval shards the model itself: use parallelism.shard_size instead",
+    ),
     ({"tasks": ["../../etc/task.yaml"]}, "look like paths"),
     ({"tasks": []}, "at least one task"),
     ({"tasks": ["demo_nope"]}, "tasks: unknown tasks: 'demo_nope'"),
-    ({"parallelism": {"num_replicas": 3, "shard_size": 2}}, "6 CPU requested, 4 in the cluster"),
+    (
+        {"parallelism": {"num_replicas": 3, "shard_size": 2}},
+        "6 CPU requested, 4 in the cluster. Lower parallelism.num_replicas / "
+        "parallelism.shard_size, or add nodes",
+    ),
     ({"parallelism": {"num_replicas": 0}}, "parallelism.num_replicas"),
     (
         {"parallelism": {"shard_size": 3, "shard_strategy": "tp"}},
@@ -632,6 +639,31 @@ def test_bad_input_is_a_422_naming_the_fix(
     assert response.status_code == 422, response.text
     detail = response.json()["detail"]
     assert message in detail, detail
+    assert "--num_replicas" not in detail and "--shard_" not in detail, "a REST body has no flags"
+
+
+@pytest.mark.service
+def test_a_body_that_is_not_a_json_object_says_what_to_send(
+    client: httpx.Client, demo: Any
+) -> None:
+    payload = json.dumps(body(demo)).encode()
+    form = "application/x-www-form-urlencoded"  # what `curl -d` sends
+    for headers, message in (
+        ({}, "(this request had no Content-Type;"),
+        ({"content-type": form}, f"(this request had Content-Type '{form}';"),
+        ({"content-type": "text/plain"}, "Content-Type 'text/plain'"),
+    ):
+        response = client.post("/evaluations", content=payload, headers=headers)
+        assert response.status_code == 422, response.text
+        detail = response.json()["detail"]
+        assert "with the header Content-Type: application/json" in detail, detail
+        assert message in detail, detail
+    for content, message in ((b"", "the body is empty"), (b"[1]", "must be a JSON object")):
+        response = client.post(
+            "/evaluations", content=content, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 422, response.text
+        assert message in response.json()["detail"], response.text
 
 
 @pytest.mark.service
@@ -689,6 +721,54 @@ def test_big_numbers_and_foreign_hosts_are_4xx(client: httpx.Client, server: Ser
     assert foreign.status_code == 400 and "--allowed-host" in foreign.json()["detail"]
     port = server.url.rsplit(":", 1)[1]
     assert client.get("/healthz", headers={"Host": f"localhost:{port}"}).status_code == 200
+
+
+def page_references(html: str) -> list[str]:
+    """Every URL an API docs page loads: links, scripts, its spec (Swagger's ``url:``)."""
+    import re
+
+    pattern = r"""(?:href|src|spec-url)=["']([^"']+)["']|\burl:\s*["']([^"']+)["']"""
+    return [a or b for a, b in re.findall(pattern, html)]
+
+
+@pytest.mark.service
+def test_api_docs_load_everything_from_this_server(client: httpx.Client) -> None:
+    """/docs works without internet: each asset it references is served here."""
+    response = client.get("/docs")
+    assert response.status_code == 200
+    references = page_references(response.text)
+    assert any(url.endswith("swagger-ui-bundle.js") for url in references), references
+    assert any(url.endswith(".css") for url in references), references
+    for url in references:
+        assert url.startswith("/") and not url.startswith("//"), f"/docs loads {url}"
+        fetched = client.get(url)
+        assert fetched.status_code == 200 and fetched.content, url
+    # ReDoc's bundle fetches its logo from its CDN whatever the page says: not served.
+    assert client.get("/redoc").status_code == 404
+
+
+@pytest.mark.e2e
+def test_api_docs_render_offline_in_a_browser(server: ServerThread) -> None:
+    """Chromium renders /docs with every request (the script's own included) to this server."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is absent: install it with `apt-get install -y chromium`")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            requested: list[str] = []
+            page.on("request", lambda request: requested.append(request.url))
+            page.goto(server.url + "/docs")
+            operations = page.locator("#swagger-ui .opblock-summary-path")
+            operations.first.wait_for(timeout=30_000)
+            page.wait_for_load_state("networkidle")
+            assert "/evaluations" in operations.all_text_contents()
+            foreign = [url for url in requested if not url.startswith(server.url + "/")]
+            assert foreign == [], foreign
+        finally:
+            browser.close()
 
 
 @pytest.mark.unit

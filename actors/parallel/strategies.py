@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rayeval.actors.errors import ConfigError, LayoutError
+from rayeval.actors.errors import ConfigError, LayoutError, field
 from rayeval.actors.layout import ShardStrategy
 from rayeval.actors.parallel.sharding import ShardingStrategy
 from rayeval.actors.profiles import ModelShape
@@ -97,8 +97,8 @@ def settle(
         raise LayoutError(
             f"shard_strategy {requested} needs every replica's {shard_size} ranks on one node, "
             f"but replica(s) {list(split_replicas)} were placed across nodes (other work held "
-            "parts of them): retry when the cluster is quieter, or use --shard_strategy auto or "
-            "fsdp."
+            "parts of them): retry when the cluster is quieter, or use "
+            f"{field('parallelism', 'shard_strategy', value='auto')} or fsdp."
         )
     return requested
 
@@ -108,6 +108,6 @@ def refusal(name: ShardStrategy | str, obstacles: Sequence[str]) -> str:
     return (
         f"shard_strategy {ShardStrategy(name)} cannot shard this model: "
         + "; ".join(obstacles)
-        + ". Use --shard_strategy auto (falls back to FSDP) or fsdp, or a --shard_size that "
-        "divides the head counts."
+        + f". Use {field('parallelism', 'shard_strategy', value='auto')} (falls back to FSDP) "
+        f"or fsdp, or a {field('parallelism', 'shard_size')} that divides the head counts."
     )

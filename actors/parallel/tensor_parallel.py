@@ -23,7 +23,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from rayeval.actors.errors import ModelLoadError
+from rayeval.actors.errors import ModelLoadError, field
 from rayeval.actors.layout import ShardStrategy
 from rayeval.actors.parallel import tp_exact
 from rayeval.actors.parallel.sharding import RankContext
@@ -109,7 +109,8 @@ class TensorParallel:
         except (ValueError, RuntimeError, NotImplementedError) as exc:
             raise ModelLoadError(
                 f"transformers could not load {spec.pretrained!r} tensor-parallel over "
-                f"{shard_size} ranks ({type(exc).__name__}: {exc}): use --shard_strategy fsdp"
+                f"{shard_size} ranks ({type(exc).__name__}: {exc}): use "
+                f"{field('parallelism', 'shard_strategy', value='fsdp')}"
             ) from exc
         model.eval()
         return model
@@ -165,7 +166,8 @@ def _exact_plan(meta_model: Any, config: Any) -> dict[str, str] | None:
     if inexact:
         raise ModelLoadError(
             f"transformers' tensor-parallel plan for {config.model_type} adds partial sums over "
-            f"the ranks ({', '.join(inexact)}): use --shard_strategy fsdp"
+            f"the ranks ({', '.join(inexact)}): use "
+            f"{field('parallelism', 'shard_strategy', value='fsdp')}"
         )
     return overrides or None  # an empty plan would turn tensor parallelism off
 

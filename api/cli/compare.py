@@ -133,7 +133,7 @@ _COLUMNS = (
     "p",
     "test",
     "unpaired 95% interval",
-    "flipped +/-",
+    "moved +/-",
 )
 
 
@@ -155,8 +155,10 @@ def render(answer: dict[str, Any]) -> str:
         "|" + "|".join("-" * (w + 2) for w in widths) + "|",
         *(line(row) for row in rows),
         "",
-        "* significant at the 5% level. flipped: documents B got right and A wrong (+), and the "
-        "reverse (-); for other metrics, documents whose value rose (+) or fell (-).",
+        "* significant at the 5% level. moved: documents B got right and A wrong (+), and the "
+        "reverse (-); for other metrics, documents whose value rose (+) or fell (-); for corpus "
+        "metrics (perplexities, bits per byte), documents whose log-likelihood rose (+) or fell "
+        "(-); n/a: the metric has no value per document.",
     ]
     for label, tasks in answer["unpaired_tasks"].items():
         if tasks:
@@ -179,7 +181,7 @@ def _row(metric: dict[str, Any]) -> list[Any]:
         _number(metric["p_value"]) + mark,
         metric["test"],
         _interval(metric["unpaired_interval"]),
-        f"+{flipped['better']}/-{flipped['worse']}",
+        f"+{flipped['better']}/-{flipped['worse']}" if metric.get("moved") else "n/a",
     ]
 
 

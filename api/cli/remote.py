@@ -253,6 +253,8 @@ def watch(client: RayEvalClient, evaluation_id: str, stream: Any = None) -> dict
     from tqdm import tqdm
 
     stream = stream or sys.stderr
+    if not _is_terminal(stream):  # a file or a pipe: no cursor movements, no redrawn bars
+        return _watch_in_lines(client, evaluation_id, stream)
     bars: dict[str, Any] = {}
     status_bar = tqdm(total=0, bar_format="{desc}", position=0, file=stream)
 
@@ -285,6 +287,46 @@ def watch(client: RayEvalClient, evaluation_id: str, stream: Any = None) -> dict
         for bar in bars.values():
             bar.close()
         status_bar.close()
+
+
+#: Seconds between two lines of one request type's progress when it is not a terminal.
+LINE_INTERVAL_S = 10.0
+
+
+def _is_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _watch_in_lines(client: RayEvalClient, evaluation_id: str, stream: Any) -> dict[str, Any]:
+    """:func:`watch` for a stream that is not a terminal: plain lines, one per change of state
+    and per request type at most every :data:`LINE_INTERVAL_S` seconds (and when it ends)."""
+    import time
+
+    said: dict[str, Any] = {}  # "status" -> the last state said; phase -> (done, when)
+
+    def update(evaluation: dict[str, Any]) -> None:
+        where = evaluation["status"]
+        if evaluation.get("queue_position"):
+            where += f" (queue #{evaluation['queue_position']})"
+        if said.get("status") != where:
+            said["status"] = where
+            print(f"{evaluation_id}: {where}", file=stream, flush=True)
+        now = time.monotonic()
+        for phase, p in _phases(evaluation).items():
+            done, when = said.get(phase, (None, -LINE_INTERVAL_S))
+            if p.done == done or (p.done < p.total and now - when < LINE_INTERVAL_S):
+                continue
+            said[phase] = (p.done, now)
+            rate = p.done / p.seconds if p.seconds > 0 else 0.0
+            print(
+                f"{phase}: {p.done}/{p.total} req ({rate:,.1f} req/s, "
+                f"{p.tokens_per_s:,.0f} tokens/s)",
+                file=stream,
+                flush=True,
+            )
+
+    return client.wait(evaluation_id, on_update=update)
 
 
 def _phases(evaluation: dict[str, Any]) -> dict[str, PhaseCounts]:

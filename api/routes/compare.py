@@ -59,9 +59,15 @@ class MetricDifference(BaseModel):
     )
     higher_is_better: bool | None
     better: list[Any] = Field(
-        description="Documents (ids) B got right and A wrong; other metrics: whose value rose."
+        description="Documents (ids) B got right and A wrong; other metrics: whose value (see "
+        "moved) rose."
     )
     worse: list[Any] = Field(description="The reverse.")
+    moved: str = Field(
+        description='What better and worse compare per document: "flips" (0/1 metrics), '
+        '"value", "loglikelihood" (perplexities and bits per byte: each document\'s '
+        'log-likelihood), or "" (the metric has no value per document).'
+    )
     significant: bool = Field(description="p_value < 0.05.")
     flipped: Flipped
 
@@ -90,7 +96,7 @@ def compare_evaluations(
 ) -> dict[str, Any]:
     """Per task and metric: the difference, its paired 95% interval and p-value (McNemar's exact
     test for 0/1 metrics, a paired bootstrap otherwise), the unpaired interval beside it, and the
-    documents that flipped each way (their samples: ``/evaluations/{id}/samples/{task}?doc_id=``).
+    documents that moved each way (their samples: ``/evaluations/{id}/samples/{task}?doc_id=``).
 
     404: an unknown id, or another user's evaluation for a member. 409: an evaluation that has
     not succeeded. 422: the two cannot be paired (the reason is named), or one was run without

@@ -719,12 +719,18 @@ function flipsCell(row, m, a, b) {
   td.className = "flips";
   const details = document.createElement("details");
   const summary = document.createElement("summary");
+  if (!m.moved) {  // a corpus-only value: no document moves on its own
+    td.textContent = "n/a";
+    td.title = "this metric has no value per document";
+    return;
+  }
   summary.textContent = "+" + m.flipped.better + " / −" + m.flipped.worse;
   details.appendChild(summary);
-  // 0/1 metrics: documents that flipped; others: documents whose value rose or fell in B.
-  const binary = m.test === "mcnemar";
-  const titles = binary ? { better: "B right, A wrong: ", worse: "A right, B wrong: " }
-    : { better: "higher in B: ", worse: "lower in B: " };
+  // 0/1 metrics: documents that flipped; others: documents whose value (for perplexities and
+  // bits per byte: log-likelihood) rose or fell in B.
+  const what = m.moved === "loglikelihood" ? "log-likelihood " : "";
+  const titles = m.moved === "flips" ? { better: "B right, A wrong: ", worse: "A right, B wrong: " }
+    : { better: what + "higher in B: ", worse: what + "lower in B: " };
   for (const [name, docs] of [["better", m.better], ["worse", m.worse]]) {
     const line = document.createElement("div");
     line.className = "docs " + name;

@@ -25,13 +25,14 @@ from typing import Any
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from rayeval.actors.errors import ConfigError
+from rayeval.actors.errors import ConfigError, RayEvalError
 from rayeval.service.engine.dispatch.warm import KeptReplicas
 from rayeval.service.engine.engine import Engine
 from rayeval.service.engine.parts.pipeline import Tunables
 from rayeval.service.engine.plan.checks import Origins
 from rayeval.service.vocabulary.config import EngineConfig, HostOptions
 from rayeval.service.vocabulary.config_fields import config_from_keywords
+from rayeval.service.vocabulary.doors import Door, reword
 from rayeval.service.vocabulary.events import Progress, RequestType
 
 
@@ -75,8 +76,14 @@ class RayEvalLM(TemplateLM):
         **options: Any,
     ) -> None:
         super().__init__()
-        config, host = _engine_config(pretrained, config, host, options)
-        self.engine = Engine(config, host, on_progress, on_warning, replicas, tunables)
+        keywords = config is None  # the fields an error names are keywords too
+        try:
+            config, host = _engine_config(pretrained, config, host, options)
+            self.engine = Engine(config, host, on_progress, on_warning, replicas, tunables)
+        except RayEvalError as exc:
+            if keywords:
+                reword(exc, Door.PYTHON)
+            raise
         self.batch_sizes: dict[int, int] = {}
         self.pretrained = config.pretrained
         self.tokenizer = self.engine.encoder.tokenizer

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayeval.actors.errors import ConfigError, LayoutError
+from rayeval.actors.errors import ConfigError, LayoutError, field
 from rayeval.actors.layout import ShardStrategy
 from rayeval.actors.parallel.strategies import refusal, strategy
 from rayeval.actors.profiles import ModelShape
@@ -40,7 +40,7 @@ from rayeval.actors.weights.checkpoint_dirs import by_step
 from rayeval.service.jobs.tasks import TaskCatalog
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
 from rayeval.service.vocabulary.errors import ServiceNotReadyError
-from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS
+from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS, looks_local
 
 #: lm-eval HF model args a request may set (others reach ``from_pretrained`` and could load
 #: files or code: the operator's business).
@@ -138,14 +138,14 @@ def check_submission(
             HostOptions(output_path="unused", include_paths=catalog.include_paths)
         )
     except ConfigError as exc:
-        problems.append(str(exc))
+        problems.append(exc.marked_message)
     if not task_problems(config):
         try:
             catalog.check(config.tasks, wait_s=task_index_wait_s)
             if config.samples:
                 catalog.check(tuple(config.samples), wait_s=task_index_wait_s, field="samples")
         except ConfigError as exc:
-            problems.append(str(exc))
+            problems.append(exc.marked_message)
         except ServiceNotReadyError:
             if not problems:
                 raise
@@ -154,7 +154,7 @@ def check_submission(
     except LayoutError as exc:
         if not problems:
             raise
-        problems.append(str(exc))
+        problems.append(exc.marked_message)
     if problems:
         raise ConfigError("; ".join(problems))
     return config
@@ -189,8 +189,9 @@ def strategy_problems(
     if chosen.one_node and holds and max(holds) < parallelism.shard_size:
         problems.append(
             f"shard_strategy {chosen.name} needs a replica's {parallelism.shard_size} ranks on one "
-            f"node, and no node of the cluster holds more than {max(holds)}: lower --shard_size "
-            "or use --shard_strategy auto (FSDP across nodes)"
+            f"node, and no node of the cluster holds more than {max(holds)}: lower "
+            f"{field('parallelism', 'shard_size')} or use "
+            f"{field('parallelism', 'shard_strategy', value='auto')} (FSDP across nodes)"
         )
     return problems
 
@@ -299,7 +300,7 @@ def _model_source_problems(
     A missing path and a path outside the roots get the same answer, so a request cannot probe
     the server's files.
     """
-    if not _looks_local(value) and not Path(value).exists():
+    if not looks_local(value) and not Path(value).exists():
         if policy.allow_hub_models:
             return []
         return [f"{where}: this server takes no hub ids: name a model under its model roots"]
@@ -391,8 +392,3 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, _NUMBER) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _looks_local(value: str) -> bool:
-    """A path, not a hub id: absolute, home- or dot-relative, or more than one ``/``."""
-    return value.startswith(("/", "~", "./", "../")) or value.count("/") > 1

@@ -1,9 +1,8 @@
 """The evaluation configuration's fields as each door names them: REST paths and CLI flags.
 
 A pydantic error location becomes the dotted REST name (:func:`field_path`) or the ``rayeval run``
-flag (:func:`cli_flag`), so an error names the field in the words of whoever made it;
-:data:`RAYEVAL_FLAGS` lists the flags of the fields lm-eval's own parser does not have, from which
-``rayeval run`` builds its options. No torch here.
+flag (:func:`cli_flag`), so an error names the field in the words of whoever made it, and so do
+the fields its message names (:mod:`rayeval.service.vocabulary.doors`). No torch here.
 """
 
 from __future__ import annotations
@@ -17,32 +16,18 @@ from pydantic import BaseModel, ValidationError
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.layout import Timeouts
 from rayeval.service.vocabulary.config import _GROUPS, EngineConfig, EvaluationConfig
+from rayeval.service.vocabulary.doors import RAYEVAL_FLAGS, Door, cli_flag, render
 
-#: ``rayeval run`` flags of the config fields that lm-eval's own parser does not have; every other
-#: field has lm-eval's flag of the same name.
-RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
-    ("parallelism", "num_replicas"): "--num_replicas",
-    ("parallelism", "shard_size"): "--shard_size",
-    ("parallelism", "cpus_per_rank"): "--cpus_per_rank",
-    ("parallelism", "shard_strategy"): "--shard_strategy",
-    ("parallelism", "placement"): "--placement",
-    ("parallelism", "shm_collectives"): "--shm_collectives",
-    ("max_batch_tokens",): "--max_batch_tokens",
-    ("share_prefixes",): "--share_prefixes",
-    ("continuous_batching",): "--continuous_batching",
-    ("kv_cache_tokens",): "--kv_cache_tokens",
-    ("tokenizer_workers",): "--tokenizer_workers",
-    ("timeouts", "placement_s"): "--placement_timeout",
-    ("timeouts", "load_s"): "--load_timeout",
-    ("timeouts", "step_s"): "--step_timeout",
-    ("timeouts", "collective_s"): "--collective_timeout",
-    ("timeouts", "control_s"): "--control_timeout",
-    ("timeouts", "reuse_s"): "--reuse_timeout",
-    ("bootstrap_iters",): "--bootstrap_iters",
-    ("scheduling", "priority"): "--priority",
-    ("scheduling", "preemptible"): "--preemptible",
-    ("tracking",): "--tracking",
-}
+__all__ = [  # the flags' table and cli_flag live in .doors; read here too, as before
+    "OTHER_DOORS",
+    "RAYEVAL_FLAGS",
+    "cli_flag",
+    "config_field_paths",
+    "config_from_keywords",
+    "describe_errors",
+    "field_info",
+    "field_path",
+]
 
 #: Config fields that ``rayeval run`` does not set with a flag of their own name, and their doors:
 #: a checkpoint sweep is ``--checkpoints`` (``run``, ``submit``) or a watch (``rayeval watch``,
@@ -67,11 +52,6 @@ def field_path(loc: Sequence[Any]) -> tuple[str, ...]:
     return tuple(path)
 
 
-def cli_flag(path: Sequence[str]) -> str:
-    """The ``rayeval run`` flag that sets the config field at ``path``."""
-    return RAYEVAL_FLAGS.get(tuple(path)) or f"--{path[0]}"
-
-
 def config_field_paths() -> list[tuple[str, ...]]:
     """Every leaf field of :class:`EvaluationConfig`, nested groups expanded."""
     paths: list[tuple[str, ...]] = []
@@ -94,12 +74,13 @@ def field_info(path: Sequence[str]) -> Any:
     return model.model_fields[path[-1]]
 
 
-def describe_errors(exc: Any, name: Any) -> str:
-    """A pydantic ``ValidationError`` as one message, each field named by ``name(path)``."""
+def describe_errors(exc: Any, name: Any, door: Door = Door.CLI) -> str:
+    """A pydantic ``ValidationError`` as one message, each field named by ``name(path)`` and the
+    fields its messages name in ``door``'s words."""
     problems = []
     for error in exc.errors():
         path = field_path(error.get("loc", ()))
-        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        message = render(str(error.get("msg", "")).removeprefix("Value error, "), door)
         where = name(path) if path else "options"
         if error.get("type") == "extra_forbidden":
             problems.append(f"unknown option {'.'.join(map(str, error['loc']))!r}")
@@ -139,4 +120,4 @@ def config_from_keywords(pretrained: str, **options: Any) -> EngineConfig:
     try:
         return EngineConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(describe_errors(exc, lambda path: path[-1])) from None
+        raise ConfigError(describe_errors(exc, lambda path: path[-1], Door.PYTHON)) from None

@@ -9,23 +9,26 @@ form parsed the way lm-eval parses it. No torch here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rayeval.actors.errors import ConfigError
+from rayeval.actors.errors import ConfigError, field
+
+_SHARD_SIZE = field("parallelism", "shard_size")
 
 #: Names lm-eval gives its Hugging Face backend; rayeval runs exactly that backend.
 HF_MODEL_NAMES = frozenset({"hf", "hf-auto", "huggingface"})
 
 #: lm-eval HF model args that rayeval replaces or does not support, and what to do instead.
 UNSUPPORTED_MODEL_ARGS = {
-    "parallelize": "rayeval shards the model itself: use --shard_size instead",
-    "device_map": "rayeval places the model itself: use --shard_size instead",
-    "max_memory_per_gpu": "rayeval places the model itself: use --shard_size instead",
-    "max_cpu_memory": "rayeval places the model itself: use --shard_size instead",
-    "offload_folder": "CPU offload is not supported: use a larger --shard_size",
-    "tp_plan": "rayeval applies the model's tensor-parallel plan itself: use --shard_size with "
-    "--shard_strategy tp (or auto)",
+    "parallelize": f"rayeval shards the model itself: use {_SHARD_SIZE} instead",
+    "device_map": f"rayeval places the model itself: use {_SHARD_SIZE} instead",
+    "max_memory_per_gpu": f"rayeval places the model itself: use {_SHARD_SIZE} instead",
+    "max_cpu_memory": f"rayeval places the model itself: use {_SHARD_SIZE} instead",
+    "offload_folder": f"CPU offload is not supported: use a larger {_SHARD_SIZE}",
+    "tp_plan": f"rayeval applies the model's tensor-parallel plan itself: use {_SHARD_SIZE} "
+    f"with {field('parallelism', 'shard_strategy', value='tp')} (or auto)",
     "peft": "PEFT adapters are not supported yet: merge the adapter into the model first",
     "delta": "delta weights are not supported yet: merge them into the model first",
     "autogptq": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
@@ -150,6 +153,18 @@ def parse_args_string(value: Any) -> Any:
                 f"cannot parse {value!r}: use key=value pairs separated by commas"
             ) from None
     return value
+
+
+def looks_local(value: str) -> bool:
+    """A model named by a path, not a hub id (``org/name``): absolute, home- or dot-relative,
+    more than one ``/``, or a separator a hub id never has."""
+    separators = {os.sep, os.altsep} - {None, "/"}
+    return (
+        value.startswith(("/", "~", "./", "../"))
+        or value in (".", "..")
+        or value.count("/") > 1
+        or any(sep in value for sep in separators if sep)
+    )
 
 
 def checked_model_args(value: dict[str, Any]) -> dict[str, Any]:

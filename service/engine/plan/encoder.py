@@ -36,7 +36,7 @@ from rayeval.actors.batches import ModelSpec
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.weights.hf_files import read_generation_config, resolve_dtype
 from rayeval.service.engine.plan.generation_planner import GenerateRequest
-from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS
+from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS, looks_local
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +78,19 @@ def meta_model(pretrained: str, model_args: dict[str, Any]) -> tuple[Any, torch.
         ConfigError: the model's config cannot be found.
     """
     common = _common(model_args)
+    folder = os.path.expanduser(pretrained)
+    if looks_local(pretrained) and not os.path.exists(folder):
+        # transformers would read it as a hub id and explain what a repo id may contain
+        raise ConfigError(
+            f"no such folder: {folder!r} (pretrained={pretrained}): give the folder that holds "
+            "the model's config.json, or a Hugging Face hub id (org/name)"
+        )
     try:
         config = transformers.AutoConfig.from_pretrained(pretrained, **common)
     except OSError as exc:
         raise ConfigError(
-            f"cannot load model {pretrained!r}: {exc}. Pass an existing local path or a Hugging "
-            "Face hub id as pretrained=..."
+            f"cannot load model {pretrained!r}: {str(exc).rstrip('.')}. Pass an existing local "
+            "path or a Hugging Face hub id as pretrained=..."
         ) from exc
     dtype = resolve_dtype(model_args.get("dtype", "auto"), config)
     with torch.device("meta"):
