@@ -38,9 +38,9 @@ from rayeval.api.routes import (
 )
 from rayeval.api.settings import Settings
 from rayeval.api.views import EvaluationViews, EventFeed
+from rayeval.service.engine.dispatch.cluster import connect
 from rayeval.service.jobs.manager import EvaluationManager
 from rayeval.service.jobs.options import ManagerOptions
-from rayeval.service.jobs.ray_resources import connect_ray
 from rayeval.service.jobs.store import EvaluationStore
 from rayeval.service.jobs.tasks import TaskCatalog
 from rayeval.service.jobs.validation import ServerPolicy
@@ -157,9 +157,14 @@ class TrustedHosts:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    owns_ray = await asyncio.to_thread(
-        connect_ray, settings.ray_address, settings.num_cpus, settings.ray_namespace
+    connection = await asyncio.to_thread(
+        connect,
+        settings.ray_address,
+        embedded_cpus=settings.num_cpus,
+        namespace=settings.ray_namespace,
+        log_to_driver=False,
     )
+    owns_ray = connection.started
     store = EvaluationStore(settings.effective_database_url)
     store.create_schema()
     catalog = await asyncio.to_thread(TaskCatalog, settings.include_paths)

@@ -29,7 +29,7 @@ from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, ShardStrategy
 from rayeval.actors.protocol import InputTokens, LoadReport, RankSite
-from rayeval.service.engine.dispatch.cluster import connect, pick_device
+from rayeval.service.engine.dispatch.cluster import connect, embedded_cpus, pick_device
 from rayeval.service.engine.dispatch.executor import Executor
 from rayeval.service.engine.dispatch.phases import PhaseStats
 from rayeval.service.engine.dispatch.warm import KeptReplicas, replica_key
@@ -117,7 +117,8 @@ class Engine:
         if config.checkpoint:  # refused here, before any rank starts
             model_shell.check_checkpoint(config.checkpoint, self.encoder.model, config.pretrained)
         self._cache = open_cache(host.lm_eval.get("use_cache"), config.model_args)
-        self.connection = connect(host.address, config.layout(DeviceKind.CPU))
+        cpus = embedded_cpus(config.layout(DeviceKind.CPU))
+        self.connection = connect(host.address, embedded_cpus=cpus)
         self.layout = config.layout(pick_device(config.device))
         self.name = host.name or f"rayeval-{uuid.uuid4().hex[:8]}"
         #: Score inputs that share a prefix are packed into token-tree rows.

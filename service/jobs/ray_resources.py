@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,31 +35,6 @@ def find_runner(evaluation_id: str, namespace: str) -> Any | None:
 def group_name(evaluation_id: str) -> str:
     """Name of the evaluation's placement group, and prefix of its rank actors' names."""
     return f"rayeval-{evaluation_id}"
-
-
-def connect_ray(address: str | None, num_cpus: int | None, namespace: str) -> bool:
-    """Make this process a Ray driver; reuse an initialised Ray session.
-
-    Args:
-        address: An existing cluster (``auto``, ``host:6379``, ``ray://...``); None:
-            ``$RAY_ADDRESS`` or else an embedded local Ray.
-        num_cpus: Logical CPUs of an embedded Ray (None: the machine's cores).
-        namespace: The driver's Ray namespace.
-
-    Returns:
-        True if this call started or joined Ray (the caller shuts it down), False if reused.
-    """
-    if ray.is_initialized():
-        logger.info("using the Ray session already initialised in this process")
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, namespace=namespace, log_to_driver=False)
-        logger.info("connected to the Ray cluster at %s", address)
-    else:
-        ray.init(num_cpus=num_cpus, namespace=namespace, include_dashboard=False)
-        logger.info("started an embedded Ray with %s logical CPUs", num_cpus or os.cpu_count())
-    return True
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import ray
@@ -20,30 +21,66 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def connect(address: str | None, layout: ParallelLayout) -> str:
-    """Make sure this process is a Ray driver and return how it is connected.
+@dataclass(frozen=True)
+class Connection:
+    """How this process is a Ray driver.
+
+    Args:
+        how: ``"existing session"``, the cluster's address, or ``"embedded"``.
+        started: This call started or joined Ray (its caller shuts it down); False when an
+            initialised session was reused.
+    """
+
+    how: str
+    started: bool
+
+    def __str__(self) -> str:
+        return self.how
+
+
+def connect(
+    address: str | None,
+    *,
+    embedded_cpus: int | None = None,
+    namespace: str | None = None,
+    log_to_driver: bool = True,
+) -> Connection:
+    """Make this process a Ray driver: the one way rayeval connects (the engine, the service).
 
     An already initialised Ray session is reused. Otherwise ``address`` (or the ``RAY_ADDRESS``
     environment variable, as set inside ``ray job submit``) names an existing cluster; without one,
-    a local Ray starts with enough logical CPUs for every rank (logical CPUs may exceed cores).
+    a local Ray starts.
 
     Args:
         address: A Ray address (``auto``, ``ray://host:10001``, ``host:6379``) or None.
-        layout: The layout to size an embedded cluster for.
-
-    Returns:
-        ``"existing session"``, the address, or ``"embedded"``.
+        embedded_cpus: Logical CPUs of an embedded Ray (None: the machine's cores); logical CPUs
+            may exceed cores.
+        namespace: The driver's Ray namespace (None: Ray's anonymous one).
+        log_to_driver: Print the workers' output in this process (the service keeps its own
+            log: no).
     """
     if ray.is_initialized():
-        return "existing session"
+        logger.info("using the Ray session already initialised in this process")
+        return Connection("existing session", started=False)
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
-        return address
-    cpus = max(os.cpu_count() or 1, layout.world * layout.cpus_per_rank + 1)
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
-    logger.info("started an embedded Ray with %d logical CPUs", cpus)
-    return "embedded"
+        ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+        logger.info("connected to the Ray cluster at %s", address)
+        return Connection(address, started=True)
+    ray.init(
+        num_cpus=embedded_cpus,
+        namespace=namespace,
+        include_dashboard=False,
+        log_to_driver=log_to_driver,
+    )
+    logger.info("started an embedded Ray with %s logical CPUs", embedded_cpus or os.cpu_count())
+    return Connection("embedded", started=True)
+
+
+def embedded_cpus(layout: ParallelLayout) -> int:
+    """Logical CPUs of a Ray embedded for ``layout``: the machine's cores, or one per rank's
+    CPUs and one for the driver where that is more."""
+    return max(os.cpu_count() or 1, layout.world * layout.cpus_per_rank + 1)
 
 
 def pick_device(requested: str | None) -> DeviceKind:
