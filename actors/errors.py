@@ -50,6 +50,11 @@ def worded(text: str, name: Callable[[tuple[str, ...], str | None], str]) -> str
     return _FIELD.sub(lambda mark: name(tuple(mark[1].split(".")), mark[2]), text)
 
 
+def in_flags(text: str) -> str:
+    """``text`` with its :func:`field` marks in the command line's words (for a log line)."""
+    return worded(text, _flag)
+
+
 def _flag(path: tuple[str, ...], value: str | None) -> str:
     """The command line's words for a field (``rayeval run`` names most fields ``--{name}``)."""
     if value is None:

@@ -394,7 +394,7 @@ def rank_failure(
     """
     cause = exc.cause
     if isinstance(cause, RayEvalError):
-        return type(cause)(str(cause))
+        return type(cause)(cause.marked_message)
     hint = oom_hint if out_of_memory(cause) else ""
     return error(f"a rank failed while {doing}: {type(cause).__name__}: {cause}{hint}")
 

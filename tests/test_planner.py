@@ -134,10 +134,12 @@ def test_the_kv_budget_is_the_plan_and_memory_only_bounds_it(
     # Without a KV-cache setting, the slots alone bound a group (what its `slots` largest
     # requests need): the plan depends on the requests and settings only. A rank's memory
     # bounds it only where it holds less; a request that needs more is refused, naming why.
+    from rayeval.actors.errors import field
     from rayeval.actors.protocol import LoadReport
     from rayeval.service.engine.plan.budgets import MEMORY_SETTING, memory_kv_tokens, slot_budget
     from rayeval.service.engine.plan.generation_planner import SlotBudget, plan_generate_groups
     from rayeval.service.vocabulary.config import EngineConfig
+    from rayeval.service.vocabulary.doors import Door, render
 
     requests = [GenerateRequest((1,) * n, 4, ("\n",)) for n in (30, 90, 50, 900, 10)]
     seeds = [None] * len(requests)
@@ -162,7 +164,13 @@ def test_the_kv_budget_is_the_plan_and_memory_only_bounds_it(
     options = EngineConfig(
         model_args="pretrained=m", batch_size=2, kv_cache_tokens=100, max_batch_tokens=300
     )
-    assert slot_budget(options, None) == SlotBudget(2, 100, "--kv_cache_tokens", 300)
+    budget = slot_budget(options, None)
+    assert budget == SlotBudget(2, 100, field("kv_cache_tokens"), 300)
+    with pytest.raises(ConfigError) as refused:
+        plan_generate_groups(requests, budget, seeds)
+    # Each door words the setting to raise its own way.
+    assert "raise --kv_cache_tokens" in str(refused.value)
+    assert "raise kv_cache_tokens" in render(refused.value, Door.REST)
 
 
 def test_a_group_admits_by_slots_kv_cache_and_prefill_wave() -> None:

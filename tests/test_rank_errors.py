@@ -56,3 +56,14 @@ def test_any_other_cause_is_named_without_the_hint(cause: BaseException) -> None
 def test_a_rayeval_error_keeps_its_class_and_message() -> None:
     failure = _failure(ModelLoadError("cannot load 'x': no config.json"))
     assert type(failure) is ModelLoadError and str(failure) == "cannot load 'x': no config.json"
+
+
+def test_a_rank_error_keeps_its_field_marks_for_each_door() -> None:
+    from rayeval.actors.errors import ConfigError, field
+    from rayeval.service.vocabulary.doors import Door, render
+
+    cause = ConfigError(f"too long: raise {field('parallelism', 'shard_size')}")
+    failure = _failure(cause)
+    assert str(failure) == "too long: raise --shard_size"
+    assert render(failure, Door.REST) == "too long: raise parallelism.shard_size"
+    assert render(failure, Door.PYTHON) == "too long: raise shard_size="

@@ -35,6 +35,7 @@ from rayeval.service.jobs.ray_resources import group_name, runner_name
 from rayeval.service.jobs.sweep_runner import SweepReports, run_service_sweep
 from rayeval.service.trackers import Trackers
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+from rayeval.service.vocabulary.doors import Door, render
 from rayeval.service.vocabulary.events import (
     CheckpointOutputs,
     Progress,
@@ -171,7 +172,8 @@ class EvaluationRunner:
             outputs = self._evaluate(evaluation_id, config, output_dir)
         except RayEvalError as exc:
             kind = type(exc).__name__
-            self._emit(evaluation_id, RunnerFailed, error=str(exc), kind=kind)
+            # Read over REST: the fields it names are a body's fields.
+            self._emit(evaluation_id, RunnerFailed, error=render(exc, Door.REST), kind=kind)
         except Exception as exc:  # lm-eval raises plain exceptions for bad task/model setups
             logger.exception("evaluation %s failed", evaluation_id)
             kind = type(exc).__name__

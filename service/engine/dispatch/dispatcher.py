@@ -38,13 +38,17 @@ from rayeval.actors.errors import (
     ResultIntegrityError,
     WorkerLostError,
 )
+from rayeval.actors.errors import field as config_field
 from rayeval.actors.group import Replica, WorkerGroup, rank_failure
 from rayeval.service.engine.dispatch import heap
 
 logger = logging.getLogger(__name__)
 
 #: Appended to a rank's failure only when it ran out of memory (:func:`rank_failure`).
-_OOM_HINT = ". Lower --batch_size / --max_batch_tokens or raise --shard_size."
+_OOM_HINT = (
+    f". Lower {config_field('batch_size')} / {config_field('max_batch_tokens')} or raise "
+    f"{config_field('parallelism', 'shard_size')}."
+)
 
 
 @dataclass(frozen=True)
@@ -407,7 +411,8 @@ class Dispatcher:
         if not self._alive:
             raise WorkerLostError(
                 f"every replica was lost (last: {exc}). Check node health and memory (a rank "
-                "killed for out-of-memory needs a smaller --batch_size or a larger --shard_size)."
+                f"killed for out-of-memory needs a smaller {config_field('batch_size')} or a "
+                f"larger {config_field('parallelism', 'shard_size')})."
             )
 
 

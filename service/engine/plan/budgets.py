@@ -4,6 +4,7 @@ much of a continuous-batching group runs at once)."""
 
 from __future__ import annotations
 
+from rayeval.actors.errors import field
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
 from rayeval.actors.protocol import LoadReport
@@ -36,12 +37,12 @@ def slot_budget(config: EngineConfig, group: WorkerGroup | None) -> SlotBudget:
     slots = slots or config.max_batch_size or DEFAULT_MAX_BATCH_ROWS
     prefill = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
     if config.kv_cache_tokens:
-        return SlotBudget(slots, config.kv_cache_tokens, "--kv_cache_tokens", prefill)
+        return SlotBudget(slots, config.kv_cache_tokens, field("kv_cache_tokens"), prefill)
     if config.max_batch_tokens:
-        return SlotBudget(slots, config.max_batch_tokens, "--max_batch_tokens", prefill)
+        return SlotBudget(slots, config.max_batch_tokens, field("max_batch_tokens"), prefill)
     held = memory_kv_tokens(group.wait_ready()) if group is not None else None
     if held is None:
-        return SlotBudget(slots, None, "--kv_cache_tokens", prefill)
+        return SlotBudget(slots, None, field("kv_cache_tokens"), prefill)
     return SlotBudget(slots, held, MEMORY_SETTING, prefill)
 
 

@@ -33,7 +33,7 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from rayeval.actors.batches import ModelSpec
-from rayeval.actors.errors import ConfigError
+from rayeval.actors.errors import ConfigError, field
 from rayeval.actors.weights.hf_files import read_generation_config, resolve_dtype
 from rayeval.service.engine.plan.generation_planner import GenerateRequest
 from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS, looks_local
@@ -166,7 +166,7 @@ def generate_request(
     if max_ctx_len <= 0:
         raise ConfigError(
             f"max_gen_toks ({max_gen_toks}) must be below the model's max_length "
-            f"({encoder.max_length}): lower max_gen_toks in --gen_kwargs or the task"
+            f"({encoder.max_length}): lower max_gen_toks in {field('gen_kwargs')} or the task"
         )
     # tok_batch_encode's rules for one string: BOS-prefixed text gets no special tokens.
     tokenizer = encoder.tokenizer

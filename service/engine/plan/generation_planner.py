@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayeval.actors.batches import GenerateGroup, GenerateMicroBatch, SlotRequest
-from rayeval.actors.errors import ConfigError
+from rayeval.actors.errors import ConfigError, in_flags
+from rayeval.actors.errors import field as config_field
 from rayeval.service.engine.plan.planner import TokenBudget, cut_by_budget
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,10 @@ def plan_generate(requests: Sequence[GenerateRequest], budget: TokenBudget) -> G
 
 
 #: How an error names the KV-cache bound that the ranks' free memory sets (after "raise").
-MEMORY_SETTING = "the device memory each rank has free after loading (a larger --shard_size)"
+MEMORY_SETTING = (
+    "the device memory each rank has free after loading "
+    f"(a larger {config_field('parallelism', 'shard_size')})"
+)
 
 #: A continuous-batching group holds this many requests per slot: enough that refilled slots stay
 #: busy for most of the group, few enough that replicas share the work.
@@ -117,7 +121,7 @@ class SlotBudget:
 
     slots: int
     kv_tokens: int | None
-    setting: str = "--max_batch_tokens"
+    setting: str = config_field("max_batch_tokens")
     prefill_tokens: int | None = None
 
     def slots_need(self, needs: Sequence[int]) -> int:
@@ -191,7 +195,7 @@ def plan_generate_groups(
             "between layouts. Set --kv_cache_tokens to fix the plan.",
             bound,
             len(groups),
-            budget.setting,
+            in_flags(budget.setting),
             budget.kv_tokens,
         )
     return GroupPlan(groups, locations)

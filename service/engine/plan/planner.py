@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayeval.actors.batches import ScoreMicroBatch, ScoreRow
-from rayeval.actors.errors import ConfigError
+from rayeval.actors.errors import ConfigError, field
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ class TokenBudget:
         if self.max_tokens < 1 or (self.max_rows is not None and self.max_rows < 1):
             raise ConfigError(
                 f"batch limits must be >= 1 (max_tokens={self.max_tokens}, "
-                f"max_rows={self.max_rows}): pass a positive --batch_size / --max_batch_tokens"
+                f"max_rows={self.max_rows}): pass a positive {field('batch_size')} / "
+                f"{field('max_batch_tokens')}"
             )
 
     def fits(self, rows: int, width: int) -> bool:
