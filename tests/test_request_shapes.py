@@ -281,6 +281,7 @@ def test_flagged_requests_reach_the_results_file_and_the_live_callback(
     """What ``rayeval run`` and the service write: a results field, and a warning as it happens."""
     from rayeval.service.engine.runner import run_evaluation
     from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+    from rayeval.service.vocabulary.events import RequestWarning, TrackerWarning
 
     config = EvaluationConfig(
         model_args={"pretrained": str(shapes["gemma"]), "dtype": "float32"},
@@ -290,7 +291,7 @@ def test_flagged_requests_reach_the_results_file_and_the_live_callback(
         bootstrap_iters=0,
     )
     host = HostOptions(output_path=str(tmp_path / "out"), include_paths=(str(shapes["tasks_dir"]),))
-    warnings: list[dict[str, Any]] = []
+    warnings: list[RequestWarning | TrackerWarning] = []
     output = run_evaluation(config, host, on_warning=warnings.append)
     assert output is not None
     (results_file,) = (tmp_path / "out").glob("*/results_*.json")
@@ -299,5 +300,6 @@ def test_flagged_requests_reach_the_results_file_and_the_live_callback(
     assert (
         written["empty_continuation"]["count"] == 12 and written["merged_boundary"]["count"] == 18
     )
-    assert [w["task"] for w in warnings] == ["shapes_mc"]
-    assert warnings[0]["counts"] == {"empty_continuation": 12, "merged_boundary": 18}
+    assert [w.task for w in warnings if isinstance(w, RequestWarning)] == ["shapes_mc"]
+    assert isinstance(warnings[0], RequestWarning)
+    assert warnings[0].counts == {"empty_continuation": 12, "merged_boundary": 18}

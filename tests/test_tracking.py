@@ -438,12 +438,14 @@ def test_tracker_warnings_travel_from_runner_to_stream() -> None:
         TrackerWarningEvent,
         WarningEvent,
         stream_event,
-        warning_of,
     )
 
     tracker = TrackerWarning(tracker="mlflow", message="not recorded")
     request = RequestWarning(task="t", counts={"empty_continuation": 1}, example={})
-    assert warning_of(tracker.dump()) == tracker and warning_of(request.dump()) == request
+    assert (
+        RunnerWarning.parse(RunnerWarning(seq=1, time=1.0, warning=request).dump()).warning
+        == request
+    )
     events = [
         RunnerWarning(seq=1, time=1.0, warning=tracker),
         RunnerWarning(seq=2, time=2.0, warning=request),

@@ -52,7 +52,7 @@ from rayeval.service.engine.plan.encoder import (
 from rayeval.service.engine.response_cache import open_cache
 from rayeval.service.private_apis import check_private_apis
 from rayeval.service.vocabulary.config import DEFAULT_SEED, EngineConfig, HostOptions
-from rayeval.service.vocabulary.events import Progress, RequestType
+from rayeval.service.vocabulary.events import OnWarning, Progress, RequestType
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Engine:
         config: The engine's configuration.
         host: Where it runs: the Ray address, the actors' name prefix, the response cache.
         on_progress: Called after every finished step.
-        on_warning: Called with ``{task, counts, example}`` when a task has loglikelihood
+        on_warning: Called with a ``RequestWarning`` when a task has loglikelihood
             requests whose tokens do not measure it (see :mod:`rayeval.service.engine.plan.checks`).
         replicas: Loaded replicas to use if they match, and where to keep these ones after a
             successful evaluation (:mod:`rayeval.service.engine.dispatch.warm`).
@@ -98,7 +98,7 @@ class Engine:
         config: EngineConfig,
         host: HostOptions,
         on_progress: Callable[[Progress], None] | None = None,
-        on_warning: Callable[[dict[str, Any]], None] | None = None,
+        on_warning: OnWarning | None = None,
         replicas: KeptReplicas | None = None,
         tunables: Tunables | None = None,
     ) -> None:

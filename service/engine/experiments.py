@@ -16,14 +16,14 @@ import contextlib
 import json
 import logging
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from rayeval.actors.errors import ConfigError
 from rayeval.service.trackers import TrackerError, log_to_mlflow, wandb_init_args
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
-from rayeval.service.vocabulary.events import TrackerWarning
+from rayeval.service.vocabulary.events import OnWarning, TrackerWarning
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class ExperimentLog:
         config: The evaluation.
         host: Where it runs: ``host.trackers`` and lm-eval's ``wandb_args``.
         cfg: lm-eval's ``EvaluatorConfig`` of the evaluation (its W&B arguments).
-        on_warning: Called with each tracker warning's JSON form.
+        on_warning: Called with each tracker warning.
 
     Raises:
         ConfigError: W&B is asked for and wandb is not installed, or ``--trackio_args`` given.
@@ -46,7 +46,7 @@ class ExperimentLog:
         config: EvaluationConfig,
         host: HostOptions,
         cfg: Any,
-        on_warning: Callable[[dict[str, Any]], None] | None = None,
+        on_warning: OnWarning | None = None,
     ) -> None:
         self._config = config
         self._host = host
@@ -142,7 +142,7 @@ def record_mlflow(
     results: Mapping[str, Any],
     samples: Mapping[str, Any] | None,
     files: list[Path],
-    on_warning: Callable[[dict[str, Any]], None] | None = None,
+    on_warning: OnWarning | None = None,
 ) -> None:
     """A finished evaluation as one MLflow run, if it asked to be tracked and the host has an
     MLflow server; a failure is a warning.
@@ -154,7 +154,7 @@ def record_mlflow(
         samples: lm-eval's samples (None: not logged).
         files: lm-eval's files as written; when it wrote none, the results and samples are
             written to a temporary directory for the run.
-        on_warning: Called with the warning's JSON form when MLflow did not record it.
+        on_warning: Called with a warning when MLflow did not record it.
     """
     if config.tracking is None or not host.trackers.mlflow_tracking_uri:
         return
@@ -169,10 +169,10 @@ def record_mlflow(
             logger.info("recorded in MLflow: %s", url)
 
 
-def _warn(tracker: str, message: str, on_warning: Callable[[dict[str, Any]], None] | None) -> None:
+def _warn(tracker: str, message: str, on_warning: OnWarning | None) -> None:
     logger.warning("%s: %s", tracker, message)
     if on_warning is not None:
-        on_warning(TrackerWarning(tracker=tracker, message=message).dump())
+        on_warning(TrackerWarning(tracker=tracker, message=message))
 
 
 def written_files(tracker: Any, results: Mapping[str, Any]) -> list[Path]:

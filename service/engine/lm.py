@@ -33,7 +33,7 @@ from rayeval.service.engine.plan.checks import Origins
 from rayeval.service.vocabulary.config import EngineConfig, HostOptions
 from rayeval.service.vocabulary.config_fields import config_from_keywords
 from rayeval.service.vocabulary.doors import Door, reword
-from rayeval.service.vocabulary.events import Progress, RequestType
+from rayeval.service.vocabulary.events import OnWarning, Progress, RequestType
 
 
 @register_model("rayeval")
@@ -70,7 +70,7 @@ class RayEvalLM(TemplateLM):
         config: EngineConfig | None = None,
         host: HostOptions | None = None,
         on_progress: Callable[[Progress], None] | None = None,
-        on_warning: Callable[[dict[str, Any]], None] | None = None,
+        on_warning: OnWarning | None = None,
         replicas: KeptReplicas | None = None,
         tunables: Tunables | None = None,
         **options: Any,
@@ -94,7 +94,7 @@ class RayEvalLM(TemplateLM):
         config: EngineConfig,
         host: HostOptions | None = None,
         on_progress: Callable[[Progress], None] | None = None,
-        on_warning: Callable[[dict[str, Any]], None] | None = None,
+        on_warning: OnWarning | None = None,
         replicas: KeptReplicas | None = None,
     ) -> RayEvalLM:
         """The engine for ``config`` (an :class:`EvaluationConfig` is one), started on ``host``."""

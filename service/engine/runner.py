@@ -28,7 +28,7 @@ from rayeval.service.engine.experiments import ExperimentLog, written_files
 from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
-from rayeval.service.vocabulary.events import Progress
+from rayeval.service.vocabulary.events import OnWarning, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def run_evaluation(
     config: EvaluationConfig,
     host: HostOptions,
     on_progress: Callable[[Progress], None] | None = None,
-    on_warning: Callable[[dict[str, Any]], None] | None = None,
+    on_warning: OnWarning | None = None,
     replicas: KeptReplicas | None = None,
 ) -> EvaluationOutput | None:
     """Evaluate like ``lm_eval run --model hf`` with the model spread over Ray actors.
@@ -105,7 +105,7 @@ def run_evaluation(
             it is set (a local path, or an fsspec URL such as ``s3://bucket/evals`` with its
             package installed).
         on_progress: Called after every finished step.
-        on_warning: Called when a task has such requests (``{task, counts, example}``), and
+        on_warning: Called when a task has such requests (a ``RequestWarning``), and
             when an experiment tracker did not record the evaluation (``{tracker, message}``:
             :mod:`rayeval.service.engine.experiments`; the evaluation still succeeds).
         replicas: Loaded replicas to use if they match, and to keep these ones in after a
@@ -143,7 +143,7 @@ def _evaluate(
     task_manager: TaskManager,
     target: OutputTarget | None,
     on_progress: Callable[[Progress], None] | None,
-    on_warning: Callable[[dict[str, Any]], None] | None,
+    on_warning: OnWarning | None,
     replicas: KeptReplicas | None,
 ) -> EvaluationOutput | None:
     tracker = make_tracker(cfg, target.local_path if target is not None else None)

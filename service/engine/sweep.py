@@ -46,7 +46,7 @@ from rayeval.service.engine.response_cache import ResponseCache, cache_file, mod
 from rayeval.service.engine.runner import evaluate_on, make_tracker, resolve_tasks, save
 from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary, metrics_of
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
-from rayeval.service.vocabulary.events import Progress
+from rayeval.service.vocabulary.events import OnWarning, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Sweep:
         config: EvaluationConfig,
         host: HostOptions,
         on_progress: Callable[[Progress], None] | None = None,
-        on_warning: Callable[[dict[str, Any]], None] | None = None,
+        on_warning: OnWarning | None = None,
     ) -> None:
         if config.checkpoint:
             raise ConfigError(
@@ -304,7 +304,7 @@ def run_sweep(
     checkpoints: Sequence[str | Path],
     on_checkpoint: Callable[[CheckpointRecord], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
-    on_warning: Callable[[dict[str, Any]], None] | None = None,
+    on_warning: OnWarning | None = None,
 ) -> SweepSummary:
     """Evaluate every checkpoint in turn on one engine; every one is checked first.
 

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.weights.checkpoint_dirs import candidates, label_of, step_of
@@ -29,7 +28,7 @@ from rayeval.service.engine.sweep import Sweep
 from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
 from rayeval.service.vocabulary.config_groups import MAX_POLL_S, MIN_POLL_S
-from rayeval.service.vocabulary.events import Progress
+from rayeval.service.vocabulary.events import OnWarning, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ def watch(
     on_checkpoint: Callable[[CheckpointRecord], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     on_progress: Callable[[Progress], None] | None = None,
-    on_warning: Callable[[dict[str, Any]], None] | None = None,
+    on_warning: OnWarning | None = None,
 ) -> SweepSummary:
     """Evaluate each new, complete checkpoint under ``root`` until stopped (module docstring).
 

@@ -40,6 +40,7 @@ from rayeval.service.vocabulary.events import (
     CheckpointOutputs,
     Progress,
     ReplicaReuse,
+    RequestWarning,
     RunnerCheckpoint,
     RunnerEvent,
     RunnerFailed,
@@ -49,7 +50,7 @@ from rayeval.service.vocabulary.events import (
     RunnerWaiting,
     RunnerWarning,
     RunOutputs,
-    warning_of,
+    TrackerWarning,
 )
 
 logger = logging.getLogger(__name__)
@@ -194,8 +195,8 @@ class EvaluationRunner:
             # and start-up figures (/metrics and the dashboard read them from stored progress).
             self._emit(evaluation_id, RunnerProgress, progress=progress)
 
-        def on_warning(data: dict[str, Any]) -> None:
-            self._emit(evaluation_id, RunnerWarning, warning=warning_of(data))
+        def on_warning(warning: RequestWarning | TrackerWarning) -> None:
+            self._emit(evaluation_id, RunnerWarning, warning=warning)
 
         host = HostOptions(
             output_path=str(output_dir),

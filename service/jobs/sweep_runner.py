@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
-from rayeval.service.vocabulary.events import CheckpointOutputs, Progress, ReplicaReuse, RunOutputs
+from rayeval.service.vocabulary.events import (
+    CheckpointOutputs,
+    OnWarning,
+    Progress,
+    ReplicaReuse,
+    RunOutputs,
+)
 
 #: Longest a waiting watch stays silent.
 WAITING_EVERY_S = 10.0
@@ -45,7 +51,7 @@ class SweepReports:
         on_checkpoint: Callable[[CheckpointOutputs], None],
         on_waiting: Callable[[], None],
         on_progress: Callable[[Progress], None],
-        on_warning: Callable[[dict[str, Any]], None],
+        on_warning: OnWarning,
     ) -> None:
         self.on_checkpoint = on_checkpoint
         self.on_progress = on_progress

@@ -31,7 +31,7 @@ here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal, Self
 
@@ -140,13 +140,9 @@ class TrackerWarning(_Typed):
     message: str = Field(description="What failed and what to check.")
 
 
-def warning_of(data: Mapping[str, Any]) -> RequestWarning | TrackerWarning:
-    """The engine's warning (its JSON form, as ``on_warning`` is called) as its type.
-
-    Raises:
-        pydantic.ValidationError: ``data`` is neither warning's form.
-    """
-    return TrackerWarning.parse(data) if "tracker" in data else RequestWarning.parse(data)
+#: What the engine calls with each warning: a task's requests that do not measure it, or a
+#: tracker that did not record the evaluation.
+OnWarning = Callable[[RequestWarning | TrackerWarning], None]
 
 
 # ------------------------------------------------------------------------ the runner's

@@ -29,6 +29,7 @@ from enum import StrEnum
 from typing import Any, overload
 
 from rayeval.actors.errors import ConfigError
+from rayeval.service.vocabulary.events import OnWarning, RequestWarning
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class RequestChecks:
     encode: Callable[..., list[int]]
     logits_cache: bool
     report: RequestReport
-    on_warning: Callable[[dict[str, Any]], None] | None
+    on_warning: OnWarning | None
 
     def __call__(
         self,
@@ -226,10 +227,8 @@ def check_empty_context_pairs(
             )
 
 
-def report_flagged(
-    flagged: Sequence[Flagged], on_warning: Callable[[dict[str, Any]], None] | None
-) -> None:
-    """Log, and report through ``on_warning`` (``{task, counts, example}``), the degenerate
+def report_flagged(flagged: Sequence[Flagged], on_warning: OnWarning | None) -> None:
+    """Log, and report through ``on_warning`` (a ``RequestWarning``), the degenerate
     requests of one call, per task."""
     by_task: dict[str, list[Flagged]] = defaultdict(list)
     for item in flagged:
@@ -247,7 +246,7 @@ def report_flagged(
             example.continuation,
         )
         if on_warning is not None:
-            on_warning({"task": task, "counts": dict(kinds), "example": example.example()})
+            on_warning(RequestWarning(task=task, counts=dict(kinds), example=example.example()))
 
 
 def _crash(flagged: Flagged, what: str) -> ConfigError:
