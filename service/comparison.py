@@ -9,7 +9,9 @@ by task, filter and document and reports, per task and metric:
 - the difference ``b - a`` of lm-eval's aggregate (recomputed from the samples with lm-eval's own
   aggregation function, so it equals the results files' values);
 - a paired 95% interval (percentile bootstrap over documents, seeded) and a p-value: McNemar's
-  exact test for 0/1 metrics (accuracy, exact match), the paired bootstrap otherwise;
+  exact test for 0/1 metrics (accuracy, exact match), a paired permutation test otherwise (A's
+  and B's values swapped within documents at random, seeded; exact for few documents), both
+  ``scipy.stats``'s;
 - the unpaired 95% interval beside it (``difference ± 1.96 * sqrt(se_a^2 + se_b^2)`` from each
   results file's own stderr), to show what pairing buys;
 - how many documents moved each way, and which: for 0/1 metrics the documents that flipped; for
@@ -30,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+from scipy import stats
 
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.errors import field as config_field
@@ -74,7 +77,7 @@ class MetricComparison:
     difference: float
     paired_interval: tuple[float, float]
     p_value: float
-    test: str  # "mcnemar" or "paired bootstrap"
+    test: str  # "mcnemar" or "sign-flip permutation"
     unpaired_interval: tuple[float, float] | None
     higher_is_better: bool | None
     #: 0/1 metrics: documents B got right and A wrong ("better"), and the reverse ("worse");
@@ -253,7 +256,8 @@ def _compare_metric(
     if binary:
         p_value, test = mcnemar_exact(len(worse), len(better)), "mcnemar"
     else:
-        p_value, test = bootstrap_p_value(diffs), "paired bootstrap"
+        p_value = sign_flip_p_value(values_a, values_b, aggregate, rng, iterations)
+        test = "sign-flip permutation"
     return MetricComparison(
         task=task,
         metric=metric,
@@ -324,21 +328,56 @@ def paired_bootstrap(
     )
 
 
-def bootstrap_p_value(diffs: np.ndarray) -> float:
-    """Two-sided p-value of "no difference" from bootstrap differences: twice the share of
-    resamples on the far side of zero (1.0 when every resample is exactly zero)."""
-    below, above = float(np.mean(diffs <= 0)), float(np.mean(diffs >= 0))
-    return min(1.0, 2 * min(below, above))
+def sign_flip_p_value(
+    values_a: Sequence[Any],
+    values_b: Sequence[Any],
+    aggregate: Callable[[list[Any]], float],
+    rng: np.random.Generator,
+    iterations: int,
+) -> float:
+    """Two-sided p-value of "A and B are exchangeable within each document": the paired
+    permutation test (``scipy.stats.permutation_test``, ``permutation_type="samples"``) of
+    ``aggregate(B) - aggregate(A)``, each document's two values swapped at random (every
+    assignment once when there are at most ``iterations``)."""
+    n = len(values_a)
+    if n == 0:
+        return 1.0
+    statistic: Callable[..., Any]
+    if _scalar(values_a) and getattr(aggregate, "__name__", "") == "mean":
+        pooled = np.asarray([*map(float, values_a), *map(float, values_b)])
+
+        def statistic(x: np.ndarray, y: np.ndarray, axis: int) -> np.ndarray:
+            return pooled[y].mean(axis=axis) - pooled[x].mean(axis=axis)
+
+        vectorized = True
+    else:  # lm-eval's own aggregation of the documents each side got
+        items = [*values_a, *values_b]
+
+        def statistic(x: np.ndarray, y: np.ndarray) -> float:
+            return float(aggregate([items[i] for i in y])) - float(
+                aggregate([items[i] for i in x])
+            )
+
+        vectorized = False
+    result = stats.permutation_test(
+        (np.arange(n), np.arange(n, 2 * n)),
+        statistic,
+        permutation_type="samples",
+        vectorized=vectorized,
+        n_resamples=iterations,
+        alternative="two-sided",
+        rng=rng,
+    )
+    return min(1.0, float(result.pvalue))
 
 
 def mcnemar_exact(worse: int, better: int) -> float:
     """McNemar's exact two-sided test: of the documents that flipped, are flips one way as
-    likely as the other? (a binomial test of ``min(worse, better)`` of ``worse + better`` at 1/2)"""
+    likely as the other? (``scipy.stats.binomtest`` of ``worse`` of ``worse + better`` at 1/2)"""
     flips = worse + better
     if flips == 0:
         return 1.0
-    tail = sum(math.comb(flips, k) for k in range(min(worse, better) + 1)) / 2**flips
-    return min(1.0, 2 * tail)
+    return float(stats.binomtest(worse, flips, 0.5).pvalue)
 
 
 def _unpaired(

@@ -132,7 +132,7 @@ def test_compare_is_the_service_comparison_of_the_served_files(
             assert row["flipped"] == {"better": len(row["better"]), "worse": len(row["worse"])}
             assert row["significant"] == (row["p_value"] < 0.05)
     assert rows[("demo_mc", "acc")]["test"] == "mcnemar"
-    assert rows[("demo_cloze", "perplexity")]["test"] == "paired bootstrap"
+    assert rows[("demo_cloze", "perplexity")]["test"] == "sign-flip permutation"
     assert any(m["difference"] != 0 for m in answer["metrics"]), "A and B should differ"
 
 

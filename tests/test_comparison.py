@@ -114,7 +114,7 @@ def test_accuracy_difference_interval_and_mcnemar(pair: Any) -> None:
     assert unpaired_width > 2 * (acc.paired_interval[1] - acc.paired_interval[0])
 
 
-def test_perplexity_uses_lm_eval_aggregation_and_a_bootstrap_p_value(pair: Any) -> None:
+def test_perplexity_uses_lm_eval_aggregation_and_a_permutation_p_value(pair: Any) -> None:
     a, b, _, _, ll_a, ll_b = pair
     result = compare(a, b, iterations=2000, seed=7)
     (ppl,) = [m for m in result.metrics if m.metric == "perplexity"]
@@ -123,8 +123,8 @@ def test_perplexity_uses_lm_eval_aggregation_and_a_bootstrap_p_value(pair: Any) 
     rng = np.random.default_rng([7, zlib.crc32(b"t_ppl/perplexity/none")])
     picks = rng.integers(0, DOCS, size=(2000, DOCS))
     diffs = np.exp(-ll_b[picks].mean(axis=1)) - np.exp(-ll_a[picks].mean(axis=1))
-    assert ppl.test == "paired bootstrap"
-    assert ppl.p_value == pytest.approx(min(1.0, 2 * min(np.mean(diffs <= 0), np.mean(diffs >= 0))))
+    # B's documents are consistently likelier: no swap of A and B within documents comes near.
+    assert ppl.test == "sign-flip permutation" and ppl.p_value < 0.001
     assert ppl.paired_interval[0] == pytest.approx(np.percentile(diffs, 2.5))
     assert ppl.higher_is_better is False
     assert ppl.unpaired_interval == pytest.approx(
@@ -210,3 +210,30 @@ def test_corpus_metrics_say_which_documents_moved_by_their_log_likelihood() -> N
         next(line for line in table.splitlines() if "| bleu" in line).rstrip(" |").endswith("n/a")
     )
     assert "documents whose log-likelihood rose (+) or fell (-)" in table
+
+
+def test_the_permutation_p_value_is_exact_over_few_documents() -> None:
+    # Six documents: every one of the 2**6 ways to swap A and B within documents is counted,
+    # and the p-value is the share at least as far from zero as what was observed, two-sided.
+    import itertools
+
+    ll_a = np.array([-2.0, -1.5, -3.0, -2.5, -1.0, -2.2])
+    ll_b = ll_a + np.array([0.4, 0.1, 0.3, -0.2, 0.5, 0.2])
+    acc = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    result = compare(
+        _evaluation("A", acc, list(ll_a)), _evaluation("B", acc, list(ll_b)), iterations=1000
+    )
+    (ppl,) = [m for m in result.metrics if m.metric == "perplexity"]
+
+    def difference(a: np.ndarray, b: np.ndarray) -> float:
+        return math.exp(-b.mean()) - math.exp(-a.mean())
+
+    observed = difference(ll_a, ll_b)
+    null = []
+    for swaps in itertools.product((False, True), repeat=len(ll_a)):
+        mask = np.array(swaps)
+        null.append(difference(np.where(mask, ll_b, ll_a), np.where(mask, ll_a, ll_b)))
+    at_most = np.mean(np.array(null) <= observed + 1e-12)
+    at_least = np.mean(np.array(null) >= observed - 1e-12)
+    assert ppl.p_value == pytest.approx(min(1.0, 2 * min(at_most, at_least)))
+    assert 0.05 < ppl.p_value < 1.0

@@ -53,7 +53,7 @@ class MetricDifference(BaseModel):
         "in pairs (seeded)."
     )
     p_value: float | None
-    test: str = Field(description='"mcnemar" (0/1 metrics, exact) or "paired bootstrap".')
+    test: str = Field(description='"mcnemar" (0/1 metrics, exact) or "sign-flip permutation".')
     unpaired_interval: tuple[float | None, float | None] | None = Field(
         description="The interval each run's own stderr gives, as if independent (null: no stderr)."
     )
@@ -95,7 +95,7 @@ def compare_evaluations(
     b: Annotated[str, Query(max_length=200, description="The second; differences are b - a.")],
 ) -> dict[str, Any]:
     """Per task and metric: the difference, its paired 95% interval and p-value (McNemar's exact
-    test for 0/1 metrics, a paired bootstrap otherwise), the unpaired interval beside it, and the
+    test for 0/1 metrics, a paired sign-flip permutation test otherwise), the unpaired interval beside it, and the
     documents that moved each way (their samples: ``/evaluations/{id}/samples/{task}?doc_id=``).
 
     404: an unknown id, or another user's evaluation for a member. 409: an evaluation that has

@@ -672,8 +672,8 @@ function pairedTable(block, comparison, a, b) {
   note.className = "muted";
   note.textContent = "95% intervals: paired = bootstrap over the same documents ("
     + comparison.iterations.toLocaleString() + " resamples, seed " + comparison.seed
-    + "); unpaired = from each run's stderr. p: McNemar's exact test for 0/1 metrics, the paired"
-    + " bootstrap otherwise; * significant at 5%.";
+    + "); unpaired = from each run's stderr. p: McNemar's exact test for 0/1 metrics, a paired"
+    + " sign-flip permutation test otherwise; * significant at 5%.";
   block.appendChild(note);
   const table = document.createElement("table");
   table.className = "paired-table";
