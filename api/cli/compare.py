@@ -30,8 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Pair two evaluations' samples by task and document and report, per task "
         "and metric, the difference (B - A) with a paired 95%% interval and p-value (McNemar's "
         "exact test for 0/1 metrics, a paired sign-flip permutation test otherwise), the "
-        "unpaired interval from each run's stderr, and how many documents flipped each way. Both must have logged "
-        "samples (--log_samples) on the same documents with the same few-shot settings.",
+        "unpaired interval from each run's stderr, and how many documents flipped each way. "
+        "Both must have logged samples (--log_samples) on the same documents with the same "
+        "few-shot settings.",
     )
     for name, which in (("a", "the first (A)"), ("b", "the second (B): differences are B - A")):
         compare.add_argument(

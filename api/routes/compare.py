@@ -96,7 +96,8 @@ def compare_evaluations(
 ) -> dict[str, Any]:
     """Per task and metric: the difference, its paired 95% interval and p-value (McNemar's exact
     test for 0/1 metrics, a paired sign-flip permutation test otherwise), the unpaired interval
-    beside it, and the documents that moved each way (their samples: ``/evaluations/{id}/samples/{task}?doc_id=``).
+    beside it, and the documents that moved each way (their samples:
+    ``/evaluations/{id}/samples/{task}?doc_id=``).
 
     404: an unknown id, or another user's evaluation for a member. 409: an evaluation that has
     not succeeded. 422: the two cannot be paired (the reason is named), or one was run without
