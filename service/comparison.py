@@ -354,9 +354,7 @@ def sign_flip_p_value(
         items = [*values_a, *values_b]
 
         def statistic(x: np.ndarray, y: np.ndarray) -> float:
-            return float(aggregate([items[i] for i in y])) - float(
-                aggregate([items[i] for i in x])
-            )
+            return float(aggregate([items[i] for i in y])) - float(aggregate([items[i] for i in x]))
 
         vectorized = False
     result = stats.permutation_test(
