@@ -3,9 +3,10 @@
 ``Authorization: Bearer <credential>`` carries either the server's ``--api-token`` (the built-in
 admin, as before users existed) or a user's key (``rk_<id>_<secret>``, made by ``rayeval users
 add`` or ``rotate``). A key is looked up by its id on every request, so a revoked key stops
-working at once, even when another process (``rayeval users revoke``) revoked it; its secret is
-checked against the stored scrypt hash once per process and key, then against a digest kept in
-memory only (scrypt costs tens of milliseconds: status reads must not pay it every time).
+working at once, even when another process (``rayeval users revoke``) revoked it, and its secret
+checked against the stored SHA-256 digest (a secret is 256 random bits: a slow hash would guard
+nothing more and cost every request). A key stored as scrypt, as keys were before, is upgraded the
+first time it is proven.
 
 Without a credential, a server that has no ``--api-token``, no ``--require-api-keys`` and no user
 answers everyone as the built-in admin (a loopback-only server, as before users existed); once
@@ -15,10 +16,7 @@ that forbids the request (``require_role``). This module never imports torch.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import secrets
-import threading
 import time
 
 from fastapi import HTTPException, status
@@ -59,8 +57,6 @@ class Authenticator:
         self._token = settings.api_token
         self._keys_required = settings.keys_required
         self._accounts = accounts
-        self._lock = threading.Lock()
-        self._verified: dict[str, bytes] = {}  # key id -> sha256 of its secret, once checked
         self._open_until = 0.0
 
     def principal(self, credential: str | None) -> Principal:
@@ -85,21 +81,11 @@ class Authenticator:
         if found is None:
             raise _unauthorized(REVOKED)
         caller, stored = found
-        if not self._proven(key_id, secret, stored):
-            raise _unauthorized(UNAUTHORIZED)
-        return caller
-
-    def _proven(self, key_id: str, secret: str, stored: str) -> bool:
-        digest = hashlib.sha256(secret.encode()).digest()
-        with self._lock:
-            known = self._verified.get(key_id)
-        if known is not None:
-            return hmac.compare_digest(known, digest)
         if not secret_matches(secret, stored):
-            return False
-        with self._lock:
-            self._verified[key_id] = digest
-        return True
+            raise _unauthorized(UNAUTHORIZED)
+        if not stored.startswith("sha256$"):  # a key made before keys were stored so
+            self._accounts.upgrade_hash(key_id, secret)
+        return caller
 
     def _open(self) -> bool:
         """Whether a request without a credential is the built-in admin's."""

@@ -3,13 +3,14 @@
 Migrations create the newest schema on an empty database and migrate one written before they
 existed (branch house's schema, ``tests/data/house_schema.sql``) without losing a row; the
 migrated schema is exactly the models'. State changes stay exclusive under races, preemption
-puts an evaluation back in the queue with its events kept, users' keys are stored as scrypt
-hashes only, and the audit trail reads back newest first. Each test runs once per backend (the
-``database_url`` fixture, parametrized by ``DATABASES``).
+puts an evaluation back in the queue with its events kept, users' keys are stored as SHA-256
+digests only (scrypt ones from before upgraded), and the audit trail reads back newest first.
+Each test runs once per backend (the ``database_url`` fixture, parametrized by ``DATABASES``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 import threading
 from collections.abc import Callable
@@ -160,6 +161,23 @@ def test_preempted_evaluations_queue_again_with_their_events(database_url: str) 
 
 
 @both
+def test_a_key_stored_as_scrypt_still_proves_itself_and_is_upgraded(database_url: str) -> None:
+    store = _store(database_url)
+    _, key = store.accounts.add_user("alice", "member")
+    key_id, secret = split_key(key) or ("", "")
+    salt = bytes(16)
+    legacy = hashlib.scrypt(secret.encode(), salt=salt, n=2**14, r=8, p=1, dklen=32)
+    old = f"scrypt${2**14}$8$1${salt.hex()}${legacy.hex()}"
+    with store._engine.begin() as connection:
+        connection.execute(text("UPDATE api_keys SET hash = :h"), {"h": old})
+    assert secret_matches(secret, old) and not secret_matches(secret + "x", old)
+    store.accounts.upgrade_hash(key_id, secret)
+    upgraded = store.accounts.holder(key_id)
+    assert upgraded is not None and upgraded[1].startswith("sha256$")
+    assert secret_matches(secret, upgraded[1])
+
+
+@both
 def test_users_keys_are_hashed_rotated_and_revoked(database_url: str) -> None:
     store = _store(database_url)
     accounts = store.accounts
@@ -168,7 +186,7 @@ def test_users_keys_are_hashed_rotated_and_revoked(database_url: str) -> None:
     key_id, secret = split_key(key) or ("", "")
     with store._engine.connect() as connection:
         stored = connection.execute(text("SELECT hash FROM api_keys")).scalar_one()
-    assert secret not in stored and stored.startswith("scrypt$")
+    assert secret not in stored and stored.startswith("sha256$")
     holder = accounts.holder(key_id)
     assert holder is not None and holder[0].name == "alice" and secret_matches(secret, holder[1])
     assert not secret_matches(secret + "x", holder[1])

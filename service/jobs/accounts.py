@@ -3,7 +3,7 @@
 A user has a :class:`Role` (``admin``: everything; ``member``: submits, and sees and acts on
 their own evaluations; ``viewer``: reads everything, changes nothing), a weight in the fair share
 of the queue and an optional cap on the ranks their evaluations hold at once. A key is
-``rk_<id>_<secret>``: the id finds its row, and only a scrypt hash of the secret is stored
+``rk_<id>_<secret>``: the id finds its row, and only a SHA-256 digest of the secret is stored
 (:func:`hash_secret`), so the database never holds a key anyone could use. A key is printed once,
 when made (``rayeval users add`` / ``rotate``); revoked keys stay listed with when they were
 revoked. :class:`Accounts` reads and writes the ``users`` and ``api_keys`` tables. No torch here.
@@ -35,9 +35,6 @@ from rayeval.service.vocabulary.errors import (
     unknown_evaluation,
 )
 
-#: scrypt's cost (n, r, p): 16 MiB and tens of milliseconds per check; the API keeps each key's
-#: verdict in memory (api.auth), so this is paid once per key per process.
-SCRYPT_COST = (2**14, 8, 1)
 KEY_PREFIX = "rk"
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 MAX_WEIGHT = 1000.0
@@ -135,18 +132,22 @@ class Share:
     max_ranks: int | None = None
 
 
-def hash_secret(secret: str, salt: bytes | None = None) -> str:
-    """scrypt of a key's secret, as stored: ``scrypt$n$r$p$<salt hex>$<hash hex>``."""
-    n, r, p = SCRYPT_COST
-    salt = salt if salt is not None else secrets.token_bytes(16)
-    digest = hashlib.scrypt(secret.encode(), salt=salt, n=n, r=r, p=p, dklen=32)
-    return f"scrypt${n}${r}${p}${salt.hex()}${digest.hex()}"
+def hash_secret(secret: str) -> str:
+    """A key's secret as stored: ``sha256$<hex>``. A secret is 256 random bits, so a fast hash
+    is as safe as a slow one (nothing to guess from a dictionary) and every request can check it
+    (microseconds; no verdict kept in memory)."""
+    return "sha256$" + hashlib.sha256(secret.encode()).hexdigest()
 
 
 def secret_matches(secret: str, stored: str) -> bool:
-    """Whether ``secret`` is the one ``stored`` (:func:`hash_secret`'s form) was made from."""
+    """Whether ``secret`` is the one ``stored`` was made from: :func:`hash_secret`'s form, or
+    the scrypt form (``scrypt$n$r$p$<salt hex>$<hash hex>``) of keys made before it, which
+    :meth:`Accounts.holder`'s caller upgrades (:meth:`Accounts.upgrade_hash`)."""
+    scheme, _, rest = stored.partition("$")
+    if scheme == "sha256":
+        return hmac.compare_digest(hash_secret(secret), stored)
     try:
-        scheme, n, r, p, salt, digest = stored.split("$")
+        n, r, p, salt, digest = rest.split("$")
         computed = hashlib.scrypt(
             secret.encode(), salt=bytes.fromhex(salt), n=int(n), r=int(r), p=int(p), dklen=32
         )
@@ -357,6 +358,14 @@ class Accounts:
                 KeyInfo(r.id, r.user_name, r.created_at, r.revoked_at)
                 for r in session.scalars(query)
             ]
+
+    def upgrade_hash(self, key_id: str, secret: str) -> None:
+        """Store a proven key's hash in :func:`hash_secret`'s form (a key made when keys were
+        stored as scrypt hashes), so that its next check is fast."""
+        with self._sessions() as session, session.begin():
+            row = session.get(ApiKeyRow, key_id)
+            if row is not None and not row.hash.startswith("sha256$"):
+                row.hash = hash_secret(secret)
 
     def holder(self, key_id: str) -> tuple[Principal, str] | None:
         """The user a live key id belongs to and the key's stored hash (None: unknown or

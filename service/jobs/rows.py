@@ -140,7 +140,7 @@ class UserRow(Base):
 
 
 class ApiKeyRow(Base):
-    """One API key of a user: its public id and a scrypt hash of its secret (never the key)."""
+    """One API key of a user: its public id and a digest of its secret (never the key)."""
 
     __tablename__ = "api_keys"
 
