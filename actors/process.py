@@ -56,7 +56,7 @@ def rank_environment(device: DeviceKind) -> dict[str, str]:
     torch's CPU allocator backs allocations of 2 MiB or more with transparent huge pages (where
     the kernel's THP mode is "madvise"): a forward's activations then cost a page fault per 2 MiB
     instead of per 4 KiB. Measured on a 4-layer 512-wide Llama scoring a [38 x 101] batch on one
-    core: 2.0 s with it, 2.6 s without (docs/performance.md). A user's own value is kept.
+    core: 2.0 s with it, 2.6 s without (docs/performance-notes.md). A user's own value is kept.
 
     A CPU actor sees no GPU (``CUDA_VISIBLE_DEVICES`` empty): Ray 2.60 no longer hides the
     node's GPUs from an actor that asked for none, and transformers' tensor parallelism would

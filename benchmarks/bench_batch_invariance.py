@@ -9,7 +9,7 @@ difference, then whether every generation is the same text.
 
 Within one setting the results never depend on the layout (tests/test_parity.py,
 tests/test_continuous.py); this measures what changing the batch limit changes. Findings go in
-docs/performance.md ("Results that do not depend on the batch").
+docs/performance-notes.md ("Results that do not depend on the batch").
 
 Usage::
 

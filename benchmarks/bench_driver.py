@@ -14,7 +14,7 @@ is ``S / token_us`` (``sim_rank.StepCost``: a 1B model on one H100 by default).
     .venv/bin/python benchmarks/bench_driver.py --replicas 64 --step_ms 20 --requests 100000
     .venv/bin/python benchmarks/bench_driver.py --grid --json .rayeval/bench/driver.json
 
-``--grid`` runs the whole table of ``docs/performance.md`` (``driver_grid.py``).
+``--grid`` runs the whole table of ``docs/performance-notes.md`` (``driver_grid.py``).
 """
 
 from __future__ import annotations

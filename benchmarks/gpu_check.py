@@ -1,6 +1,6 @@
 """The GPU check: rayeval's GPU path beside lm-eval's own ``hf`` backend, in one short run.
 
-Prepared for the day a GPU machine is lent (docs/performance.md, "GPU check (not yet run on a
+Prepared for the day a GPU machine is lent (docs/performance-notes.md, "GPU check (not yet run on a
 GPU)"). It is sized to take a few minutes on one GPU (under 8; estimated, not yet measured)
 and does only this:
 

@@ -48,8 +48,8 @@ class FSDP2:
         32 MiB); from then on FSDP's all-gather buffers and unsharded parameters come from the
         heap, are freed in another order than they were allocated, and the fragments stay
         resident: a CPU rank's memory grew by about half the model across forwards, and its peak
-        by a third (docs/performance.md). A fixed threshold turns that adjustment off. Only FSDP
-        ranks of a sharded replica need it: elsewhere nothing all-gathers, and every fresh
+        by a third (docs/performance-notes.md). A fixed threshold turns that adjustment off. Only
+        FSDP ranks of a sharded replica need it: elsewhere nothing all-gathers, and every fresh
         mapping costs page faults (a scoring forward on one core ran ~25% slower with it). Not
         glibc (musl, macOS): nothing to do.
         """
@@ -83,7 +83,7 @@ class FSDP2:
 
         Through shared memory they were a third faster per call but FSDP decoding got no faster
         (gloo's all-gathers overlap the rank's compute) and its peak memory no lower
-        (docs/performance.md), so they stay on gloo.
+        (docs/performance-notes.md), so they stay on gloo.
         """
         return "process group" if rank.shard_size > 1 else None
 

@@ -5,14 +5,15 @@ Tensor parallelism gathers each block's activations over the ranks four times pe
 attention heads and the attention output, the MLP columns and the MLP output:
 :mod:`rayeval.actors.parallel.tp_exact`). On CPU ranks gloo carries every one of those over a TCP
 socket: measured on the development machine, 2.3-4.3 ms for one decode step's 48 KiB and 0.5 ms or
-more for 4 bytes, about what the block's own compute costs (docs/performance.md). The ranks of a TP
-replica always share a node, so they can exchange activations through memory instead: each rank
-copies its piece into its slot of a file in ``/dev/shm``, publishes a sequence number, waits for
-every peer's, and copies the slots out in rank order: the same bytes gloo delivers.
+more for 4 bytes, about what the block's own compute costs (docs/performance-notes.md). The ranks
+of a TP replica always share a node, so they can exchange activations through memory instead: each
+rank copies its piece into its slot of a file in ``/dev/shm``, publishes a sequence number, waits
+for every peer's, and copies the slots out in rank order: the same bytes gloo delivers.
 
 FSDP's all-gathers stay on gloo: through the same slots they took a third of gloo's time per
 14 MiB call, but FSDP decoding got no faster (gloo's all-gathers run in the background while the
-rank computes; FSDP prefetches the next unit) and its peak memory no lower (docs/performance.md).
+rank computes; FSDP prefetches the next unit) and its peak memory no lower
+(docs/performance-notes.md).
 
 Two slots per rank, used alternately: a rank starts call ``n + 1`` only once every peer has
 published call ``n``, which each does only after it finished reading call ``n - 1`` from the

@@ -11,7 +11,7 @@ gather the columns. Every dot product then runs on one rank, over the same opera
 device runs it. The results are one device's bits wherever the matrix library computes a slice of
 the columns with the kernel it uses for the whole layer: on the development CPU always at 32 rows
 or fewer (every decode step) and at most prefill sizes; where oneDNN picks another bf16 kernel
-for the slice, ~0.01% of a layer's outputs land one bf16 step apart (docs/performance.md,
+for the slice, ~0.01% of a layer's outputs land one bf16 step apart (docs/performance-notes.md,
 "Tensor parallelism that splits no sum"; ``benchmarks/bench_split_sums.py --sweep``). The head's
 gathered logits use the same gather.
 

@@ -4,7 +4,7 @@ A million requests are lm-eval ``Instance``s, their arguments and what the drive
 millions of objects that live as long as the request type. Every full (oldest-generation) pass
 of Python's cyclic garbage collector walks all of them, and the parts' own allocations start
 such a pass every few seconds: ~20% of the driver's CPU in a 200,000-request generation run on
-the 2-core machine (``docs/performance.md``), and a pass over a large plan stalls the hand-out
+the 2-core machine (``docs/performance-notes.md``), and a pass over a large plan stalls the hand-out
 long enough to idle every replica. While a request type's micro-batches are computed
 (:meth:`rayeval.service.engine.dispatch.dispatcher.Dispatcher.run`, whole plans and parts alike),
 what the process holds is frozen (``gc.freeze``: moved to the permanent generation, which no pass

@@ -59,7 +59,7 @@ def budget(config: EngineConfig, score_on: DeviceKind | None = None) -> TokenBud
     ``score_on``: the budget of scoring micro-batches on ranks of that device. CPU ranks score
     with a smaller default token budget than GPUs: a CPU forward over 1-2k tokens runs faster
     per token than one over 4-8k, whose activations outgrow the caches (measured in
-    docs/performance.md), and narrower micro-batches pad less. Generation keeps the larger
+    docs/performance-notes.md), and narrower micro-batches pad less. Generation keeps the larger
     budget on every device: each decode step costs a forward of one token per row, and under
     FSDP one all-gather of every weight for the whole micro-batch, so wider is faster.
     """
