@@ -116,6 +116,7 @@ class Engine:
         obstacles = model_shell.obstacles(self.encoder.model, config)
         if config.checkpoint:  # refused here, before any rank starts
             model_shell.check_checkpoint(config.checkpoint, self.encoder.model, config.pretrained)
+        model_shell.check_adapters(config, self.encoder.model, self.encoder.tokenizer)
         self._cache = open_cache(host.lm_eval.get("use_cache"), config.model_args)
         self.connection = connect(host.address, config.layout(DeviceKind.CPU))
         self.layout = config.layout(pick_device(config.device))
@@ -198,6 +199,12 @@ class Engine:
             ModelLoadError, EvaluationTimeoutError: a rank failed to read it; the ranks hold a
                 mix of two checkpoints and are released, so this engine cannot go on.
         """
+        for key in ("peft", "delta"):
+            if self.config.model_args.get(key):
+                raise ConfigError(
+                    f"{key}= over training checkpoints is not supported: the checkpoints of a "
+                    f"sweep replace pretrained's weights; evaluate {key}= with pretrained= alone"
+                )
         group = self._open()
         started = time.monotonic()
         model_shell.check_checkpoint(checkpoint, self.encoder.model, self.config.pretrained)
