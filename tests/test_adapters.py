@@ -4,7 +4,8 @@ A real LoRA is trained for a few steps on the demo Llama with the ``peft`` packa
 (:mod:`tests.lora_run`), so that it changes the answers; delta weights are seeded noise saved as
 a model folder. The reference is lm-eval's own ``hf`` backend with the same ``peft=``/``delta=``
 in the same dtype; rayeval must give its per-sample results at 1x1, 2x1 and 1x2 (FSDP), in
-float32 (|delta logprob| <= 1e-4) and bf16 (bit for bit), through the Python LM and the CLI.
+float32 (|delta logprob| <= 1e-4) and bf16 (bit for bit), through the Python LM and (float32,
+2x1) the CLI.
 Bad adapters are refused before any rank starts; the server holds adapter paths to its model
 roots; the response cache keys answers by the adapter's content.
 """
@@ -77,7 +78,7 @@ def references(demo: Any, task_manager: Any, lora: Path, delta: Path) -> Referen
 LAYOUTS = [  # (R, G, dtype, model arg)
     (1, 1, "float32", "peft"),
     (1, 2, "float32", "peft"),
-    (1, 1, "bfloat16", "peft"),
+    (2, 1, "bfloat16", "peft"),  # two replicas of one rank: the 1x1 path twice
     (1, 2, "bfloat16", "peft"),
     (1, 2, "float32", "delta"),
     (1, 1, "bfloat16", "delta"),
