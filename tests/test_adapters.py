@@ -36,6 +36,15 @@ def lora(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def lora_later(demo: Any, lora: Path) -> Path:
+    """Another checkpoint of the same LoRA run (same config; other matrices)."""
+    from rayeval.service.demo.make_data import DATA_DIR
+
+    return train_lora(demo.model_dir, lora.parent / "later", corpus_texts(DATA_DIR), steps=4,
+                      seed=1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def delta(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Delta weights of the demo model's architecture: seeded noise, a model folder."""
     import torch
@@ -63,21 +72,22 @@ class References(dict):  # type: ignore[type-arg]
         arg, dtype = key
         model_args = {"pretrained": str(self._demo.model_dir), "dtype": dtype}
         if arg:
-            model_args[arg] = str(self._paths[arg])
+            model_args["peft" if arg == "later" else arg] = str(self._paths[arg])
         self[key] = evaluate("hf", self._task_manager, TASKS, model_args=model_args,
                              device="cpu", batch_size=4, **RUN)  # fmt: skip
         return self[key]
 
 
 @pytest.fixture(scope="module")
-def references(demo: Any, task_manager: Any, lora: Path, delta: Path) -> References:
-    return References(demo, task_manager, {"peft": lora, "delta": delta})
+def references(
+    demo: Any, task_manager: Any, lora: Path, lora_later: Path, delta: Path
+) -> References:
+    return References(demo, task_manager, {"peft": lora, "later": lora_later, "delta": delta})
 
 
 # ------------------------------------------------------------------ e2e: parity with lm-eval hf
 LAYOUTS = [  # (R, G, dtype, model arg)
-    (1, 1, "float32", "peft"),
-    (1, 2, "float32", "peft"),
+    (1, 1, "float32", "peft"),  # 1x2 float32: test_adapter_swaps_in_place
     (2, 1, "bfloat16", "peft"),  # two replicas of one rank: the 1x1 path twice
     (1, 2, "bfloat16", "peft"),
     (1, 2, "float32", "delta"),
@@ -124,6 +134,39 @@ def test_adapter_matches_lm_eval_hf(
     # every task's answers move (a greedy generation too, for the trained LoRA)
     moved = set(TASKS) if arg == "peft" else {"demo_mc", "demo_cloze", "demo_rolling"}
     assert moved <= set(changed), f"the {arg} weights change no answer of {moved - set(changed)}"
+
+
+@pytest.mark.e2e
+def test_adapter_swaps_in_place(
+    demo: Any, lora: Path, lora_later: Path, references: References, task_manager: Any,
+    ray_session: None, tmp_path: Path,
+) -> None:  # fmt: skip
+    """At 1x2 FSDP in float32: one engine evaluates a LoRA, then another checkpoint of the same
+    run swapped in place (the base stays loaded; only the matrices are rewritten), each equal to
+    lm-eval hf with that peft=; an adapter of another config is refused, nothing swapped."""
+    from rayeval.actors.errors import ConfigError
+    from rayeval.service.engine.lm import RayEvalLM
+
+    other = tmp_path / "other"
+    train_lora(demo.model_dir, other, ["a few words"], steps=1, rank=4)
+    with RayEvalLM(
+        pretrained=str(demo.model_dir), dtype="float32", shard_size=2, peft=str(lora),
+        batch_size="auto", max_batch_tokens=256,
+    ) as lm:  # fmt: skip
+        assert_same_results(
+            references[("peft", "float32")], evaluate(lm, task_manager, TASKS, **RUN)
+        )
+        refusal = r"differs from the loaded adapter .* in lora_alpha, r: only checkpoints"
+        with pytest.raises(ConfigError, match=refusal):
+            lm.engine.swap_adapter(str(other))
+        swap = lm.engine.swap_adapter(str(lora_later))
+        assert lm.engine.config.model_args["peft"] == str(lora_later)
+        assert_same_results(
+            references[("later", "float32")], evaluate(lm, task_manager, TASKS, **RUN)
+        )
+    print(f"adapter swap at 1x2: {swap}")  # the matrices only: the base is not read again
+    assert swap.seconds < 5, swap
+    assert references[("later", "float32")]["results"] != references[("peft", "float32")]["results"]
 
 
 @pytest.mark.e2e

@@ -219,3 +219,71 @@ def add_delta(model: Any, path: str, pretrained: str) -> int:
             read += delta.numel() * delta.element_size()
             del delta
     return read
+
+
+#: ``adapter_config.json`` keys that may differ between two checkpoints of one LoRA run.
+_RUN_BOOKKEEPING = frozenset(
+    {"base_model_name_or_path", "revision", "peft_version", "inference_mode"}
+)
+
+
+def swap_problems(loaded: str, path: str, shell: Any) -> None:
+    """Refuse swapping the LoRA at ``path`` in place of the one at ``loaded``: it must be
+    applicable (:func:`adapter_problems`) and another checkpoint of the same run: the same
+    config (rank, alpha, targets, ...) and the same matrices and shapes.
+
+    Raises:
+        ConfigError: naming what differs and what to do.
+    """
+    adapter_problems(path, shell)
+    before, after = read_adapter_config(loaded), read_adapter_config(path)
+    differ = sorted(
+        key
+        for key in before.keys() | after.keys()
+        if key not in _RUN_BOOKKEEPING and _same(before.get(key)) != _same(after.get(key))
+    )
+    if not differ and adapter_shapes(loaded) != adapter_shapes(path):
+        differ = ["its matrices or their shapes"]
+    if differ:
+        raise ConfigError(
+            f"peft={path}: differs from the loaded adapter {loaded} in {', '.join(differ)}: only "
+            "checkpoints of one LoRA run swap in place; evaluate this adapter on its own"
+        )
+
+
+def _same(value: Any) -> Any:
+    """A config value as compared: PEFT saves sets (``target_modules``) as lists in any order."""
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return sorted(value)
+    return value
+
+
+def load_adapter_weights(model: Any, path: str) -> int:
+    """Overwrite the LoRA matrices applied to ``model`` (:func:`apply_adapter`) with those saved
+    at ``path``, another checkpoint of the same run (:func:`swap_problems`), in place and in
+    the dtype PEFT gave them. Returns the bytes written.
+
+    Raises:
+        ModelLoadError: a matrix is missing, extra, or of another shape.
+    """
+    import torch
+    from peft.utils import load_peft_weights
+
+    saved = load_peft_weights(path, device="cpu")
+    params = {
+        name: param
+        for name, param in model.named_parameters()
+        if ".lora_A." in name or ".lora_B." in name
+    }
+    written = 0
+    with torch.no_grad():
+        for key, value in saved.items():
+            name = key.removeprefix("base_model.model.").replace(".weight", ".default.weight")
+            param = params.pop(name, None)
+            if param is None or tuple(param.shape) != tuple(value.shape):
+                raise ModelLoadError(f"peft={path}: tensor {key} matches no loaded LoRA matrix")
+            param.copy_(value)
+            written += param.numel() * param.element_size()
+    if params:
+        raise ModelLoadError(f"peft={path}: no tensor for the loaded matrix {next(iter(params))}")
+    return written

@@ -223,6 +223,45 @@ class Engine:
         self.request_report = RequestReport()
         return Swap(time.monotonic() - started, read_s, sum(r.bytes for r in reports))
 
+    def swap_adapter(self, peft: str) -> Swap:
+        """Evaluate another checkpoint of the loaded LoRA adapter (``peft=``) from now on: the
+        base stays loaded on every rank and only the adapter's matrices are overwritten. Checked
+        on the driver first (the same LoRA config, matrices and shapes); the response cache and
+        warm-replica key follow the new adapter; the figures start afresh.
+
+        Raises:
+            ConfigError: no adapter is loaded, or this one is not a checkpoint of the same LoRA
+                run (nothing was swapped).
+            ModelLoadError, EvaluationTimeoutError: a rank failed to read it; the ranks are
+                released, so this engine cannot go on.
+        """
+        from rayeval.actors.weights.adapters import swap_problems
+
+        loaded = self.config.model_args.get("peft")
+        if not loaded:
+            raise ConfigError(
+                "swap_adapter: this engine applies no peft= adapter: start it with peft=..."
+            )
+        group = self._open()
+        started = time.monotonic()
+        swap_problems(str(loaded), peft, self.encoder.model)
+        try:
+            reports = group.load_adapter(peft, timeout_s=self._timeouts.load_s)
+        except BaseException:
+            self.close()
+            raise
+        self.config = self.config.model_copy(
+            update={"model_args": {**self.config.model_args, "peft": peft}}
+        )
+        if self._cache is not None:
+            self._cache.use_model(self.config.model_args)
+        if self._replicas is not None:
+            self._key = replica_key(self.config)
+        read_s = max(r.seconds for r in reports)
+        self._executor.begin_checkpoint(started, load_s=read_s)
+        self.request_report = RequestReport()
+        return Swap(time.monotonic() - started, read_s, sum(r.bytes for r in reports))
+
     def close(self, keep: bool = False) -> None:
         """Release the actors and the placement group. Safe to call more than once.
 
