@@ -36,6 +36,10 @@ class ModelSpec:
         extra_kwargs: Other ``from_pretrained`` keyword arguments (e.g. ``attn_implementation``).
         checkpoint: A training checkpoint to take the weights from (a DCP directory, or
             safetensors / ``.bin`` files); ``pretrained`` then gives the config and tokenizer.
+        peft: A LoRA adapter folder applied over the loaded weights, unmerged, as lm-eval's
+            ``peft=`` (:mod:`rayeval.actors.weights.adapters`).
+        delta: A model folder whose weights are added to the loaded ones, as lm-eval's
+            ``delta=``.
     """
 
     pretrained: str
@@ -49,6 +53,8 @@ class ModelSpec:
     mixed_precision_dtype: str | None = None
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
     checkpoint: str | None = None
+    peft: str | None = None
+    delta: str | None = None
 
 
 @dataclass(frozen=True)

@@ -312,13 +312,28 @@ class WorkerGroup:
         """
         self.wait_ready()
         refs = [w.load_checkpoint.remote(checkpoint) for r in self.replicas for w in r.workers]
+        return self._swapped(refs, checkpoint, timeout_s)
+
+    def load_adapter(self, peft: str, timeout_s: float) -> list[SwapReport]:
+        """Have every rank swap in another checkpoint of its LoRA adapter, in place
+        (:meth:`rayeval.actors.worker.ShardWorker.load_adapter`); returns their reports.
+
+        Raises:
+            EvaluationTimeoutError: a rank did not finish within ``timeout_s``.
+            ModelLoadError: a rank could not read the adapter (the first failure's message).
+        """
+        self.wait_ready()
+        refs = [w.load_adapter.remote(peft) for r in self.replicas for w in r.workers]
+        return self._swapped(refs, peft, timeout_s)
+
+    def _swapped(self, refs: list[Any], path: str, timeout_s: float) -> list[SwapReport]:
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if pending:
             raise EvaluationTimeoutError(
-                f"{len(pending)} of {len(refs)} ranks did not finish reading {checkpoint} within "
+                f"{len(pending)} of {len(refs)} ranks did not finish reading {path} within "
                 f"{timeout_s:g}s: raise the load timeout, or check the ranks' logs"
             )
-        return [_get_or_raise(ref, ModelLoadError, f"reading {checkpoint}") for ref in refs]
+        return [_get_or_raise(ref, ModelLoadError, f"reading {path}") for ref in refs]
 
     def input_token_counts(self, timeout_s: float) -> InputTokens:
         """Tokens the ranks' models were fed so far, summed over ranks

@@ -234,6 +234,25 @@ class ShardWorker:
         self._spec = replace(self._spec, checkpoint=checkpoint)
         return SwapReport(time.monotonic() - started, written, peak_rss_mib())
 
+    def load_adapter(self, peft: str) -> SwapReport:
+        """Swap in another checkpoint of the loaded LoRA adapter, in place: its matrices are
+        overwritten; the base is not touched
+        (:func:`rayeval.actors.weights.adapters.load_adapter_weights`).
+
+        Raises:
+            ModelLoadError: the adapter does not match the loaded one, or cannot be read.
+        """
+        from dataclasses import replace
+
+        from rayeval.actors.weights.adapters import load_adapter_weights
+
+        assert self._rank is not None, "setup() loads the model first"
+        started = time.monotonic()
+        self._strategy.after_forward(self._rank.model)  # every FSDP unit in its shard
+        written = load_adapter_weights(self._rank.model, peft)
+        self._spec = replace(self._spec, peft=peft)
+        return SwapReport(time.monotonic() - started, written, peak_rss_mib())
+
     def shutdown(self) -> None:
         """Leave the process group and drop the model (the actor is killed afterwards)."""
         self._rank = self._scorer = None

@@ -10,7 +10,8 @@ the replica at a time (a node holds one whole copy at once, not G), with a warni
 model of G = 1 is read straight onto the rank's device, as lm-eval's hf backend reads it. A
 training checkpoint named by ``checkpoint=`` (a DCP directory, or HF files) is read the same
 way, region by region (:mod:`rayeval.actors.weights.sources`), into the model of ``pretrained``'s
-config, at any G.
+config, at any G. A LoRA adapter (``peft=``) or delta weights (``delta=``) then go onto the loaded
+model, whole or sharded (:mod:`rayeval.actors.weights.adapters`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 from rayeval.actors.batches import ModelSpec
 from rayeval.actors.errors import ModelLoadError
 from rayeval.actors.parallel.fsdp_units import shard_model
+from rayeval.actors.weights.adapters import add_delta, apply_adapter
 from rayeval.actors.weights.hf_files import (
     CannotStream,
     find_checkpoint,
@@ -61,12 +63,16 @@ def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -
     config = load_config(spec)
     dtype = resolve_dtype(spec.dtype, config)
     if spec.checkpoint is not None:
-        return _load_checkpoint(spec, config, dtype, mesh, device)
-    if mesh is None:
+        model = _load_checkpoint(spec, config, dtype, mesh, device)
+    elif mesh is None:
         model = load_plain(spec, dtype, device)
     else:
         model = _load_sharded(spec, config, dtype, mesh, device)
     model.eval()
+    if spec.delta is not None:  # each rank adds the regions it holds
+        add_delta(model, spec.delta, spec.pretrained)
+    if spec.peft is not None:  # unmerged, onto the whole or sharded base
+        apply_adapter(model, spec.peft, spec.revision)
     return model
 
 

@@ -116,6 +116,7 @@ class Engine:
         obstacles = model_shell.obstacles(self.encoder.model, config)
         if config.checkpoint:  # refused here, before any rank starts
             model_shell.check_checkpoint(config.checkpoint, self.encoder.model, config.pretrained)
+        model_shell.check_adapters(config, self.encoder.model, self.encoder.tokenizer)
         self._cache = open_cache(host.lm_eval.get("use_cache"), config.model_args)
         cpus = embedded_cpus(config.layout(DeviceKind.CPU))
         self.connection = connect(host.address, embedded_cpus=cpus)
@@ -199,6 +200,12 @@ class Engine:
             ModelLoadError, EvaluationTimeoutError: a rank failed to read it; the ranks hold a
                 mix of two checkpoints and are released, so this engine cannot go on.
         """
+        for key in ("peft", "delta"):
+            if self.config.model_args.get(key):
+                raise ConfigError(
+                    f"{key}= over training checkpoints is not supported: the checkpoints of a "
+                    f"sweep replace pretrained's weights; evaluate {key}= with pretrained= alone"
+                )
         group = self._open()
         started = time.monotonic()
         model_shell.check_checkpoint(checkpoint, self.encoder.model, self.config.pretrained)
@@ -208,6 +215,45 @@ class Engine:
             self.close()
             raise
         self.config = self.config.with_checkpoint(checkpoint)
+        if self._cache is not None:
+            self._cache.use_model(self.config.model_args)
+        if self._replicas is not None:
+            self._key = replica_key(self.config)
+        read_s = max(r.seconds for r in reports)
+        self._executor.begin_checkpoint(started, load_s=read_s)
+        self.request_report = RequestReport()
+        return Swap(time.monotonic() - started, read_s, sum(r.bytes for r in reports))
+
+    def swap_adapter(self, peft: str) -> Swap:
+        """Evaluate another checkpoint of the loaded LoRA adapter (``peft=``) from now on: the
+        base stays loaded on every rank and only the adapter's matrices are overwritten. Checked
+        on the driver first (the same LoRA config, matrices and shapes); the response cache and
+        warm-replica key follow the new adapter; the figures start afresh.
+
+        Raises:
+            ConfigError: no adapter is loaded, or this one is not a checkpoint of the same LoRA
+                run (nothing was swapped).
+            ModelLoadError, EvaluationTimeoutError: a rank failed to read it; the ranks are
+                released, so this engine cannot go on.
+        """
+        from rayeval.actors.weights.adapters import swap_problems
+
+        loaded = self.config.model_args.get("peft")
+        if not loaded:
+            raise ConfigError(
+                "swap_adapter: this engine applies no peft= adapter: start it with peft=..."
+            )
+        group = self._open()
+        started = time.monotonic()
+        swap_problems(str(loaded), peft, self.encoder.model)
+        try:
+            reports = group.load_adapter(peft, timeout_s=self._timeouts.load_s)
+        except BaseException:
+            self.close()
+            raise
+        self.config = self.config.model_copy(
+            update={"model_args": {**self.config.model_args, "peft": peft}}
+        )
         if self._cache is not None:
             self._cache.use_model(self.config.model_args)
         if self._replicas is not None:

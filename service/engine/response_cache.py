@@ -10,7 +10,9 @@ pickles (CVE-2024-35515). This cache keys each answer by
   content hash of its config and tokenizer files and the size, modification time and leading
   bytes of each weights file — for a training checkpoint (``checkpoint=``) the content hash of
   its DCP ``.metadata`` and the same of each shard file, so two steps of one run never share
-  answers; and
+  answers; delta weights (``delta=``) are described as a model is; a LoRA adapter (``peft=``) by
+  the content hash of its ``adapter_config.json`` and weight files alone, not its path, so two
+  adapters never share answers and one adapter copied elsewhere does; and
 - the exact request as the model sees it: token ids (and the window length) for a score, context
   tokens plus every generation setting for a generation. Sampled generations are never cached.
 
@@ -70,12 +72,17 @@ def model_fingerprint(model_args: Mapping[str, Any]) -> str:
     args = {key: value for key, value in model_args.items()}
     pretrained = str(args.get("pretrained", ""))
     files: dict[str, Any] = {}
-    for key in ("pretrained", "tokenizer", "checkpoint"):
+    for key in ("pretrained", "tokenizer", "checkpoint", "delta"):
         value = args.get(key)
         if isinstance(value, str) and Path(value).expanduser().exists():
             local = Path(value).expanduser().resolve()
             args[key] = str(local)
             files[key] = _describe_files(local)
+    adapter = args.get("peft")
+    if isinstance(adapter, str) and Path(adapter).expanduser().is_dir():
+        # by content alone: the same adapter copied elsewhere answers the same
+        args["peft"] = "local"
+        files["peft"] = _describe_adapter(Path(adapter).expanduser())
     payload = {
         "pretrained": pretrained,
         "model_args": args,
@@ -271,6 +278,15 @@ def _describe_files(root: Path) -> dict[str, Any]:
             stat = path.stat()
             described[path.name] = [stat.st_size, stat.st_mtime_ns, _file_hash(path, _HEAD_BYTES)]
     return described
+
+
+def _describe_adapter(folder: Path) -> dict[str, str]:
+    """Content hashes of a LoRA adapter's config and weights (adapters are small: read whole)."""
+    return {
+        path.name: _file_hash(path)
+        for path in sorted(folder.iterdir())
+        if path.name == "adapter_config.json" or path.name.startswith("adapter_model.")
+    }
 
 
 def _file_hash(path: Path, limit: int | None = None) -> str:

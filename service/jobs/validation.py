@@ -5,7 +5,8 @@ checked here is what only the server can judge, so that what is accepted with 20
 
 - its policy (:class:`ServerPolicy`): no code from a request's model repository unless the
   operator allows it; model args and generation settings from an allowlist; local models and
-  tokenizers (and training checkpoints, ``model_args.checkpoint``) only under the operator's model
+  tokenizers (and training checkpoints, ``model_args.checkpoint``, LoRA adapters,
+  ``model_args.peft``, and delta weights, ``model_args.delta``) only under the operator's model
   roots, with one answer for a path that is missing and one that is forbidden (no file oracle),
   and so are a sweep's checkpoints (``sweep``: its globs expanded here, under the roots only);
   tracking only where the server has a tracker;
@@ -55,6 +56,8 @@ REQUEST_MODEL_ARGS = ENCODER_MODEL_ARGS | {
     "backend",
     "trust_remote_code",
     "checkpoint",
+    "peft",
+    "delta",
 }
 
 #: Most checkpoints one sweep may name (after its globs are expanded).
@@ -171,6 +174,13 @@ def strategy_problems(
     chosen = strategy(parallelism.shard_strategy)
     problems = []
     args = config.model_args
+    for key in ("peft", "delta"):
+        if args.get(key) and chosen.name is ShardStrategy.TP:
+            problems.append(
+                f"shard_strategy tp does not apply {key}= weights (they are applied under "
+                f"FSDP): use {field('parallelism', 'shard_strategy', value='fsdp')} (or auto) "
+                f"for model_args.{key}"
+            )
     model_dir = Path(str(args["pretrained"])).expanduser() / str(args.get("subfolder") or "")
     config_file = model_dir / "config.json"
     if config_file.is_file():
@@ -271,12 +281,14 @@ def policy_problems(config: EvaluationConfig, policy: ServerPolicy) -> list[str]
             "model_args.trust_remote_code: this server does not run code from model "
             "repositories; its operator can allow it with --allow-remote-code"
         )
-    for key in ("pretrained", "tokenizer"):
+    for key in ("pretrained", "tokenizer", "delta"):
         value = args.get(key)
         if isinstance(value, str):
             problems += _model_source_problems(f"model_args.{key}", value, args, policy)
     if "checkpoint" in args:
         problems += _checkpoint_problems(args["checkpoint"], policy)
+    if "peft" in args:
+        problems += _adapter_problems(args["peft"], policy)
     subfolder = args.get("subfolder", "")
     if not isinstance(subfolder, str) or os.path.isabs(subfolder) or ".." in Path(subfolder).parts:
         problems.append("model_args.subfolder: a relative folder inside the model, without '..'")
@@ -331,6 +343,19 @@ def _checkpoint_problems(
         f"{where}: {value!r} is not a checkpoint directory under this server's "
         f"model roots ({', '.join(policy.model_roots) or 'none configured'}): save it under "
         "one, or the server operator adds its folder with --model-root"
+    ]
+
+
+def _adapter_problems(value: Any, policy: ServerPolicy) -> list[str]:
+    """A LoRA adapter named by a request: a folder under a model root, as ``pretrained`` is (a
+    missing one and one outside the roots get the same answer; whether it is an adapter of this
+    model is checked when the evaluation starts, before any rank starts)."""
+    if isinstance(value, str) and value and _directory_under_roots(Path(value), policy):
+        return []
+    return [
+        f"model_args.peft: {value!r} is not an adapter folder under this server's model roots "
+        f"({', '.join(policy.model_roots) or 'none configured'}): save it under one, or the "
+        "server operator adds its folder with --model-root"
     ]
 
 

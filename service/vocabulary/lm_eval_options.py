@@ -29,8 +29,6 @@ UNSUPPORTED_MODEL_ARGS = {
     "offload_folder": f"CPU offload is not supported: use a larger {_SHARD_SIZE}",
     "tp_plan": f"rayeval applies the model's tensor-parallel plan itself: use {_SHARD_SIZE} "
     f"with {field('parallelism', 'shard_strategy', value='tp')} (or auto)",
-    "peft": "PEFT adapters are not supported yet: merge the adapter into the model first",
-    "delta": "delta weights are not supported yet: merge them into the model first",
     "autogptq": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
     "gptqmodel": "GPTQ checkpoints are not supported: run lm_eval directly for quantized models",
     "gguf_file": "GGUF checkpoints are not supported: use a safetensors checkpoint",
@@ -180,6 +178,17 @@ def checked_model_args(value: dict[str, Any]) -> dict[str, Any]:
     unsupported = [f"{key}: {why}" for key, why in UNSUPPORTED_MODEL_ARGS.items() if value.get(key)]
     if value.get("backend", "default") not in ("default", "causal"):
         unsupported.append("backend: only causal (decoder-only) models are supported")
+    if value.get("peft") and value.get("delta"):
+        unsupported.append(
+            "peft with delta: a LoRA adapter and delta weights cannot be applied together "
+            "(lm-eval refuses them together too): give one of them"
+        )
+    for key in ("peft", "delta"):
+        if value.get(key) and value.get("checkpoint"):
+            unsupported.append(
+                f"{key} with checkpoint: {key}= applies over pretrained's own weights: drop "
+                "checkpoint=, or name the checkpoint's model folder in pretrained="
+            )
     problems = ["unsupported — " + "; ".join(unsupported)] if unsupported else []
     problems += dtype_problems(value)
     if problems:

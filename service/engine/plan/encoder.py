@@ -54,6 +54,8 @@ _SPEC_FIELDS = ENCODER_MODEL_ARGS | {
     "softmax_dtype",
     "mixed_precision_dtype",
     "checkpoint",
+    "peft",
+    "delta",
 }
 
 
@@ -147,6 +149,8 @@ def model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -
         mixed_precision_dtype=model_args.get("mixed_precision_dtype"),
         extra_kwargs={k: v for k, v in model_args.items() if k not in _SPEC_FIELDS},
         checkpoint=str(model_args["checkpoint"]) if model_args.get("checkpoint") else None,
+        peft=str(model_args["peft"]) if model_args.get("peft") else None,
+        delta=str(model_args["delta"]) if model_args.get("delta") else None,
     )
 
 

@@ -1,6 +1,7 @@
 """What the driver decides from its weightless (meta-device) copy of the model, before any rank
 starts: which strategies can shard it, whether continuous batching and packed rows reproduce
-lm-eval's answers for it, and whether a training checkpoint fits it.
+lm-eval's answers for it, and whether a training checkpoint, a LoRA adapter or delta weights fit
+it.
 
 Each is a small function of the shell (the encoder's meta model) and the engine's configuration,
 so :class:`rayeval.service.engine.lm.RayEvalLM` only wires them together.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rayeval.actors.errors import ConfigError
+from rayeval.actors.errors import ConfigError, field
 from rayeval.actors.layout import ShardStrategy
 from rayeval.actors.parallel.strategies import model_obstacles, refusal
 from rayeval.actors.profiles import ModelShape
@@ -31,9 +32,42 @@ def obstacles(shell: Any, config: EngineConfig) -> dict[ShardStrategy, list[str]
         return {}
     found = model_obstacles(shell.config, shard_size)
     requested = config.parallelism.shard_strategy
+    for key in ("peft", "delta"):
+        if config.model_args.get(key) and ShardStrategy.TP in found:
+            if requested == ShardStrategy.TP:
+                raise ConfigError(
+                    f"shard_strategy tp does not apply {key}= weights (they are applied under "
+                    f"FSDP): use {field('parallelism', 'shard_strategy', value='fsdp')} (or "
+                    f"auto) for {key}="
+                )
+            found[ShardStrategy.TP] = [*found[ShardStrategy.TP], f"{key}= is applied under FSDP"]
     if found.get(requested):
         raise ConfigError(refusal(requested, found[requested]))
     return found
+
+
+def check_adapters(config: EngineConfig, shell: Any, tokenizer: Any) -> None:
+    """Refuse a ``peft=`` adapter or ``delta=`` weights the ranks cannot apply to this model
+    (before any rank starts; :mod:`rayeval.actors.weights.adapters`).
+
+    Raises:
+        ConfigError: naming the model arg and what to do.
+    """
+    from rayeval.actors.weights.adapters import adapter_problems, delta_problems
+
+    args = config.model_args
+    if args.get("peft"):
+        vocab = getattr(getattr(shell.config, "text_config", shell.config), "vocab_size", None)
+        if vocab is not None and vocab != len(tokenizer):
+            raise ConfigError(
+                f"peft={args['peft']}: the tokenizer has {len(tokenizer)} tokens and the model "
+                f"{vocab}; lm-eval resizes the embeddings for such an adapter, which rayeval "
+                "does not do yet: save the base with resized embeddings "
+                "(resize_token_embeddings) and name it in pretrained="
+            )
+        adapter_problems(str(args["peft"]), shell)
+    if args.get("delta"):
+        delta_problems(str(args["delta"]), shell, config.pretrained)
 
 
 def static_generation_reason(config: EngineConfig, shell: Any, encoder: Any) -> str | None:

@@ -1,0 +1,289 @@
+"""Fine-tuned weights over a base model, as lm-eval's hf backend takes them: a LoRA adapter
+(``peft=``) or delta weights (``delta=``).
+
+* **LoRA** (``peft=DIR``, a folder a PEFT trainer saved: ``adapter_config.json`` +
+  ``adapter_model.safetensors``). Each rank applies it with PEFT's own
+  ``PeftModel.from_pretrained``, unmerged, as lm-eval does, onto the model it has already
+  loaded: whole (G = 1) or FSDP2-sharded. PEFT wraps each target ``nn.Linear`` in a LoRA layer
+  whose ``base_layer`` is that same module object, so FSDP2 still gathers and frees the base
+  weight at each forward; the adapter's own matrices (``r x (in + out)`` per layer: a fraction
+  of a percent of the model) are whole on every rank. Unmerged, because merging changes
+  answers: PEFT keeps a bf16 model's adapter in float32 and adds ``B(A(x)) * scaling`` to the
+  base layer's output, so ``W + scaling * B @ A`` rounded into bf16 weights gives other bits.
+  Unmerged, every layout gives lm-eval's own bits in float32 and bf16.
+* **Delta** (``delta=DIR``, a model folder of the same architecture): its weights are added to
+  the base's, ``param += delta`` in the model's dtype, as lm-eval adds them; each rank reads
+  only the regions it holds (:mod:`rayeval.actors.weights.sources`).
+
+The driver checks both on its weightless copy of the model before any rank starts
+(:func:`adapter_problems`, :func:`delta_problems`); the ranks apply them
+(:func:`apply_adapter`, :func:`add_delta`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rayeval.actors.errors import ConfigError, ModelLoadError
+
+#: What a PEFT trainer saves beside the adapter's weights.
+ADAPTER_CONFIG = "adapter_config.json"
+_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+#: LoRA options that put something other than plain low-rank matrices on ``nn.Linear`` layers.
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA",
+    "modules_to_save": "fully trained modules (modules_to_save)",
+    "trainable_token_indices": "trained token embeddings (trainable_token_indices)",
+    "target_parameters": "LoRA on parameters (target_parameters)",
+}
+_MERGE_FIX = (
+    "merge it into the model first (PEFT's merge_and_unload, then save_pretrained) and pass "
+    "the merged folder as pretrained="
+)
+
+
+def read_adapter_config(path: str) -> dict[str, Any]:
+    """The ``adapter_config.json`` of the adapter folder ``path``.
+
+    Raises:
+        ConfigError: no such folder, or no adapter config in it.
+    """
+    folder = Path(path).expanduser()
+    file = folder / ADAPTER_CONFIG
+    if not file.is_file():
+        what = "no such folder" if not folder.is_dir() else f"no {ADAPTER_CONFIG} in it"
+        raise ConfigError(
+            f"peft={path}: {what}. Name the folder a PEFT trainer saved the adapter in "
+            f"({ADAPTER_CONFIG} + adapter_model.safetensors), e.g. RUN/checkpoint-500"
+        )
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"peft={path}: {ADAPTER_CONFIG} cannot be read: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"peft={path}: {ADAPTER_CONFIG} is not a JSON object")
+    return config
+
+
+def adapter_problems(path: str, shell: Any) -> None:
+    """Refuse an adapter the ranks cannot apply to the model ``shell`` (its weightless copy):
+    not a LoRA, a LoRA option other than low-rank matrices on linear layers, or matrices whose
+    layers or shapes the model does not have (another base). Reads the config and the weight
+    file's header only.
+
+    Raises:
+        ConfigError: naming the field and what to do.
+    """
+    from torch import nn
+
+    config = read_adapter_config(path)
+    kind = str(config.get("peft_type", "?"))
+    if kind.upper() != "LORA":
+        raise ConfigError(
+            f"peft={path}: a {kind} adapter; the ranks apply LoRA adapters only: {_MERGE_FIX}"
+        )
+    for option, what in _UNSUPPORTED_OPTIONS.items():
+        if config.get(option):
+            raise ConfigError(
+                f"peft={path}: a LoRA adapter with {what}, which the sharded ranks do not "
+                f"apply: {_MERGE_FIX}"
+            )
+    shapes = adapter_shapes(path)
+    modules = dict(shell.named_modules())
+    for key, shape in shapes.items():
+        suffix = next((s for s in _LORA_SUFFIXES if key.endswith(s)), None)
+        if suffix is None:
+            raise ConfigError(
+                f"peft={path}: tensor {key} is not a LoRA matrix of a linear layer (LoRA on "
+                f"embeddings or other layers is not applied on the ranks): {_MERGE_FIX}"
+            )
+        name = key[: -len(suffix)].removeprefix("base_model.model.")
+        module = modules.get(name)
+        if not isinstance(module, nn.Linear):
+            raise ConfigError(
+                f"peft={path}: the adapter trains layer {name}, which pretrained's model "
+                f"({type(shell).__name__}) has not: name the base model the adapter was "
+                f"trained on in pretrained= (its adapter config says "
+                f"{config.get('base_model_name_or_path')!r})"
+            )
+        if suffix == ".lora_A.weight":
+            wanted = (shape[0], module.in_features)
+        else:
+            wanted = (module.out_features, shape[1])
+        if tuple(shape) != wanted:
+            raise ConfigError(
+                f"peft={path}: tensor {key} has shape {tuple(shape)}, but layer {name} of "
+                f"pretrained's model is {module.in_features} -> {module.out_features}: the "
+                "adapter was trained on another base; name that one in pretrained= (its "
+                f"adapter config says {config.get('base_model_name_or_path')!r})"
+            )
+
+
+def adapter_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor of the adapter's weight file and its shape (a safetensors header, or the
+    ``.bin`` file loaded on the CPU: adapters are small).
+
+    Raises:
+        ConfigError: the folder has no adapter weights.
+    """
+    folder = Path(path).expanduser()
+    found = next((folder / name for name in _WEIGHT_FILES if (folder / name).is_file()), None)
+    if found is None:
+        raise ConfigError(
+            f"peft={path}: no {' or '.join(_WEIGHT_FILES)} beside {ADAPTER_CONFIG}: name the "
+            "folder the adapter's weights were saved in"
+        )
+    if found.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(found), framework="pt") as reader:
+            return {k: tuple(reader.get_slice(k).get_shape()) for k in reader.keys()}  # noqa: SIM118
+    import torch
+
+    state = torch.load(found, map_location="cpu", weights_only=True)
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def apply_adapter(model: Any, path: str, revision: str | None) -> None:
+    """Apply the LoRA adapter at ``path`` to this rank's ``model`` (whole or FSDP2-sharded), in
+    place and unmerged, with PEFT's own ``PeftModel.from_pretrained`` as lm-eval applies it.
+
+    Raises:
+        ModelLoadError: PEFT cannot apply it.
+    """
+    from peft import PeftModel
+
+    try:
+        wrapped = PeftModel.from_pretrained(model, path, revision=revision)
+    except Exception as exc:  # PEFT raises many kinds; each is a load failure here
+        raise ModelLoadError(f"peft={path}: PEFT could not apply the adapter: {exc}") from exc
+    model.eval()  # the injected LoRA layers too (their dropout is off)
+    if wrapped.base_model.model is not model:  # the rank computes with ``model`` itself
+        raise ModelLoadError(f"peft={path}: PEFT did not apply the adapter in place")
+
+
+def delta_problems(path: str, shell: Any, pretrained: str) -> None:
+    """Refuse delta weights that cannot be added to the model ``shell``: a tensor missing or of
+    another shape. Reads file headers only.
+
+    Raises:
+        ConfigError: naming the field and what to do.
+    """
+    from rayeval.actors.weights.sources import open_source, problems, slots
+
+    try:
+        source = open_source(path)
+    except (ConfigError, ModelLoadError) as exc:
+        raise ConfigError(
+            f"delta={path}: name a model folder of pretrained's architecture, as "
+            f"save_pretrained writes it ({exc})"
+        ) from None
+    _, found = problems(slots(shell), source.shapes(), getattr(shell, "base_model_prefix", ""))
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise ConfigError(
+            f"delta={path}: does not fit the model of pretrained={pretrained}: {found[0]}{more}."
+            " Name delta weights of this model's architecture"
+        )
+
+
+def add_delta(model: Any, path: str, pretrained: str) -> int:
+    """Add the delta weights at ``path`` to every parameter this rank holds (in place, in the
+    parameter's dtype, as lm-eval's ``param.data += delta``), one tensor region at a time.
+
+    Returns:
+        Bytes read.
+
+    Raises:
+        ModelLoadError: a tensor is missing or has another shape, or cannot be read.
+    """
+    import torch
+
+    from rayeval.actors.weights.dcp import Region
+    from rayeval.actors.weights.sources import open_source, problems, refusal, slots
+
+    source = open_source(path)
+    wanted = slots(model)
+    keys, found = problems(wanted, source.shapes(), getattr(model, "base_model_prefix", ""))
+    if found:
+        raise ModelLoadError(refusal(source.where, found, pretrained))
+    read = 0
+    with torch.no_grad():
+        for slot in wanted:
+            delta = torch.empty_like(slot.local)
+            source.read([Region(keys[slot.name], delta, slot.offsets)])
+            slot.local.add_(delta)
+            read += delta.numel() * delta.element_size()
+            del delta
+    return read
+
+
+#: ``adapter_config.json`` keys that may differ between two checkpoints of one LoRA run.
+_RUN_BOOKKEEPING = frozenset(
+    {"base_model_name_or_path", "revision", "peft_version", "inference_mode"}
+)
+
+
+def swap_problems(loaded: str, path: str, shell: Any) -> None:
+    """Refuse swapping the LoRA at ``path`` in place of the one at ``loaded``: it must be
+    applicable (:func:`adapter_problems`) and another checkpoint of the same run: the same
+    config (rank, alpha, targets, ...) and the same matrices and shapes.
+
+    Raises:
+        ConfigError: naming what differs and what to do.
+    """
+    adapter_problems(path, shell)
+    before, after = read_adapter_config(loaded), read_adapter_config(path)
+    differ = sorted(
+        key
+        for key in before.keys() | after.keys()
+        if key not in _RUN_BOOKKEEPING and _same(before.get(key)) != _same(after.get(key))
+    )
+    if not differ and adapter_shapes(loaded) != adapter_shapes(path):
+        differ = ["its matrices or their shapes"]
+    if differ:
+        raise ConfigError(
+            f"peft={path}: differs from the loaded adapter {loaded} in {', '.join(differ)}: only "
+            "checkpoints of one LoRA run swap in place; evaluate this adapter on its own"
+        )
+
+
+def _same(value: Any) -> Any:
+    """A config value as compared: PEFT saves sets (``target_modules``) as lists in any order."""
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return sorted(value)
+    return value
+
+
+def load_adapter_weights(model: Any, path: str) -> int:
+    """Overwrite the LoRA matrices applied to ``model`` (:func:`apply_adapter`) with those saved
+    at ``path``, another checkpoint of the same run (:func:`swap_problems`), in place and in
+    the dtype PEFT gave them. Returns the bytes written.
+
+    Raises:
+        ModelLoadError: a matrix is missing, extra, or of another shape.
+    """
+    import torch
+    from peft.utils import load_peft_weights
+
+    saved = load_peft_weights(path, device="cpu")
+    params = {
+        name: param
+        for name, param in model.named_parameters()
+        if ".lora_A." in name or ".lora_B." in name
+    }
+    written = 0
+    with torch.no_grad():
+        for key, value in saved.items():
+            name = key.removeprefix("base_model.model.").replace(".weight", ".default.weight")
+            param = params.pop(name, None)
+            if param is None or tuple(param.shape) != tuple(value.shape):
+                raise ModelLoadError(f"peft={path}: tensor {key} matches no loaded LoRA matrix")
+            param.copy_(value)
+            written += param.numel() * param.element_size()
+    if params:
+        raise ModelLoadError(f"peft={path}: no tensor for the loaded matrix {next(iter(params))}")
+    return written
