@@ -28,7 +28,7 @@ from typing import Any
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, ShardStrategy
-from rayeval.actors.protocol import InputTokens, LoadReport, RankSite
+from rayeval.actors.protocol import InputTokens, LoadReport, RankSite, SwapReport
 from rayeval.service.engine.dispatch.cluster import connect, embedded_cpus, pick_device
 from rayeval.service.engine.dispatch.executor import Executor
 from rayeval.service.engine.dispatch.phases import PhaseStats
@@ -209,20 +209,11 @@ class Engine:
         group = self._open()
         started = time.monotonic()
         model_shell.check_checkpoint(checkpoint, self.encoder.model, self.config.pretrained)
-        try:
-            reports = group.load_checkpoint(checkpoint, timeout_s=self._timeouts.load_s)
-        except BaseException:
-            self.close()
-            raise
-        self.config = self.config.with_checkpoint(checkpoint)
-        if self._cache is not None:
-            self._cache.use_model(self.config.model_args)
-        if self._replicas is not None:
-            self._key = replica_key(self.config)
-        read_s = max(r.seconds for r in reports)
-        self._executor.begin_checkpoint(started, load_s=read_s)
-        self.request_report = RequestReport()
-        return Swap(time.monotonic() - started, read_s, sum(r.bytes for r in reports))
+        return self._swapped(
+            started,
+            lambda: group.load_checkpoint(checkpoint, timeout_s=self._timeouts.load_s),
+            self.config.with_checkpoint(checkpoint),
+        )
 
     def swap_adapter(self, peft: str) -> Swap:
         """Evaluate another checkpoint of the loaded LoRA adapter (``peft=``) from now on: the
@@ -246,18 +237,28 @@ class Engine:
         group = self._open()
         started = time.monotonic()
         swap_problems(str(loaded), peft, self.encoder.model)
+        return self._swapped(
+            started,
+            lambda: group.load_adapter(peft, timeout_s=self._timeouts.load_s),
+            self.config.model_copy(update={"model_args": {**self.config.model_args, "peft": peft}}),
+        )
+
+    def _swapped(
+        self, started: float, swap: Callable[[], list[SwapReport]], config: EngineConfig
+    ) -> Swap:
+        """The ranks' ``swap`` done (the ranks released if it failed: they may hold a mix of
+        two weights), then ``config`` is this engine's: the response cache and warm-replica key
+        follow it and the figures start afresh."""
         try:
-            reports = group.load_adapter(peft, timeout_s=self._timeouts.load_s)
+            reports = swap()
         except BaseException:
             self.close()
             raise
-        self.config = self.config.model_copy(
-            update={"model_args": {**self.config.model_args, "peft": peft}}
-        )
+        self.config = config
         if self._cache is not None:
-            self._cache.use_model(self.config.model_args)
+            self._cache.use_model(config.model_args)
         if self._replicas is not None:
-            self._key = replica_key(self.config)
+            self._key = replica_key(config)
         read_s = max(r.seconds for r in reports)
         self._executor.begin_checkpoint(started, load_s=read_s)
         self.request_report = RequestReport()
