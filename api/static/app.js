@@ -59,7 +59,25 @@ function progressText(evaluation) {
   const p = evaluation.progress;
   if (!p.total) return evaluation.status === "queued" && evaluation.queue_position
     ? "queue #" + evaluation.queue_position : "";
-  return p.done + " / " + p.total;
+  return p.done + " / " + p.total + (p.cached ? " (" + p.cached + " from cache)" : "");
+}
+
+// What a starting or running evaluation does between batches, with its seconds so far ("" when
+// it computes batches, or the server is older than stages).
+function stageText(evaluation) {
+  const stage = evaluation.progress.stage;
+  if (!stage || stage.name === "computing") return "";
+  return stage.label + " · " + duration(stage.elapsed_s);
+}
+
+// What the plot says when there is no point to draw.
+function emptyPlotText(evaluation) {
+  const p = evaluation.progress;
+  if (p.total && p.cached >= p.total) {
+    return "Every answer came from the response cache: no batch was computed.";
+  }
+  return stageText(evaluation) || (TERMINAL.has(evaluation.status)
+    ? "No batch was computed." : "No batch has finished yet.");
 }
 
 function progressCell(row, evaluation) {
@@ -161,6 +179,7 @@ async function refreshDetail() {
   $("detail-id").textContent = evaluation.id;
   $("detail-status").textContent = evaluation.status;
   $("detail-status").className = "badge " + evaluation.status;
+  $("detail-stage").textContent = stageText(evaluation);
   $("cancel").hidden = TERMINAL.has(evaluation.status);
 
   const facts = $("detail-facts");
@@ -194,7 +213,8 @@ async function refreshDetail() {
     td.appendChild(bar);
     cell(row, p.done);
     cell(row, p.total);
-    const rate = p.seconds > 0 ? p.done / p.seconds : null;
+    // Answers from the response cache are done, but not a rate.
+    const rate = p.seconds > 0 ? Math.max(0, p.done - (p.cached || 0)) / p.seconds : null;
     cell(row, rate === null ? "" : number(rate, 2));
     cell(row, number(p.tokens_per_s, 0));
     cell(row, number(p.real_token_fraction, 3));
@@ -249,7 +269,7 @@ async function refreshPlot(evaluation) {
     state.timeline.after = timeline.last_seq;
     if (timeline.complete) break;
   }
-  drawPlot($("throughput-plot"), state.timeline.points);
+  drawPlot($("throughput-plot"), state.timeline.points, emptyPlotText(evaluation));
 }
 
 // Tokens/s between two reports of a request type (its average for the first report).
@@ -287,9 +307,10 @@ function svg(parent, tag, attributes, text) {
   return node;
 }
 
-function drawPlot(plot, points) {
+function drawPlot(plot, points, emptyText) {
   plot.replaceChildren();
   $("plot-empty").hidden = points.length > 0;
+  $("plot-empty").textContent = emptyText;
   plot.dataset.points = String(points.length);
   if (!points.length) return;
   const W = 720, H = 220, left = 56, right = 150, top = 12, bottom = 30;

@@ -43,11 +43,13 @@ from rayeval.service.vocabulary.events import (
     RunnerEvent,
     RunnerFailed,
     RunnerProgress,
+    RunnerStage,
     RunnerStatus,
     RunnerSucceeded,
     RunnerWaiting,
     RunnerWarning,
     RunOutputs,
+    Stage,
     warning_of,
 )
 
@@ -195,6 +197,9 @@ class EvaluationRunner:
         def on_warning(data: dict[str, Any]) -> None:
             self._emit(evaluation_id, RunnerWarning, warning=warning_of(data))
 
+        def on_stage(stage: Stage) -> None:
+            self._emit(evaluation_id, RunnerStage, stage=stage)
+
         host = HostOptions(
             output_path=str(output_dir),
             include_paths=self._include_paths,
@@ -218,6 +223,7 @@ class EvaluationRunner:
             on_progress=on_progress,
             on_warning=on_warning,
             replicas=self._replicas,
+            on_stage=on_stage,
         )
         if output is None:
             raise RayEvalError("lm-eval returned no results for this evaluation")
