@@ -455,6 +455,10 @@ def _check_comparison(page: Any, results: dict[str, Any], a: str, b: str) -> Non
         page.locator(f"#evaluations tr[data-id='{evaluation}'] input.compare").check()
     page.click("#compare-button")
     page.locator("#compare-table tbody tr").first.wait_for(timeout=30_000)
+    # One model twice: each column says what tells it apart (A ran on 2 replicas, 12 documents).
+    heads = [page.locator(f"#compare-table th[data-evaluation='{e}']") for e in (a, b)]
+    assert "layout 2x1, limit 12" in (heads[0].text_content() or "")
+    assert "layout 1x1, limit 15" in (heads[1].text_content() or "")
     for task in TASKS:
         metrics = results[a]["results"][task]
         for key, value in metrics.items():

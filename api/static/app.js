@@ -576,12 +576,13 @@ async function showComparison(ids) {
     th.textContent = title;
     head.appendChild(th);
   }
-  for (const { evaluation } of evaluations) {
+  const differs = distinctions(evaluations.map(({ evaluation }) => evaluation.request));
+  for (const [column, { evaluation }] of evaluations.entries()) {
     const th = document.createElement("th");
     th.dataset.evaluation = evaluation.id;
     const a = document.createElement("a");
     a.href = "#" + evaluation.id;
-    a.textContent = evaluation.id.slice(0, 8) + " " + modelName(evaluation.request);
+    a.textContent = label(evaluation) + differs[column];
     a.addEventListener("click", () => select(evaluation.id));
     th.appendChild(a);
     head.appendChild(th);
@@ -669,7 +670,9 @@ async function showPaired(evaluations) {
     block.dataset.a = first.id;
     block.dataset.b = other.id;
     const title = document.createElement("h3");
-    title.textContent = "Paired comparison: B − A, A = " + label(first) + ", B = " + label(other);
+    const [ofA, ofB] = distinctions([first.request, other.request]);
+    title.textContent = "Paired comparison: B − A, A = " + label(first) + ofA
+      + ", B = " + label(other) + ofB;
     block.appendChild(title);
     box.appendChild(block);
     const url = "/compare?a=" + encodeURIComponent(first.id) + "&b=" + encodeURIComponent(other.id);
@@ -686,6 +689,31 @@ async function showPaired(evaluations) {
 
 function label(evaluation) {
   return evaluation.id.slice(0, 8) + " " + modelName(evaluation.request);
+}
+
+// What an evaluation ran with, beside its model: the settings a comparison tells apart.
+function settingsOf(request) {
+  const layout = request.parallelism;
+  return {
+    checkpoint: request.model_args.checkpoint || "",
+    dtype: request.model_args.dtype || "auto",
+    layout: layout.num_replicas + "x" + layout.shard_size
+      + (layout.shard_size > 1 ? " " + layout.shard_strategy : ""),
+    device: request.device,
+    "few-shot": request.num_fewshot === null ? "task default" : String(request.num_fewshot),
+    limit: request.limit === null ? "all" : String(request.limit),
+    "batch size": String(request.batch_size),
+  };
+}
+
+// Per request, " (dtype bfloat16, layout 2x1)": the settings in which the requests differ
+// (empty strings when they ran alike), so that two columns of one model do not read alike.
+function distinctions(requests) {
+  const settings = requests.map(settingsOf);
+  const keys = Object.keys(settings[0]).filter(
+    (key) => new Set(settings.map((s) => s[key])).size > 1);
+  return settings.map((s) => keys.length
+    ? " (" + keys.map((key) => key + " " + s[key]).join(", ") + ")" : "");
 }
 
 function pairedTable(block, comparison, a, b) {
