@@ -393,7 +393,7 @@ def test_status_results_cancel_commands(
 
 @pytest.mark.e2e
 def test_dashboard_plot_eta_and_comparison(
-    runs: dict[str, Any], server: Any, tmp_path: Path
+    runs: dict[str, Any], server: Any, demo: Any, gated_tasks: Path, tmp_path: Path
 ) -> None:
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is absent: install it with `apt-get install -y chromium`")
@@ -418,6 +418,7 @@ def test_dashboard_plot_eta_and_comparison(
             _check_progress_and_plot(page, timeline)
             _check_comparison(page, results, a, b)
             _check_from_cache(page, runs["d"])
+            _check_stage(page, server, demo, gated_tasks)
             if os.environ.get("RAYEVAL_SCREENSHOT"):  # how docs/dashboard.png is made
                 page.screenshot(path=os.environ["RAYEVAL_SCREENSHOT"], full_page=True)
             assert errors == []
@@ -500,6 +501,24 @@ def _check_from_cache(page: Any, d: dict[str, Any]) -> None:
     assert page.locator("#plot-empty").is_visible()
     for phase in REQUEST_TYPES:
         assert page.locator(f"#phases tr[data-phase='{phase}'] td.eta").text_content() == "done"
+
+
+def _check_stage(page: Any, server: Any, demo: Any, gate_dir: Path) -> None:
+    """E (three documents of demo_mc, whose gate is shut) waits while lm-eval computes its
+    metrics: the page says so beside its state, with the seconds so far."""
+    from rayeval.api.client import RayEvalClient
+
+    with RayEvalClient(server.url, token=TOKEN) as client:
+        e = client.submit(body(demo, tasks=["demo_mc"], limit=3, bootstrap_iters=0))
+        row = page.locator(f"#evaluations tr[data-id='{e['id']}'] td.mono")
+        row.wait_for(timeout=30_000)  # the list is polled
+        row.click()
+        stage = "document.querySelector('#detail-stage').textContent"
+        page.wait_for_function(f"{stage}.startsWith('computing metrics · ')", timeout=120_000)
+        assert page.locator("#detail-status").text_content() == "running"
+        (gate_dir / "open-3").touch()
+        assert client.wait(e["id"], poll_s=0.2)["status"] == "succeeded"
+        page.wait_for_function(f"{stage} === ''", timeout=30_000)
 
 
 def _coloured_pixels(page: Any, png: bytes) -> int:
