@@ -288,6 +288,16 @@ class WorkerGroup:
         ]
         return self.load_reports
 
+    def ranks_loaded(self) -> int:
+        """How many ranks have finished loading (or failed to), without waiting: the
+        start-up's progress (kept ranks: all of them)."""
+        if self.load_reports or not self._setup_refs:
+            return self.layout.world
+        ready, _ = ray.wait(
+            self._setup_refs, num_returns=len(self._setup_refs), timeout=0, fetch_local=False
+        )
+        return len(ready)
+
     def begin_evaluation(self, seed: int, timeout_s: float) -> None:
         """Seed every loaded rank for a new evaluation (a group kept between evaluations).
 

@@ -194,14 +194,15 @@ def _add_evaluation(families: _Families, record: EvaluationRecord) -> None:
 
 def _add_phase(families: _Families, labels: list[str], p: PhaseReport) -> None:
     """The series of one request type of an evaluation (``labels``: evaluation, request type)."""
-    families.done.add_metric(labels, p.done)
-    families.planned.add_metric(labels, p.total)
+    # Progress counts the cache's answers as done; these series count what the ranks compute.
+    families.done.add_metric(labels, p.done - p.cached)
+    families.planned.add_metric(labels, p.total - p.cached)
     families.tokens_per_s.add_metric(labels, p.tokens_per_s)
     families.real_tokens.add_metric(labels, p.real_token_fraction)
     families.cache_hits.add_metric(labels, p.cached)
     if p.seconds <= 0:
         return
-    rate = p.done / p.seconds
+    rate = p.requests_per_s
     families.requests_per_s.add_metric(labels, rate)
     if rate > 0:
         families.eta.add_metric(labels, (p.total - p.done) / rate)

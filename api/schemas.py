@@ -9,13 +9,14 @@ API returns about one evaluation; its progress per request type is the service's
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayeval.service.vocabulary.config import EvaluationConfig
-from rayeval.service.vocabulary.events import EvaluationProgress, PhaseCounts
+from rayeval.service.vocabulary.events import EvaluationProgress, PhaseCounts, Stage, StageName
 from rayeval.service.vocabulary.states import EvaluationStatus
 
 #: The body of ``POST /evaluations``: lm-eval's options (same names and meanings) plus the layout.
@@ -26,23 +27,54 @@ class PhaseProgress(PhaseCounts):
     """Progress of one request type (lm-eval runs them one after the other)."""
 
 
+class StagePublic(BaseModel):
+    """What a starting or running evaluation is doing while no batch moves."""
+
+    name: StageName = Field(
+        description="placing, building_requests, loading, computing or computing_metrics."
+    )
+    label: str = Field(description="In words: 'building requests, 1/2 ranks loaded'.")
+    ranks_ready: int | None = Field(description="Ranks that loaded the model so far.")
+    ranks: int | None = Field(description="Ranks started (null: none, e.g. all from cache).")
+    elapsed_s: float = Field(description="Seconds in this stage so far.")
+
+    @classmethod
+    def of(cls, stage: Stage, now: float) -> StagePublic:
+        """``stage`` as of ``now`` (seconds since the epoch)."""
+        return cls(
+            name=stage.name,
+            label=stage.label,
+            ranks_ready=stage.ranks_ready,
+            ranks=stage.ranks,
+            elapsed_s=round(max(0.0, now - stage.started_at), 1),
+        )
+
+
 class ProgressPublic(BaseModel):
-    """Requests done and known so far; a request type's total is known once it starts."""
+    """Requests done and known so far (those the response cache answered included); a request
+    type's total is known once it starts."""
 
     done: int
     total: int
+    cached: int = Field(0, description="Requests the response cache answered.")
     phases: dict[str, PhaseProgress]
+    stage: StagePublic | None = Field(
+        None, description="While starting or running: what it does between batches."
+    )
 
     @classmethod
-    def of(cls, progress: EvaluationProgress) -> ProgressPublic:
-        """What the API shows of an evaluation's stored progress."""
+    def of(cls, progress: EvaluationProgress, active: bool = False) -> ProgressPublic:
+        """What the API shows of an evaluation's stored progress (``active``: its stage too)."""
+        stage = progress.stage if active else None
         return cls(
             done=progress.done,
             total=progress.total,
+            cached=sum(p.cached for p in progress.phases.values()),
             phases={
                 name: PhaseProgress.model_validate(report, from_attributes=True)
                 for name, report in progress.phases.items()
             },
+            stage=StagePublic.of(stage, time.time()) if stage is not None else None,
         )
 
 

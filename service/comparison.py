@@ -20,7 +20,9 @@ by task, filter and document and reports, per task and metric:
   log-likelihood rose or fell.
 
 It refuses, naming why (:class:`IncomparableError`), to pair evaluations whose documents or
-few-shot settings differ. Torch-free: the API process and ``rayeval compare`` both use it.
+few-shot settings differ. Two evaluations of one model differ in something else (the dtype, the
+layout): :func:`distinctions` names it, so that the columns do not read alike. Torch-free: the
+API process and ``rayeval compare`` both use it.
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class Comparison:
     metrics: list[MetricComparison]
     #: Tasks only one of the two evaluated (not compared).
     unpaired_tasks: dict[str, list[str]]
+    #: What tells the two apart beside their labels (:func:`distinctions`): setting -> [a, b].
+    differs: dict[str, list[str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """Plain data: what ``GET /compare`` answers and ``rayeval compare --json`` prints.
@@ -125,6 +129,7 @@ class Comparison:
             "seed": self.seed,
             "metrics": rows,
             "unpaired_tasks": self.unpaired_tasks,
+            "differs": self.differs,
         }
 
 
@@ -160,7 +165,46 @@ def compare(
         a.label: sorted(set(a.samples) - set(b.samples)),
         b.label: sorted(set(b.samples) - set(a.samples)),
     }
-    return Comparison(a.label, b.label, iterations, seed, metrics, unpaired)
+    differs = distinctions(a.results, b.results)
+    return Comparison(a.label, b.label, iterations, seed, metrics, unpaired, differs)
+
+
+def settings_of(results: Mapping[str, Any]) -> dict[str, str]:
+    """What an evaluation ran with, read from lm-eval's results JSON (its ``config``, where
+    rayeval records the dtype and the layout, and ``n-shot``): model, checkpoint, dtype, layout,
+    few-shot, limit, batch size."""
+    config = results.get("config") or {}
+    args = config.get("model_args") or {}
+    if isinstance(args, str):  # lm-eval's "key=value,key=value" form
+        args = dict(item.split("=", 1) for item in args.split(",") if "=" in item)
+    layout = config.get("rayeval_layout") or {}
+    shape = ""
+    if layout:
+        shape = f"{layout.get('num_replicas')}x{layout.get('shard_size')} {layout.get('device')}"
+        if layout.get("shard_strategy"):
+            shape += f" {layout['shard_strategy']}"
+    shots = sorted({str(n) for n in (results.get("n-shot") or {}).values()})
+    settings = {
+        "model": str(args.get("pretrained", config.get("model", ""))),
+        "checkpoint": str(args.get("checkpoint", "")),
+        "dtype": str(config.get("model_dtype") or args.get("dtype", "")).removeprefix("torch."),
+        "layout": shape,
+        "few-shot": "/".join(shots),
+        "limit": str(config.get("limit") if config.get("limit") is not None else ""),
+        "batch size": str(config.get("batch_size", "")),
+    }
+    return {key: value for key, value in settings.items() if value}
+
+
+def distinctions(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The settings (:func:`settings_of`) in which two results files differ: name -> [a, b]
+    (a setting one of them lacks reads ``?``)."""
+    first, second = settings_of(a), settings_of(b)
+    return {
+        key: [first.get(key, "?"), second.get(key, "?")]
+        for key in dict.fromkeys([*first, *second])
+        if first.get(key) != second.get(key)
+    }
 
 
 # --------------------------------------------------------------------------------- pairing

@@ -118,6 +118,8 @@ def test_use_cache_never_serves_one_model_s_answers_to_another(
 
     again, again_samples, printed = run(demo.model_dir, "a2")
     assert "0 requests computed in 0 micro-batches" in printed, printed
+    # Evaluated to the end before with these settings: the cache answers all, no rank starts.
+    assert "ranks: none started (every answer came from the response cache)" in printed, printed
     assert_same_results(
         {"results": first["results"], "samples": first_samples},
         {"results": again["results"], "samples": again_samples},

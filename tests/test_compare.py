@@ -134,6 +134,8 @@ def test_compare_is_the_service_comparison_of_the_served_files(
     assert rows[("demo_mc", "acc")]["test"] == "mcnemar"
     assert rows[("demo_cloze", "perplexity")]["test"] == "sign-flip permutation"
     assert any(m["difference"] != 0 for m in answer["metrics"]), "A and B should differ"
+    # What tells them apart, beside their ids: the model (the rest ran alike).
+    assert list(answer["differs"]) == ["model"], answer["differs"]
 
 
 @pytest.mark.service
@@ -199,6 +201,7 @@ def test_rayeval_compare_ids_directories_and_both(
     assert status == 0 and json.loads(printed)["metrics"] == answer["metrics"]
     status, table, _ = cli("compare", folders["a"], folders["b"])
     assert status == 0 and table.startswith("Paired comparison, B - A (95% intervals; 10,000")
+    assert f"  A: {folders['a']} (model {answer['differs']['model'][0]})" in table.splitlines()
     for metric in answer["metrics"]:
         (row,) = [
             line

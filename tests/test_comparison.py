@@ -237,3 +237,27 @@ def test_the_permutation_p_value_is_exact_over_few_documents() -> None:
     at_least = np.mean(np.array(null) >= observed - 1e-12)
     assert ppl.p_value == pytest.approx(min(1.0, 2 * min(at_most, at_least)))
     assert 0.05 < ppl.p_value < 1.0
+
+
+def test_two_runs_of_one_model_say_what_tells_them_apart(pair: Any) -> None:
+    """float32 against bf16 (and another layout) of one model: the labels say which is which."""
+    from rayeval.api.cli.compare import render
+
+    a, b = pair[:2]
+
+    def ran(dtype: str, replicas: int) -> dict[str, Any]:
+        layout = {"num_replicas": replicas, "shard_size": 1, "device": "cpu"}
+        config = {
+            "model_args": f"pretrained=/m/tiny,dtype={dtype}",
+            "model_dtype": f"torch.{dtype}",
+        }
+        return {**a.results, "config": {**config, "rayeval_layout": layout, "batch_size": "4"}}
+
+    first = EvaluationSamples("A", ran("float32", 1), a.samples)
+    second = EvaluationSamples("B", ran("bfloat16", 2), b.samples)
+    answer = compare(first, second, iterations=100).to_json()
+    assert answer["differs"] == {"dtype": ["float32", "bfloat16"], "layout": ["1x1 cpu", "2x1 cpu"]}
+    lines = render(answer).splitlines()
+    assert "  A: A (dtype float32, layout 1x1 cpu)" in lines
+    assert "  B: B (dtype bfloat16, layout 2x1 cpu)" in lines
+    assert compare(first, first, iterations=100).to_json()["differs"] == {}

@@ -116,15 +116,21 @@ def test_watch_writes_plain_lines_where_there_is_no_terminal(
     """``serve --demo`` and ``submit --wait`` into a file or a pipe: lines, no cursor codes."""
     from rayeval.api.cli import remote
 
-    def state(status: str, done: int, seconds: float) -> dict[str, Any]:
+    def state(status: str, done: int, seconds: float, stage: str | None = None) -> dict[str, Any]:
         counts = {"done": done, "total": 8, "tokens_per_s": 100.0, "real_token_fraction": 1.0}
-        phases = {"loglikelihood": {**counts, "seconds": seconds}} if status != "queued" else {}
-        return {"status": status, "progress": {"phases": phases}}
+        phase = {**counts, "seconds": seconds, "cached": 2}
+        phases = {"loglikelihood": phase} if status not in ("queued", "starting") else {}
+        named = (
+            {"name": stage.replace(" ", "_"), "label": stage, "elapsed_s": 3.2} if stage else None
+        )
+        return {"status": status, "progress": {"phases": phases, "stage": named}}
 
     class Server:  # the one seam: what the server answers, poll after poll
         def wait(self, evaluation_id: str, on_update: Any) -> dict[str, Any]:
-            states = [state("queued", 0, 0), state("running", 0, 0), state("running", 2, 1)]
-            states += [state("running", 4, 2), state("succeeded", 8, 4)]
+            states = [state("queued", 0, 0), state("starting", 0, 0, "building requests")]
+            states += [state("starting", 0, 0, "building requests")]  # the same: no line
+            states += [state("running", 2, 0), state("running", 4, 1), state("running", 6, 2)]
+            states += [state("running", 8, 3, "computing metrics"), state("succeeded", 8, 4)]
             for evaluation in states:
                 on_update(evaluation)
             return states[-1]
@@ -134,10 +140,12 @@ def test_watch_writes_plain_lines_where_there_is_no_terminal(
     assert remote.watch(Server(), "e1", stream)["status"] == "succeeded"  # type: ignore[arg-type]
     assert stream.getvalue().splitlines() == [
         "e1: queued",
+        "e1: starting: building requests (3 s)",
         "e1: running",
-        "loglikelihood: 0/8 req (0.0 req/s, 100 tokens/s)",
+        "loglikelihood: 2/8 req (0.0 req/s, 100 tokens/s, 2 from cache)",
+        "e1: running: computing metrics (3 s)",
+        "loglikelihood: 8/8 req (2.0 req/s, 100 tokens/s, 2 from cache)",
         "e1: succeeded",
-        "loglikelihood: 8/8 req (2.0 req/s, 100 tokens/s)",
     ]
 
 

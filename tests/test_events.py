@@ -23,10 +23,14 @@ from rayeval.service.vocabulary.events import (
     ResultEvent,
     RunnerFailed,
     RunnerProgress,
+    RunnerStage,
     RunnerStatus,
     RunnerSucceeded,
     RunnerWarning,
     RunOutputs,
+    Stage,
+    StageEvent,
+    StageName,
     StateEvent,
     TaskResultEvent,
     WarningEvent,
@@ -76,6 +80,9 @@ OUTPUTS = RunOutputs(
     replicas=ReplicaReuse(reused=True, kept=False),
 )
 
+STAGE = Stage(name=StageName.BUILDING_REQUESTS, started_at=1700000000.0, ranks_ready=1, ranks=2)
+STAGE_KEYS = {"name", "started_at", "ranks_ready", "ranks"}
+
 #: Every type, one instance each, with the keys its JSON carries.
 CASES: list[tuple[BaseModel, set[str]]] = [
     (ReplicaWork(requests=1, tokens=2, busy_s=0.5), {"requests", "tokens", "busy_s"}),
@@ -97,6 +104,9 @@ CASES: list[tuple[BaseModel, set[str]]] = [
     (WarningEvent.of_warning(WARNING), {"task", "counts", "example"}),
     (TaskResultEvent(task="demo_mc", metrics={"acc,none": 0.5}), {"task", "metrics"}),
     (ResultEvent(), set()),
+    (STAGE, STAGE_KEYS),
+    (StageEvent.of_stage(STAGE), STAGE_KEYS),
+    (STORED.at_stage(STAGE), {"phases", "stage"}),
 ]
 
 
@@ -113,10 +123,12 @@ def test_runner_events_round_trip_as_a_list() -> None:
         RunnerWarning(seq=2, time=2.0, warning=WARNING),
         RunnerSucceeded(seq=3, time=3.0, outputs=OUTPUTS),
         RunnerFailed(seq=4, time=4.0, error="ConfigError: no task", kind="ConfigError"),
+        RunnerStage(seq=5, time=5.0, stage=STAGE),
     ]
     text = RUNNER_EVENTS.dump_json(events)
     assert RUNNER_EVENTS.validate_json(text) == events
-    assert [e["type"] for e in json.loads(text)] == ["progress", "warning", "succeeded", "failed"]
+    kinds = ["progress", "warning", "succeeded", "failed", "stage"]
+    assert [e["type"] for e in json.loads(text)] == kinds
 
 
 def test_stored_events_read_back_as_their_kind() -> None:
@@ -126,6 +138,7 @@ def test_stored_events_read_back_as_their_kind() -> None:
         WarningEvent.of_warning(WARNING),
         TaskResultEvent(task="t", metrics={}),
         ResultEvent(),
+        StageEvent.of_stage(STAGE),
     ):
         kind, data = event.stored()
         assert isinstance(kind, EventKind)
@@ -177,3 +190,33 @@ def test_stored_progress_sums_and_tolerates_other_versions() -> None:
     # What the engine and the runner build refuses keys it does not know.
     with pytest.raises(ValidationError):
         Progress.parse({**PROGRESS.dump(), "tokens": 3})
+
+
+def test_stages_say_what_is_waited_for() -> None:
+    """The labels the status, the dashboard and the console show between batches."""
+
+    def label(name: StageName, ready: int | None = None, ranks: int | None = None) -> str:
+        return Stage(name=name, started_at=0.0, ranks_ready=ready, ranks=ranks).label
+
+    assert label(StageName.PLACING, None, 4) == "placing 4 ranks"
+    assert label(StageName.BUILDING_REQUESTS, 1, 2) == "building requests, 1/2 ranks loaded"
+    assert label(StageName.BUILDING_REQUESTS) == "building requests"
+    assert label(StageName.LOADING, 0, 2) == "0/2 ranks loaded"
+    assert label(StageName.COMPUTING, 2, 2) == "computing"
+    assert label(StageName.COMPUTING_METRICS, 2, 2) == "computing metrics"
+    # A row stored before stages existed has none; a later version's stage keys are dropped.
+    assert EvaluationProgress.parse(STORED.dump()).stage is None
+    future = {**STORED.at_stage(STAGE).dump()}
+    future["stage"] = {**future["stage"], "future": 1}
+    assert EvaluationProgress.parse(future).stage == STAGE
+    # A new stage is kept when request types move, and is not lost by a batch without one.
+    moved = STORED.at_stage(STAGE).with_reports({"loglikelihood": REPORT}).at_stage(None)
+    assert moved.stage == STAGE
+
+
+def test_cached_answers_count_as_done_but_not_as_a_rate() -> None:
+    counts = PhaseCounts(done=10, total=10, tokens_per_s=0.0, real_token_fraction=1.0,
+                         seconds=2.0, cached=6)  # fmt: skip
+    assert counts.requests_per_s == 2.0
+    whole = counts.model_copy(update={"cached": 10, "seconds": 0.0})
+    assert whole.requests_per_s == 0.0

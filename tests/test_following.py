@@ -228,6 +228,22 @@ def test_progress_keeps_each_request_type_s_latest_report() -> None:
     assert digested.progress.phases["generate_until"].updated_at == 108.0
 
 
+def test_each_stage_is_an_event_and_the_latest_is_kept() -> None:
+    """Stages move nothing (a starting evaluation stays starting) but each is on the stream."""
+    from rayeval.service.vocabulary.events import RunnerStage, Stage, StageEvent, StageName
+
+    placing = Stage(name=StageName.PLACING, started_at=1.0, ranks=2)
+    building = Stage(name=StageName.BUILDING_REQUESTS, started_at=2.0, ranks_ready=0, ranks=2)
+    events = [
+        RunnerStage(seq=1, time=1.0, stage=placing),
+        RunnerStage(seq=2, time=2.0, stage=building),
+    ]
+    digested = digest(HALF, events)
+    assert not digested.moved and digested.progress.stage == building
+    assert digested.events == [StageEvent.of_stage(placing), StageEvent.of_stage(building)]
+    assert digest(digested.progress, [_event(3, "loglikelihood", 5, 8)]).progress.stage == building
+
+
 def test_task_results_come_from_lm_eval_s_results_file() -> None:
     results = '{"results": {"a": {"acc,none": 0.5}, "g": {}}, "configs": {}}'
     assert [(e.task, e.metrics) for e in task_results(results)] == [

@@ -4,8 +4,9 @@ One real uvicorn server with an API token, on the session's Ray. Two evaluations
 A (2 replicas, one request per micro-batch, so progress moves in many small steps) submitted with
 ``rayeval submit --wait`` in a thread, and B (one replica reserving 3 CPUs, so it waits in the
 queue while A runs; more documents, so part of it comes from the response cache and its metrics
-differ from A's). While they run, ``/metrics`` is scraped over HTTP; afterwards Chromium shows
-A's throughput plot and compares A with B.
+differ from A's). While they run, ``/metrics`` is scraped over HTTP. Then D, A's request again,
+is answered by the response cache alone (no rank starts). Afterwards Chromium shows A's throughput
+plot, D's answers from the cache, and compares A with B.
 
 Nothing here depends on how fast the machine is. The server's demo tasks are a copy whose
 ``demo_mc`` aggregates ``acc_norm`` through a gate: an evaluation that has answered every request
@@ -107,12 +108,16 @@ def values(
 
 
 def answered_and_held(evaluation: dict[str, Any]) -> bool:
-    """Running with every request answered and stored: the evaluation waits at its gate."""
-    phases = evaluation["progress"]["phases"]
+    """Running with every request answered and stored, computing metrics (its stage says so):
+    the evaluation waits at its gate."""
+    phases, stage = evaluation["progress"]["phases"], evaluation["progress"]["stage"]
     return (
         evaluation["status"] == "running"
         and set(phases) == REQUEST_TYPES
         and all(p["done"] == p["total"] for p in phases.values())
+        and stage is not None
+        and stage["name"] == "computing_metrics"
+        and stage["label"] == "computing metrics"
     )
 
 
@@ -161,17 +166,32 @@ def runs(
         b = client.submit(b_body)
         c = client.submit(b_body)  # queued behind B, then cancelled by `rayeval cancel`
         gates = {a["id"]: A_DOCS, b["id"]: B_DOCS}
-        followed = _follow(client, server.url, thread, gates, c, gated_tasks)
+        # A's gate opens once `rayeval submit --wait` said what A waits for.
+        said = lambda: f"{a['id']}: running: computing metrics" in stderr.getvalue()  # noqa: E731
+        followed = _follow(client, server.url, thread, gates, c, gated_tasks, said)
         thread.join(timeout=60)
         after = scrape(server.url)
         final_a, final_b = client.get(a["id"]), client.get(b["id"])
         timeline_a = client.timeline(a["id"])
+        d, stages = _again_from_cache(client, final_a)
     print(f"{len(followed['scrapes'])} scrapes")
     return {
-        "a": final_a, "b": final_b, "c": c, "before": before, "after": after,
+        "a": final_a, "b": final_b, "c": c, "d": d, "stages": stages, "before": before,
+        "after": after,
         "out": out, "cli": {**cli, **followed.pop("cli")}, "timeline_a": timeline_a,
         "stdout": stdout.getvalue(), "stderr": stderr.getvalue(), **followed,
     }  # fmt: skip
+
+
+def _again_from_cache(client: Any, a: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """D: A's request again, evaluated to the end before, so the response cache answers all;
+    D's end, and the stages A and D went through (their stored stream)."""
+    d = client.wait(client.submit(a["request"])["id"], poll_s=0.2)
+    stages = {
+        e: [x["data"]["name"] for x in client.events(e) if x["event"] == "stage"]
+        for e in (a["id"], d["id"])
+    }
+    return d, stages
 
 
 def _follow(
@@ -181,10 +201,12 @@ def _follow(
     gates: dict[str, int],
     c: dict[str, Any],
     gate_dir: Path,
+    watch_said: Any,
 ) -> dict[str, Any]:
     """Scrape /metrics until A's submitter and B have ended. The third scrape is followed by
     `rayeval cancel C` (C is queued behind B, which cannot end before its gate opens); each of
-    A and B, once it waits at its gate, is scraped (``held``) and then let go."""
+    A and B, once it waits at its gate, is scraped (``held``) and then let go (A once
+    ``watch_said()``: its submitter's watch said so)."""
     import contextlib
     import io
 
@@ -193,7 +215,7 @@ def _follow(
     scrapes: list[dict[str, Any]] = []
     held: dict[str, dict[str, Any]] = {}
     cli: dict[str, Any] = {}
-    (b,) = list(gates)[1:]
+    a, b = list(gates)
     deadline = time.monotonic() + 600
     while thread.is_alive() or client.get(b)["status"] not in TERMINAL:
         scrapes.append(scrape(url))
@@ -206,6 +228,7 @@ def _follow(
                 "cancel" in cli
                 and evaluation not in held
                 and answered_and_held(client.get(evaluation))
+                and (evaluation != a or watch_said())
             ):
                 held[evaluation] = scrape(url)
                 scrapes.append(held[evaluation])
@@ -280,6 +303,27 @@ def test_metrics_need_the_token(server: Any) -> None:
 
 
 @pytest.mark.service
+def test_stages_and_answers_from_the_cache(runs: dict[str, Any]) -> None:
+    """A's start-up and its metrics are stages; D, answered by the cache alone, starts no rank,
+    and its progress counts those answers."""
+    a, d = runs["a"]["id"], runs["d"]["id"]
+    stages = runs["stages"]
+    assert stages[a][:2] == ["placing", "building_requests"], stages
+    assert {"computing", "computing_metrics"} <= set(stages[a]), stages
+    assert "placing" not in stages[d] and "computing_metrics" in stages[d], stages
+    assert runs["d"]["status"] == "succeeded", runs["d"]["error"]
+    progress = runs["d"]["progress"]
+    assert progress["done"] == progress["total"] == progress["cached"] > 0, progress
+    assert set(progress["phases"]) == REQUEST_TYPES and progress["stage"] is None
+    assert all(p["cached"] == p["done"] == p["total"] for p in progress["phases"].values())
+    assert all(s["requests"] == 0 for s in runs["d"]["stats"].values()), runs["d"]["stats"]
+    assert progress["total"] == runs["a"]["progress"]["total"]
+    assert runs["d"]["throughput"]["requests_per_s"] in (None, 0)
+    # The CLI's watch said what A waited for (lines: its stderr is not a terminal).
+    assert f"{a}: running: computing metrics" in runs["stderr"], runs["stderr"]
+
+
+@pytest.mark.service
 def test_submit_waits_with_progress_bars_and_writes_lm_eval_files(
     runs: dict[str, Any], server: Any
 ) -> None:
@@ -326,6 +370,10 @@ def test_status_results_cancel_commands(
     assert main(["status", b, "--watch"]) == 0
     shown = capsys.readouterr().out
     assert "succeeded" in shown and "loglikelihood:" in shown and "tokens/s" in shown
+    assert main(["status", runs["d"]["id"], "--watch"]) == 0
+    said, n = capsys.readouterr(), runs["d"]["progress"]["phases"]["loglikelihood"]["total"]
+    assert f"loglikelihood: {n}/{n} requests ({n} from cache), 0 tokens/s" in said.out, said.out
+    assert f"{n}/{n} req (0.0 req/s, 0 tokens/s, {n} from cache)" in said.err, said.err
     assert main(["results", b, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["n-samples"]["demo_mc"]["effective"] == 15
     # Refusals name the fix; nothing is a traceback. The server's answers exit 1, usage 2.
@@ -345,7 +393,7 @@ def test_status_results_cancel_commands(
 
 @pytest.mark.e2e
 def test_dashboard_plot_eta_and_comparison(
-    runs: dict[str, Any], server: Any, tmp_path: Path
+    runs: dict[str, Any], server: Any, demo: Any, gated_tasks: Path, tmp_path: Path
 ) -> None:
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is absent: install it with `apt-get install -y chromium`")
@@ -369,6 +417,8 @@ def test_dashboard_plot_eta_and_comparison(
             page.locator("#metrics tr[data-task='demo_mc']").first.wait_for(timeout=30_000)
             _check_progress_and_plot(page, timeline)
             _check_comparison(page, results, a, b)
+            _check_from_cache(page, runs["d"])
+            _check_stage(page, server, demo, gated_tasks)
             if os.environ.get("RAYEVAL_SCREENSHOT"):  # how docs/dashboard.png is made
                 page.screenshot(path=os.environ["RAYEVAL_SCREENSHOT"], full_page=True)
             assert errors == []
@@ -406,6 +456,10 @@ def _check_comparison(page: Any, results: dict[str, Any], a: str, b: str) -> Non
         page.locator(f"#evaluations tr[data-id='{evaluation}'] input.compare").check()
     page.click("#compare-button")
     page.locator("#compare-table tbody tr").first.wait_for(timeout=30_000)
+    # One model twice: each column says what tells it apart (A ran on 2 replicas, 12 documents).
+    heads = [page.locator(f"#compare-table th[data-evaluation='{e}']") for e in (a, b)]
+    assert "layout 2x1, limit 12" in (heads[0].text_content() or "")
+    assert "layout 1x1, limit 15" in (heads[1].text_content() or "")
     for task in TASKS:
         metrics = results[a]["results"][task]
         for key, value in metrics.items():
@@ -432,6 +486,39 @@ def _check_comparison(page: Any, results: dict[str, Any], a: str, b: str) -> Non
     refusal = page.locator(f"#paired .paired[data-a='{a}'][data-b='{b}'] .paired-error")
     refusal.wait_for(timeout=30_000)
     assert "other documents" in (refusal.text_content() or "")  # A's 12 documents, B's 15
+
+
+def _check_from_cache(page: Any, d: dict[str, Any]) -> None:
+    """D, answered by the response cache alone, is done and says so: no empty plot's wait."""
+    cached = d["progress"]["cached"]
+    row = page.locator(f"#evaluations tr[data-id='{d['id']}']")
+    assert f"({cached} from cache)" in (row.text_content() or "")
+    row.locator("td.mono").click()
+    page.wait_for_function(
+        "document.querySelector('#plot-empty').textContent.includes('response cache')",
+        timeout=30_000,
+    )
+    assert page.locator("#plot-empty").is_visible()
+    for phase in REQUEST_TYPES:
+        assert page.locator(f"#phases tr[data-phase='{phase}'] td.eta").text_content() == "done"
+
+
+def _check_stage(page: Any, server: Any, demo: Any, gate_dir: Path) -> None:
+    """E (three documents of demo_mc, whose gate is shut) waits while lm-eval computes its
+    metrics: the page says so beside its state, with the seconds so far."""
+    from rayeval.api.client import RayEvalClient
+
+    with RayEvalClient(server.url, token=TOKEN) as client:
+        e = client.submit(body(demo, tasks=["demo_mc"], limit=3, bootstrap_iters=0))
+        row = page.locator(f"#evaluations tr[data-id='{e['id']}'] td.mono")
+        row.wait_for(timeout=30_000)  # the list is polled
+        row.click()
+        stage = "document.querySelector('#detail-stage').textContent"
+        page.wait_for_function(f"{stage}.startsWith('computing metrics · ')", timeout=120_000)
+        assert page.locator("#detail-status").text_content() == "running"
+        (gate_dir / "open-3").touch()
+        assert client.wait(e["id"], poll_s=0.2)["status"] == "succeeded"
+        page.wait_for_function(f"{stage} === ''", timeout=30_000)
 
 
 def _coloured_pixels(page: Any, png: bytes) -> int:

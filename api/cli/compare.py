@@ -149,8 +149,8 @@ def render(answer: dict[str, Any]) -> str:
     lines = [
         f"Paired comparison, B - A ({answer['confidence']:.0%} intervals; "
         f"{answer['iterations']:,} bootstrap resamples, seed {answer['seed']})",
-        f"  A: {answer['a']}",
-        f"  B: {answer['b']}",
+        f"  A: {answer['a']}{_differs(answer, 0)}",
+        f"  B: {answer['b']}{_differs(answer, 1)}",
         "",
         line(_COLUMNS),
         "|" + "|".join("-" * (w + 2) for w in widths) + "|",
@@ -165,6 +165,13 @@ def render(answer: dict[str, Any]) -> str:
         if tasks:
             lines.append(f"Only {label} has samples of {', '.join(tasks)} (not compared).")
     return "\n".join(lines)
+
+
+def _differs(answer: dict[str, Any], side: int) -> str:
+    """What tells this side apart from the other (dtype, layout, ...), or nothing."""
+    differs = answer.get("differs") or {}  # absent from older servers
+    shown = ", ".join(f"{name} {values[side]}" for name, values in differs.items())
+    return f" ({shown})" if shown else ""
 
 
 def _row(metric: dict[str, Any]) -> list[Any]:

@@ -227,7 +227,8 @@ def _status(client: RayEvalClient, args: argparse.Namespace) -> int:
     evaluation = watch(client, args.id) if args.watch else client.get(args.id)
     print(_line(evaluation))
     for phase, p in _phases(evaluation).items():
-        print(f"  {phase}: {p.done}/{p.total} requests, {p.tokens_per_s:,.0f} tokens/s")
+        from_cache = f" ({p.cached} from cache)" if p.cached else ""
+        print(f"  {phase}: {p.done}/{p.total} requests{from_cache}, {p.tokens_per_s:,.0f} tokens/s")
     return 0 if evaluation["status"] != "failed" else 1
 
 
@@ -259,9 +260,7 @@ def watch(client: RayEvalClient, evaluation_id: str, stream: Any = None) -> dict
     status_bar = tqdm(total=0, bar_format="{desc}", position=0, file=stream)
 
     def update(evaluation: dict[str, Any]) -> None:
-        where = evaluation["status"]
-        if evaluation.get("queue_position"):
-            where += f" (queue #{evaluation['queue_position']})"
+        where = _where(evaluation, elapsed=True)
         if status_bar.desc != f"{evaluation_id}: {where}":  # a redraw only when it changed
             status_bar.set_description_str(f"{evaluation_id}: {where}")
         for phase, p in _phases(evaluation).items():
@@ -277,8 +276,10 @@ def watch(client: RayEvalClient, evaluation_id: str, stream: Any = None) -> dict
                 )
             bar.total = p.total
             bar.n = p.done
-            rate = p.done / p.seconds if p.seconds > 0 else 0.0
-            bar.set_postfix(req_s=f"{rate:,.1f}", tok_s=f"{p.tokens_per_s:,.0f}", refresh=False)
+            figures = {"req_s": f"{p.requests_per_s:,.1f}", "tok_s": f"{p.tokens_per_s:,.0f}"}
+            if p.cached:
+                figures["from_cache"] = str(p.cached)
+            bar.set_postfix(figures, refresh=False)
             bar.refresh()
 
     try:
@@ -306,27 +307,38 @@ def _watch_in_lines(client: RayEvalClient, evaluation_id: str, stream: Any) -> d
     said: dict[str, Any] = {}  # "status" -> the last state said; phase -> (done, when)
 
     def update(evaluation: dict[str, Any]) -> None:
-        where = evaluation["status"]
-        if evaluation.get("queue_position"):
-            where += f" (queue #{evaluation['queue_position']})"
-        if said.get("status") != where:
+        where = _where(evaluation, elapsed=False)
+        if said.get("status") != where:  # a line per stage, not per second in it
             said["status"] = where
-            print(f"{evaluation_id}: {where}", file=stream, flush=True)
+            shown = _where(evaluation, elapsed=True)
+            print(f"{evaluation_id}: {shown}", file=stream, flush=True)
         now = time.monotonic()
         for phase, p in _phases(evaluation).items():
             done, when = said.get(phase, (None, -LINE_INTERVAL_S))
             if p.done == done or (p.done < p.total and now - when < LINE_INTERVAL_S):
                 continue
             said[phase] = (p.done, now)
-            rate = p.done / p.seconds if p.seconds > 0 else 0.0
+            from_cache = f", {p.cached} from cache" if p.cached else ""
             print(
-                f"{phase}: {p.done}/{p.total} req ({rate:,.1f} req/s, "
-                f"{p.tokens_per_s:,.0f} tokens/s)",
+                f"{phase}: {p.done}/{p.total} req ({p.requests_per_s:,.1f} req/s, "
+                f"{p.tokens_per_s:,.0f} tokens/s{from_cache})",
                 file=stream,
                 flush=True,
             )
 
     return client.wait(evaluation_id, on_update=update)
+
+
+def _where(evaluation: dict[str, Any], elapsed: bool) -> str:
+    """The state in words: the queue position, or what it does between batches (the stage, with
+    its seconds so far when ``elapsed``)."""
+    where = str(evaluation["status"])
+    if evaluation.get("queue_position"):
+        where += f" (queue #{evaluation['queue_position']})"
+    stage = evaluation["progress"].get("stage")  # absent from older servers
+    if stage and stage["name"] != "computing":
+        where += f": {stage['label']}" + (f" ({stage['elapsed_s']:.0f} s)" if elapsed else "")
+    return where
 
 
 def _phases(evaluation: dict[str, Any]) -> dict[str, PhaseCounts]:
@@ -366,9 +378,13 @@ def _line(evaluation: dict[str, Any]) -> str:
     progress = evaluation["progress"]
     error = f": {evaluation['error']}" if evaluation.get("error") else ""
     tasks = ",".join(evaluation["request"]["tasks"])
+    where = (
+        _where(evaluation, elapsed=True) if evaluation["status"] in ("starting", "running") else ""
+    )
+    stage = where.partition(": ")[2]  # what it does between batches, if anything
     return (
         f"{evaluation['id']}  {evaluation['status']:<9}  {progress['done']}/{progress['total']}"
-        f"  {tasks}{error}"
+        f"  {tasks}{error}" + (f"  ({stage})" if stage else "")
     )
 
 

@@ -218,6 +218,8 @@ def _print_statistics(output: Any, out: TextIO) -> None:
             + ", ".join(f"r{r}={u:.0%}" for r, u in stats["replica_utilisation"].items()),
             file=out,
         )
+    if not output.ranks and any(stats["cached"] for stats in output.stats.values()):
+        print("ranks: none started (every answer came from the response cache)", file=out)
     if output.ranks:
         print(
             "ranks: "

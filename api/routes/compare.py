@@ -85,6 +85,11 @@ class ComparisonPublic(BaseModel):
     unpaired_tasks: dict[str, list[str]] = Field(
         description="Per evaluation, the tasks with samples only it has (not compared)."
     )
+    differs: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="What tells the two apart beside their ids: setting (dtype, layout, "
+        "few-shot, ...) -> [a's, b's]; empty when they ran alike.",
+    )
 
 
 @router.get("/compare", response_model=ComparisonPublic, summary="Paired comparison of two")

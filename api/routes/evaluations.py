@@ -49,7 +49,7 @@ from rayeval.service.vocabulary.errors import (
     unknown_evaluation,
 )
 from rayeval.service.vocabulary.events import StateEvent
-from rayeval.service.vocabulary.states import EvaluationStatus, EventKind
+from rayeval.service.vocabulary.states import ACTIVE_STATUSES, EvaluationStatus, EventKind
 
 router = APIRouter(
     prefix="/evaluations",
@@ -336,7 +336,7 @@ def _public(
         started_at=record.started_at,
         finished_at=record.finished_at,
         error=record.error,
-        progress=ProgressPublic.of(record.progress),
+        progress=ProgressPublic.of(record.progress, record.status in ACTIVE_STATUSES),
         throughput=_throughput(record),
         stats=stats,
         request=request,
@@ -354,7 +354,8 @@ def _public(
 
 def _throughput(record: EvaluationRecord) -> Throughput:
     current = record.progress.latest()
-    done = record.progress.done
+    # What the ranks computed: answers from the response cache are not a rate.
+    done = sum(max(0, p.done - p.cached) for p in record.progress.phases.values())
     requests_per_s = None
     if record.started_at is not None and done:
         end = record.finished_at or datetime.now(UTC)

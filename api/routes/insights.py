@@ -72,7 +72,9 @@ def get_timeline(
             break
         seq = events[-1].seq
         progress = [e for e in events if e.type is EventKind.PROGRESS]
-        points += [_point(e.seq, ProgressEvent.parse(e.data)) for e in progress]
+        moved = [(e.seq, ProgressEvent.parse(e.data)) for e in progress]
+        # A request type the response cache answered whole computed nothing: no point.
+        points += [_point(seq, event) for seq, event in moved if event.done > event.cached]
     return Timeline(points=points, last_seq=seq, complete=len(points) < MAX_POINTS)
 
 
@@ -87,5 +89,5 @@ def _point(seq: int, event: ProgressEvent) -> TimelinePoint:
         seconds=seconds,
         tokens_per_s=event.tokens_per_s,
         tokens=event.tokens_per_s * seconds,
-        requests_per_s=event.done / seconds if seconds > 0 else None,
+        requests_per_s=event.requests_per_s if seconds > 0 else None,
     )

@@ -59,7 +59,25 @@ function progressText(evaluation) {
   const p = evaluation.progress;
   if (!p.total) return evaluation.status === "queued" && evaluation.queue_position
     ? "queue #" + evaluation.queue_position : "";
-  return p.done + " / " + p.total;
+  return p.done + " / " + p.total + (p.cached ? " (" + p.cached + " from cache)" : "");
+}
+
+// What a starting or running evaluation does between batches, with its seconds so far ("" when
+// it computes batches, or the server is older than stages).
+function stageText(evaluation) {
+  const stage = evaluation.progress.stage;
+  if (!stage || stage.name === "computing") return "";
+  return stage.label + " · " + duration(stage.elapsed_s);
+}
+
+// What the plot says when there is no point to draw.
+function emptyPlotText(evaluation) {
+  const p = evaluation.progress;
+  if (p.total && p.cached >= p.total) {
+    return "Every answer came from the response cache: no batch was computed.";
+  }
+  return stageText(evaluation) || (TERMINAL.has(evaluation.status)
+    ? "No batch was computed." : "No batch has finished yet.");
 }
 
 function progressCell(row, evaluation) {
@@ -161,6 +179,7 @@ async function refreshDetail() {
   $("detail-id").textContent = evaluation.id;
   $("detail-status").textContent = evaluation.status;
   $("detail-status").className = "badge " + evaluation.status;
+  $("detail-stage").textContent = stageText(evaluation);
   $("cancel").hidden = TERMINAL.has(evaluation.status);
 
   const facts = $("detail-facts");
@@ -194,7 +213,8 @@ async function refreshDetail() {
     td.appendChild(bar);
     cell(row, p.done);
     cell(row, p.total);
-    const rate = p.seconds > 0 ? p.done / p.seconds : null;
+    // Answers from the response cache are done, but not a rate.
+    const rate = p.seconds > 0 ? Math.max(0, p.done - (p.cached || 0)) / p.seconds : null;
     cell(row, rate === null ? "" : number(rate, 2));
     cell(row, number(p.tokens_per_s, 0));
     cell(row, number(p.real_token_fraction, 3));
@@ -249,7 +269,7 @@ async function refreshPlot(evaluation) {
     state.timeline.after = timeline.last_seq;
     if (timeline.complete) break;
   }
-  drawPlot($("throughput-plot"), state.timeline.points);
+  drawPlot($("throughput-plot"), state.timeline.points, emptyPlotText(evaluation));
 }
 
 // Tokens/s between two reports of a request type (its average for the first report).
@@ -287,9 +307,10 @@ function svg(parent, tag, attributes, text) {
   return node;
 }
 
-function drawPlot(plot, points) {
+function drawPlot(plot, points, emptyText) {
   plot.replaceChildren();
   $("plot-empty").hidden = points.length > 0;
+  $("plot-empty").textContent = emptyText;
   plot.dataset.points = String(points.length);
   if (!points.length) return;
   const W = 720, H = 220, left = 56, right = 150, top = 12, bottom = 30;
@@ -555,12 +576,13 @@ async function showComparison(ids) {
     th.textContent = title;
     head.appendChild(th);
   }
-  for (const { evaluation } of evaluations) {
+  const differs = distinctions(evaluations.map(({ evaluation }) => evaluation.request));
+  for (const [column, { evaluation }] of evaluations.entries()) {
     const th = document.createElement("th");
     th.dataset.evaluation = evaluation.id;
     const a = document.createElement("a");
     a.href = "#" + evaluation.id;
-    a.textContent = evaluation.id.slice(0, 8) + " " + modelName(evaluation.request);
+    a.textContent = label(evaluation) + differs[column];
     a.addEventListener("click", () => select(evaluation.id));
     th.appendChild(a);
     head.appendChild(th);
@@ -648,7 +670,9 @@ async function showPaired(evaluations) {
     block.dataset.a = first.id;
     block.dataset.b = other.id;
     const title = document.createElement("h3");
-    title.textContent = "Paired comparison: B − A, A = " + label(first) + ", B = " + label(other);
+    const [ofA, ofB] = distinctions([first.request, other.request]);
+    title.textContent = "Paired comparison: B − A, A = " + label(first) + ofA
+      + ", B = " + label(other) + ofB;
     block.appendChild(title);
     box.appendChild(block);
     const url = "/compare?a=" + encodeURIComponent(first.id) + "&b=" + encodeURIComponent(other.id);
@@ -665,6 +689,31 @@ async function showPaired(evaluations) {
 
 function label(evaluation) {
   return evaluation.id.slice(0, 8) + " " + modelName(evaluation.request);
+}
+
+// What an evaluation ran with, beside its model: the settings a comparison tells apart.
+function settingsOf(request) {
+  const layout = request.parallelism;
+  return {
+    checkpoint: request.model_args.checkpoint || "",
+    dtype: request.model_args.dtype || "auto",
+    layout: layout.num_replicas + "x" + layout.shard_size
+      + (layout.shard_size > 1 ? " " + layout.shard_strategy : ""),
+    device: request.device,
+    "few-shot": request.num_fewshot === null ? "task default" : String(request.num_fewshot),
+    limit: request.limit === null ? "all" : String(request.limit),
+    "batch size": String(request.batch_size),
+  };
+}
+
+// Per request, " (dtype bfloat16, layout 2x1)": the settings in which the requests differ
+// (empty strings when they ran alike), so that two columns of one model do not read alike.
+function distinctions(requests) {
+  const settings = requests.map(settingsOf);
+  const keys = Object.keys(settings[0]).filter(
+    (key) => new Set(settings.map((s) => s[key])).size > 1);
+  return settings.map((s) => keys.length
+    ? " (" + keys.map((key) => key + " " + s[key]).join(", ") + ")" : "");
 }
 
 function pairedTable(block, comparison, a, b) {

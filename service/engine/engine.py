@@ -4,7 +4,9 @@
 
 * **create** (:meth:`Engine.__init__`): the model checked on the driver from a weightless copy
   (:mod:`rayeval.service.engine.plan.encoder`), Ray connected, the ranks placed and loading in
-  the background (or kept replicas taken, :mod:`rayeval.service.engine.dispatch.warm`);
+  the background (or kept replicas taken, :mod:`rayeval.service.engine.dispatch.warm`) — unless
+  the response cache records this model evaluated to the end with these settings
+  (:meth:`Engine.mark_evaluated`): then the ranks start only if an answer is not in the cache;
 * **run a request type**: :meth:`~Engine.loglikelihood`, :meth:`~Engine.loglikelihood_rolling`,
   :meth:`~Engine.generate_until`. Each is one pipeline of shared stages: tokenise (lm-eval's
   own code), check, answer from the response cache, plan, dispatch, check that every micro-batch
@@ -21,7 +23,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +53,10 @@ from rayeval.service.engine.plan.encoder import (
     rolling_windows,
 )
 from rayeval.service.engine.response_cache import open_cache
+from rayeval.service.engine.stages import Stages
 from rayeval.service.private_apis import check_private_apis
 from rayeval.service.vocabulary.config import DEFAULT_SEED, EngineConfig, HostOptions
-from rayeval.service.vocabulary.events import OnWarning, Progress, RequestType
+from rayeval.service.vocabulary.events import OnWarning, Progress, RequestType, Stage, StageName
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +91,12 @@ class Engine:
         replicas: Loaded replicas to use if they match, and where to keep these ones after a
             successful evaluation (:mod:`rayeval.service.engine.dispatch.warm`).
         tunables: What no user sets (part sizes, the rank class): tests and benchmarks only.
+        on_stage: Called with each start-up stage (placing, loading m/n ranks while lm-eval
+            builds its requests) and after each request type (lm-eval computes metrics).
+        settings: A digest of the evaluation's other options
+            (:func:`~rayeval.service.engine.response_cache.settings_digest`): where the response
+            cache records this model evaluated to the end with them, the ranks start only when
+            an answer is not in the cache. None: they start at once.
 
     Raises:
         ConfigError: an unsupported model arg or checkpoint (before any rank starts).
@@ -101,6 +111,8 @@ class Engine:
         on_warning: OnWarning | None = None,
         replicas: KeptReplicas | None = None,
         tunables: Tunables | None = None,
+        on_stage: Callable[[Stage], None] | None = None,
+        settings: str | None = None,
     ) -> None:
         check_private_apis()  # names a package version that moved, before anything starts
         created = time.monotonic()
@@ -148,10 +160,51 @@ class Engine:
         spec = model_spec(
             config.pretrained, model_args, pad_token_id=self.encoder.tokenizer.pad_token_id
         )
-        self._group: WorkerGroup | None = self._start_group(spec, obstacles, seed)
-        self.shard_strategy: ShardStrategy = self._group.strategy
+        self._settings = settings
+        self._stages = Stages(on_stage)
+        self._group: WorkerGroup | None = None
+        if self._evaluated_before():
+            logger.info("%s: evaluated before, so its ranks start on demand", self.name)
+            later = StageName.LOADING  # the requests are built when an answer is missing
+            self._executor.start_on_demand(lambda: self._start(spec, obstacles, seed, later))
+        else:
+            self._start(spec, obstacles, seed, StageName.BUILDING_REQUESTS)
 
     # --------------------------------------------------------------------- lifecycle
+    @property
+    def shard_strategy(self) -> ShardStrategy:
+        """How the replicas shard the model (FSDP for G = 1, where nothing is sharded). Before
+        ranks that start on demand have started: the configured one, or, for ``auto`` at G > 1,
+        the ranks are started to settle it."""
+        if self._group is None:
+            configured = self.config.parallelism.shard_strategy
+            if not self.layout.sharded:
+                return ShardStrategy.FSDP
+            if configured is not ShardStrategy.AUTO:
+                return configured
+        return self._open().strategy
+
+    def mark_evaluated(self) -> None:
+        """Record in the response cache that this model was evaluated to the end with the
+        settings given at construction: the next such evaluation starts no rank unless an answer
+        is missing (nothing without a cache or settings)."""
+        if self._cache is not None and self._settings is not None:
+            self._cache.mark_evaluated(self._cache.fingerprint, self._settings)
+
+    def _evaluated_before(self) -> bool:
+        if self._cache is None or self._settings is None:
+            return False
+        return self._cache.evaluated(self._cache.fingerprint, self._settings)
+
+    def _start(
+        self, spec: Any, obstacles: dict[ShardStrategy, list[str]], seed: int, then: StageName
+    ) -> None:
+        """Place the ranks (or take kept ones), then follow their loading in stage ``then``."""
+        self._stages.enter(StageName.PLACING, ranks=self.layout.world)
+        self._group = self._start_group(spec, obstacles, seed)
+        self._stages.follow(self._group)
+        self._stages.enter(then)
+
     @property
     def load_reports(self) -> list[LoadReport]:
         """Per rank, after loading (waits for it): seconds, parameters held, peak memory."""
@@ -271,6 +324,8 @@ class Engine:
             keep: Leave them loaded in the :class:`KeptReplicas` given at construction, if it
                 asks to keep them.
         """
+        self._stages.close()
+        self._executor.start_on_demand(None)
         if self._group is not None:
             if keep and self._replicas is not None and self._replicas.keep:
                 self._replicas.put(self._group, self._key)
@@ -294,17 +349,18 @@ class Engine:
                 "drop enable_thinking from model_args or run generative tasks only"
             )
         check_empty_context_pairs(pairs, origins, self.encoder.tok_encode)
-        # TemplateLM's tokenisation, in bulk, and the checks (engine.parts.score).
-        tokens = score_tokens(self.encoder, pairs, origins, self._checks())
-        size = self.tunables.score_part
-        if len(pairs) > size:  # tokenised (by actors), checked and planned in parts
-            bounds = part_bounds([context for context, _ in pairs], size)
-            return self._executor.score_parts(
-                len(pairs), bounds, tokens, self.encoder.max_length, disable_tqdm
-            )
-        part = tokens.make(0, len(pairs), None)
-        scored = iter(self._score(part.pairs, RequestType.LOGLIKELIHOOD, disable_tqdm))
-        return [part.fixed.get(i) or next(scored) for i in range(len(pairs))]
+        with self._computing():
+            # TemplateLM's tokenisation, in bulk, and the checks (engine.parts.score).
+            tokens = score_tokens(self.encoder, pairs, origins, self._checks())
+            size = self.tunables.score_part
+            if len(pairs) > size:  # tokenised (by actors), checked and planned in parts
+                bounds = part_bounds([context for context, _ in pairs], size)
+                return self._executor.score_parts(
+                    len(pairs), bounds, tokens, self.encoder.max_length, disable_tqdm
+                )
+            part = tokens.make(0, len(pairs), None)
+            scored = iter(self._score(part.pairs, RequestType.LOGLIKELIHOOD, disable_tqdm))
+            return [part.fixed.get(i) or next(scored) for i in range(len(pairs))]
 
     def loglikelihood_tokens(
         self, requests: Sequence[tuple[Any, Sequence[int], Sequence[int]]], disable_tqdm: bool
@@ -313,15 +369,17 @@ class Engine:
         scored; answers lm-eval gives without a model call are given so too."""
         fixed = self._checks()(requests, None, None).answers
         pairs = [(r[1], r[2]) for i, r in enumerate(requests) if i not in fixed]
-        scored = iter(self._score(pairs, RequestType.LOGLIKELIHOOD, disable_tqdm))
-        return [fixed.get(i) or next(scored) for i in range(len(requests))]
+        with self._computing():
+            scored = iter(self._score(pairs, RequestType.LOGLIKELIHOOD, disable_tqdm))
+            return [fixed.get(i) or next(scored) for i in range(len(requests))]
 
     def loglikelihood_rolling(
         self, texts: Sequence[str], disable_tqdm: bool = False
     ) -> list[float]:
         """The summed log-likelihood of each text over lm-eval's rolling windows."""
         windows, counts = rolling_windows(self.encoder, texts)
-        answers = self._score(windows, RequestType.LOGLIKELIHOOD_ROLLING, disable_tqdm)
+        with self._computing():
+            answers = self._score(windows, RequestType.LOGLIKELIHOOD_ROLLING, disable_tqdm)
         totals, start = [], 0
         for count in counts:
             totals.append(sum(logprob for logprob, _ in answers[start : start + count]))
@@ -332,23 +390,33 @@ class Engine:
         """lm-eval's answer text of each ``generate_until`` request (its ``Instance``)."""
         prompts = Prompts(self.encoder, requests)  # lm-eval's tokenisation and decoding
         size = self.tunables.generate_part
-        if len(requests) > size:  # tokenised, planned, decoded (by actors) in parts
-            return self._executor.generate_parts(
-                len(requests),
-                even_bounds(len(requests), size),
-                prompts.tokens(),
-                prompts.settings(),
-                disable_tqdm,
-                prompts.decoding,
-            )
-        part = prompts.make(0, len(requests))
-        return prompts.decode(self._executor.generate(part.requests, disable_tqdm, part.names))
+        with self._computing():
+            if len(requests) > size:  # tokenised, planned, decoded (by actors) in parts
+                return self._executor.generate_parts(
+                    len(requests),
+                    even_bounds(len(requests), size),
+                    prompts.tokens(),
+                    prompts.settings(),
+                    disable_tqdm,
+                    prompts.decoding,
+                )
+            part = prompts.make(0, len(requests))
+            generated = self._executor.generate(part.requests, disable_tqdm, part.names)
+            return prompts.decode(generated)
 
     # ------------------------------------------------------------------------ internals
     def _score(
         self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], phase: RequestType, quiet: bool
     ) -> list[Answer]:
         return self._executor.score(pairs, self.encoder.max_length, phase, quiet)
+
+    @contextmanager
+    def _computing(self) -> Iterator[None]:
+        """A request type runs (its ranks loading first, if they still are); once it returned,
+        lm-eval computes metrics unless another request type follows."""
+        self._stages.enter(StageName.LOADING)
+        yield
+        self._stages.enter(StageName.COMPUTING_METRICS)
 
     def _checks(self) -> RequestChecks:
         """How loglikelihood requests are checked, and where findings are reported."""
@@ -357,6 +425,9 @@ class Engine:
         return RequestChecks(tok_encode, logits_cache, self.request_report, self._on_warning)
 
     def _open(self) -> WorkerGroup:
+        """The ranks (those that start on demand start now); refused once closed."""
+        if self._group is None:
+            self._executor.start_now()
         if self._group is None:
             raise ConfigError("this engine was closed: create a new one to evaluate again")
         return self._group

@@ -33,7 +33,7 @@ from rayeval.service.engine.plan.checks import Origins
 from rayeval.service.vocabulary.config import EngineConfig, HostOptions
 from rayeval.service.vocabulary.config_fields import config_from_keywords
 from rayeval.service.vocabulary.doors import Door, reword
-from rayeval.service.vocabulary.events import OnWarning, Progress, RequestType
+from rayeval.service.vocabulary.events import OnWarning, Progress, RequestType, Stage
 
 
 @register_model("rayeval")
@@ -49,7 +49,8 @@ class RayEvalLM(TemplateLM):
         pretrained: Hub id or local path, as lm-eval's ``pretrained=`` (keywords form).
         config: The engine's configuration (instead of ``pretrained`` and ``options``).
         host: Where it runs: the Ray address and the actors' name prefix.
-        on_progress, on_warning, replicas, tunables: as :class:`Engine` takes them.
+        on_progress, on_warning, replicas, tunables, on_stage, settings: as :class:`Engine`
+            takes them.
         **options: :func:`~rayeval.service.vocabulary.config_fields.config_from_keywords`'s
         keywords:
             ``num_replicas``, ``shard_size``, ``cpus_per_rank``, ``batch_size``, ``max_batch_size``,
@@ -73,13 +74,17 @@ class RayEvalLM(TemplateLM):
         on_warning: OnWarning | None = None,
         replicas: KeptReplicas | None = None,
         tunables: Tunables | None = None,
+        on_stage: Callable[[Stage], None] | None = None,
+        settings: str | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         keywords = config is None  # the fields an error names are keywords too
         try:
             config, host = _engine_config(pretrained, config, host, options)
-            self.engine = Engine(config, host, on_progress, on_warning, replicas, tunables)
+            self.engine = Engine(
+                config, host, on_progress, on_warning, replicas, tunables, on_stage, settings
+            )
         except RayEvalError as exc:
             if keywords:
                 reword(exc, Door.PYTHON)
@@ -96,6 +101,8 @@ class RayEvalLM(TemplateLM):
         on_progress: Callable[[Progress], None] | None = None,
         on_warning: OnWarning | None = None,
         replicas: KeptReplicas | None = None,
+        on_stage: Callable[[Stage], None] | None = None,
+        settings: str | None = None,
     ) -> RayEvalLM:
         """The engine for ``config`` (an :class:`EvaluationConfig` is one), started on ``host``."""
         return cls(
@@ -104,6 +111,8 @@ class RayEvalLM(TemplateLM):
             on_progress=on_progress,
             on_warning=on_warning,
             replicas=replicas,
+            on_stage=on_stage,
+            settings=settings,
         )
 
     def close(self, keep: bool = False) -> None:

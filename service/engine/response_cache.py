@@ -34,7 +34,10 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rayeval.service.vocabulary.config import EvaluationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +301,15 @@ def _file_hash(path: Path, limit: int | None = None) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
+
+
+def settings_digest(config: EvaluationConfig) -> str:
+    """What, beside the weights, decides an evaluation's answers (for
+    :meth:`ResponseCache.mark_evaluated`): the config without the checkpoint (the fingerprint
+    has it) and without a sweep's own list or watch."""
+    data = config.with_checkpoint(None).to_json()
+    data.pop("sweep", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def open_cache(use_cache: str | None, model_args: Mapping[str, Any]) -> ResponseCache | None:

@@ -27,8 +27,9 @@ from rayeval.service.engine.dispatch.warm import KeptReplicas
 from rayeval.service.engine.experiments import ExperimentLog, written_files
 from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
+from rayeval.service.engine.response_cache import settings_digest
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
-from rayeval.service.vocabulary.events import OnWarning, Progress
+from rayeval.service.vocabulary.events import OnWarning, Progress, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def run_evaluation(
     on_progress: Callable[[Progress], None] | None = None,
     on_warning: OnWarning | None = None,
     replicas: KeptReplicas | None = None,
+    on_stage: Callable[[Stage], None] | None = None,
 ) -> EvaluationOutput | None:
     """Evaluate like ``lm_eval run --model hf`` with the model spread over Ray actors.
 
@@ -111,6 +113,9 @@ def run_evaluation(
         replicas: Loaded replicas to use if they match, and to keep these ones in after a
             successful evaluation (the service's warm replicas:
             :mod:`rayeval.service.engine.dispatch.warm`).
+        on_stage: Called with each stage between batches: the start-up's (placing, loading m/n
+            ranks while lm-eval builds its requests) and lm-eval's metrics after the last
+            request type.
 
     Returns:
         The results, or None where lm-eval returns None.
@@ -130,7 +135,8 @@ def run_evaluation(
     # A URL (s3://...) is checked now, staged locally for lm-eval's tracker, copied at the end.
     target = OutputTarget(cfg.output_path) if cfg.output_path else None
     try:
-        return _evaluate(config, host, cfg, task_manager, target, on_progress, on_warning, replicas)
+        reports = (on_progress, on_warning, on_stage)
+        return _evaluate(config, host, cfg, task_manager, target, reports, replicas)
     finally:
         if target is not None:
             target.close()
@@ -142,10 +148,14 @@ def _evaluate(
     cfg: EvaluatorConfig,
     task_manager: TaskManager,
     target: OutputTarget | None,
-    on_progress: Callable[[Progress], None] | None,
-    on_warning: OnWarning | None,
+    reports: tuple[
+        Callable[[Progress], None] | None,
+        OnWarning | None,
+        Callable[[Stage], None] | None,
+    ],
     replicas: KeptReplicas | None,
 ) -> EvaluationOutput | None:
+    on_progress, on_warning, on_stage = reports
     tracker = make_tracker(cfg, target.local_path if target is not None else None)
     # The trackers, set up before the run as `lm_eval run` does (wandb.init happens here).
     experiments = ExperimentLog(config, host, cfg, on_warning)
@@ -158,9 +168,15 @@ def _evaluate(
             on_progress=on_progress,
             on_warning=on_warning,
             replicas=replicas,
+            on_stage=on_stage,
+            # Evaluated to the end before with these settings: ranks start only if an answer
+            # is not in the response cache.
+            settings=settings_digest(config),
         ) as lm,
     ):
         output = evaluate_on(lm, config, cfg, task_manager, tracker)
+        if output is not None:
+            lm.engine.mark_evaluated()
     if output is None:
         experiments.record_wandb(None, None)
         return None

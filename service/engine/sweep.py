@@ -29,8 +29,6 @@ record_mlflow`).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +40,12 @@ from rayeval.actors.weights.checkpoint_dirs import label_of, labels, step_of
 from rayeval.service.engine.experiments import record_mlflow, written_files
 from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
-from rayeval.service.engine.response_cache import ResponseCache, cache_file, model_fingerprint
+from rayeval.service.engine.response_cache import (
+    ResponseCache,
+    cache_file,
+    model_fingerprint,
+    settings_digest,
+)
 from rayeval.service.engine.runner import evaluate_on, make_tracker, resolve_tasks, save
 from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary, metrics_of
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
@@ -137,7 +140,7 @@ class Sweep:
         self._tasks = TasksOnce(resolve_tasks(self._cfg))
         self._target = OutputTarget(self._cfg.output_path) if self._cfg.output_path else None
         self._lm: RayEvalLM | None = None
-        self._settings = _settings_digest(self._config)
+        self._settings = settings_digest(self._config)
         use_cache = host.lm_eval.get("use_cache")
         self._cache = ResponseCache(cache_file(str(use_cache)), "") if use_cache else None
         self.summary = SweepSummary(model=self._config.pretrained, tasks=list(self._cfg.tasks))
@@ -288,14 +291,6 @@ class Sweep:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _settings_digest(config: EvaluationConfig) -> str:
-    """What, beside the weights, decides a sweep's answers: the config without the checkpoint
-    and without the sweep's own list or watch."""
-    data = config.with_checkpoint(None).to_json()
-    data.pop("sweep", None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def run_sweep(

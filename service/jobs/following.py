@@ -37,8 +37,11 @@ from rayeval.service.vocabulary.events import (
     RunnerEvent,
     RunnerFailed,
     RunnerProgress,
+    RunnerStage,
     RunnerSucceeded,
     RunnerWarning,
+    Stage,
+    StageEvent,
     StreamEvent,
     TaskResultEvent,
     warning_event,
@@ -68,8 +71,8 @@ class Digest:
     Attributes:
         progress: The evaluation's progress with the new reports.
         cursor: The last runner event read.
-        events: For the stream: the warnings, then one progress event per request type that
-            moved (with totals over every request type).
+        events: For the stream: the warnings, each stage entered, then one progress event per
+            request type that moved (with totals over every request type).
         moved: Some request type moved (a starting evaluation is running).
         ended: The event that ended the run, if it is among these.
         checkpoints: A sweep's checkpoints that ended, in order (their stream events are in
@@ -95,9 +98,12 @@ def digest(progress: EvaluationProgress, events: Sequence[RunnerEvent]) -> Diges
     warnings: list[StreamEvent] = []
     checkpoints: list[CheckpointOutputs] = []
     ended: RunnerSucceeded | RunnerFailed | None = None
+    stages: list[Stage] = []
     for event in events:
         if isinstance(event, RunnerProgress):
             latest[event.progress.phase] = PhaseReport.of(event.progress, event.time)
+        elif isinstance(event, RunnerStage):
+            stages.append(event.stage)
         elif isinstance(event, RunnerWarning):
             warnings.append(warning_event(event.warning))
         elif isinstance(event, RunnerCheckpoint):
@@ -105,10 +111,12 @@ def digest(progress: EvaluationProgress, events: Sequence[RunnerEvent]) -> Diges
             warnings.append(CheckpointEvent.of_outputs(event.outputs))
         elif isinstance(event, RunnerSucceeded | RunnerFailed) and ended is None:
             ended = event
-    progress = progress.with_reports(latest)
+    progress = progress.with_reports(latest).at_stage(stages[-1] if stages else None)
     moved = [ProgressEvent.of_phase(report, progress) for report in latest.values()]
+    staged = [StageEvent.of_stage(stage) for stage in stages]
     cursor = events[-1].seq
-    return Digest(progress, cursor, [*warnings, *moved], bool(latest), ended, checkpoints)
+    events_out = [*warnings, *staged, *moved]
+    return Digest(progress, cursor, events_out, bool(latest), ended, checkpoints)
 
 
 def task_results(results_json: str) -> list[TaskResultEvent]:

@@ -45,11 +45,13 @@ from rayeval.service.vocabulary.events import (
     RunnerEvent,
     RunnerFailed,
     RunnerProgress,
+    RunnerStage,
     RunnerStatus,
     RunnerSucceeded,
     RunnerWaiting,
     RunnerWarning,
     RunOutputs,
+    Stage,
     TrackerWarning,
 )
 
@@ -198,6 +200,9 @@ class EvaluationRunner:
         def on_warning(warning: RequestWarning | TrackerWarning) -> None:
             self._emit(evaluation_id, RunnerWarning, warning=warning)
 
+        def on_stage(stage: Stage) -> None:
+            self._emit(evaluation_id, RunnerStage, stage=stage)
+
         host = HostOptions(
             output_path=str(output_dir),
             include_paths=self._include_paths,
@@ -221,6 +226,7 @@ class EvaluationRunner:
             on_progress=on_progress,
             on_warning=on_warning,
             replicas=self._replicas,
+            on_stage=on_stage,
         )
         if output is None:
             raise RayEvalError("lm-eval returned no results for this evaluation")

@@ -5,19 +5,22 @@ another's keys. A figure's path, from a finished step to a client:
 
 ======================  ===========================================================================
 engine -> runner        :class:`Progress` (one request type, after every finished step),
+                        :class:`Stage` (what it does between batches: start-up, metrics),
                         :class:`RequestWarning` (a task's requests that do not measure it) and
                         :class:`TrackerWarning` (an experiment tracker did not record the run)
 runner -> manager       :data:`RunnerEvent`: :class:`RunnerProgress`, :class:`RunnerWarning`,
                         :class:`RunnerCheckpoint` (a sweep's, with :class:`CheckpointOutputs`),
-                        :class:`RunnerWaiting` (a watch between checkpoints),
+                        :class:`RunnerWaiting` (a watch between checkpoints), :class:`RunnerStage`,
                         :class:`RunnerSucceeded` (with :class:`RunOutputs`), :class:`RunnerFailed`;
                         numbered from 1, read with ``EvaluationRunner.events_since``
 manager -> store        :class:`EvaluationProgress`: per request type its latest
-                        :class:`PhaseReport` (a ``Progress`` and when the runner reported it)
+                        :class:`PhaseReport` (a ``Progress`` and when the runner reported it),
+                        and the latest :class:`Stage`
 store -> clients (SSE)  :data:`StreamEvent`: :class:`StateEvent`, :class:`ProgressEvent` (a
                         ``PhaseReport`` plus overall totals), :class:`WarningEvent`,
                         :class:`TrackerWarningEvent`, :class:`TaskResultEvent`,
-                        :class:`ResultEvent`, :class:`PreemptedEvent`, :class:`CheckpointEvent`
+                        :class:`ResultEvent`, :class:`PreemptedEvent`, :class:`CheckpointEvent`,
+                        :class:`StageEvent`
 API answers             :class:`PhaseCounts`, what ``GET /evaluations/{id}`` shows of a request type
 ======================  ===========================================================================
 
@@ -90,16 +93,26 @@ class RequestType(StrEnum):
 
 
 class PhaseCounts(_Read):
-    """Progress of one request type (lm-eval runs them one after the other)."""
+    """Progress of one request type (lm-eval runs them one after the other).
 
-    done: int
-    total: int
+    ``done`` and ``total`` count the requests the response cache answered (``cached``) too:
+    an evaluation answered from the cache is done, not empty. Its rate counts only what the
+    ranks computed (:attr:`requests_per_s`).
+    """
+
+    done: int = Field(description="Requests answered, from the response cache included.")
+    total: int = Field(description="Requests of this type, the cached ones included.")
     tokens_per_s: float
     real_token_fraction: float = Field(description="Real tokens / padded tokens computed.")
     seconds: float = Field(
         0.0, description="Seconds this request type has run so far (rate: done / seconds)."
     )
     cached: int = Field(0, description="Requests answered from the response cache.")
+
+    @property
+    def requests_per_s(self) -> float:
+        """Requests the ranks computed per second (those from the cache are not a rate)."""
+        return max(0, self.done - self.cached) / self.seconds if self.seconds > 0 else 0.0
 
 
 class Progress(PhaseCounts):
@@ -121,6 +134,45 @@ class Progress(PhaseCounts):
     )
     load_s: float | None = None
     startup_s: float | None = None
+
+
+class StageName(StrEnum):
+    """What an evaluation does while no batch moves: its start-up, in order, and what lm-eval
+    does after the last request type."""
+
+    PLACING = "placing"  # reserving the ranks' resources (a placement group)
+    BUILDING_REQUESTS = "building_requests"  # lm-eval builds the requests; ranks load meanwhile
+    LOADING = "loading"  # the requests are built; the ranks are still loading the model
+    COMPUTING = "computing"  # batches run (the request types' progress says more)
+    COMPUTING_METRICS = "computing_metrics"  # lm-eval computes metrics (and bootstrap errors)
+
+
+class Stage(_Typed):
+    """What an evaluation is doing between batches, since when; the ranks' loading alongside.
+
+    Read back from storage too, so keys it does not know are dropped.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: StageName
+    started_at: float = Field(description="When the stage began (seconds since the epoch).")
+    ranks_ready: int | None = Field(None, description="Ranks that loaded the model so far.")
+    ranks: int | None = Field(None, description="Ranks loading (None: none are started).")
+
+    @property
+    def label(self) -> str:
+        """The stage in words (``building requests, 1/2 ranks loaded``)."""
+        words = self.name.value.replace("_", " ")
+        if self.name is StageName.PLACING and self.ranks:
+            return f"placing {self.ranks} ranks"
+        if self.ranks is None or self.name not in (
+            StageName.BUILDING_REQUESTS,
+            StageName.LOADING,
+        ):
+            return words
+        loaded = f"{self.ranks_ready or 0}/{self.ranks} ranks loaded"
+        return f"{words}, {loaded}" if self.name is StageName.BUILDING_REQUESTS else loaded
 
 
 class RequestWarning(_Typed):
@@ -237,9 +289,17 @@ class RunnerFailed(_RunnerEvent):
     kind: str = Field(description="The error's class name.")
 
 
+class RunnerStage(_RunnerEvent):
+    """The evaluation entered a stage, or its ranks' loading moved."""
+
+    type: Literal[RunnerEventKind.STAGE] = RunnerEventKind.STAGE
+    stage: Stage
+
+
 #: One event a runner keeps and ``events_since`` returns.
 RunnerEvent = Annotated[
     RunnerProgress
+    | RunnerStage
     | RunnerWarning
     | RunnerCheckpoint
     | RunnerWaiting
@@ -271,6 +331,14 @@ class EvaluationProgress(_Read):
     """An evaluation's stored progress: per request type, its latest report."""
 
     phases: dict[str, PhaseReport] = Field(default_factory=dict)
+    stage: Stage | None = Field(default=None, description="The latest stage (None: none reported).")
+
+    def dump(self) -> dict[str, Any]:
+        """The JSON-able form; without a stage, the form written before stages existed."""
+        data = super().dump()
+        if self.stage is None:
+            del data["stage"]
+        return data
 
     @property
     def done(self) -> int:
@@ -292,7 +360,11 @@ class EvaluationProgress(_Read):
 
     def with_reports(self, reports: Mapping[str, PhaseReport]) -> EvaluationProgress:
         """This progress with ``reports`` (request type -> report) replacing their phases."""
-        return EvaluationProgress(phases={**self.phases, **reports})
+        return EvaluationProgress(phases={**self.phases, **reports}, stage=self.stage)
+
+    def at_stage(self, stage: Stage | None) -> EvaluationProgress:
+        """This progress at ``stage`` (None: the same stage)."""
+        return self if stage is None else self.model_copy(update={"stage": stage})
 
 
 class _StreamEvent(_Read):
@@ -397,6 +469,17 @@ class CheckpointEvent(_StreamEvent):
         )
 
 
+class StageEvent(Stage, _StreamEvent):
+    """The evaluation entered a stage (start-up, metrics), or its ranks' loading moved."""
+
+    KIND: ClassVar[EventKind] = EventKind.STAGE
+
+    @classmethod
+    def of_stage(cls, stage: Stage) -> StageEvent:
+        """The stream's event for a stage the runner reported."""
+        return cls(**dict(stage))
+
+
 #: One event of an evaluation's stream.
 StreamEvent = (
     StateEvent
@@ -407,6 +490,7 @@ StreamEvent = (
     | ResultEvent
     | PreemptedEvent
     | CheckpointEvent
+    | StageEvent
 )
 _STREAM_EVENTS: dict[EventKind, type[StreamEvent]] = {
     kind.KIND: kind
@@ -418,6 +502,7 @@ _STREAM_EVENTS: dict[EventKind, type[StreamEvent]] = {
         ResultEvent,
         PreemptedEvent,
         CheckpointEvent,
+        StageEvent,
     )
 }
 

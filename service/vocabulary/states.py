@@ -71,6 +71,7 @@ class EventKind(StrEnum):
     RESULT = "result"  # lm-eval's results JSON (read from the stored results, kept once)
     PREEMPTED = "preempted"  # stopped for a more urgent evaluation; back in the queue
     CHECKPOINT = "checkpoint"  # a sweep's or watch's checkpoint ended (its outcome, its metrics)
+    STAGE = "stage"  # what the evaluation is doing between batches (start-up, metrics)
 
 
 class RunnerEventKind(StrEnum):
@@ -81,5 +82,6 @@ class RunnerEventKind(StrEnum):
     WARNING = "warning"
     CHECKPOINT = "checkpoint"
     WAITING = "waiting"
+    STAGE = "stage"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

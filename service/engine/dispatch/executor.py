@@ -98,12 +98,27 @@ class Executor:
         self._group: WorkerGroup | None = None
         self._begun = self._reused = False
         self._swap_load_s: float | None = None
+        #: Starts the ranks when the first answer must be computed (None: started, or closed).
+        self._on_demand: Callable[[], None] | None = None
 
     def attach(self, group: WorkerGroup | None, reused: bool = False) -> None:
         """Compute on ``group`` (None: closed). ``reused``: kept ranks, already seeded for this
         evaluation, that loaded nothing for it."""
         self._group = group
         self._begun = self._reused = reused
+        if group is None:
+            self._on_demand = None
+
+    def start_on_demand(self, start: Callable[[], None] | None) -> None:
+        """No ranks yet: ``start()`` (which attaches them) runs when an answer must first be
+        computed (:meth:`start_now`), and never if the response cache answers everything."""
+        self._on_demand = start
+
+    def start_now(self) -> None:
+        """Start the ranks that start on demand, if they have not started."""
+        if self._group is None and self._on_demand is not None:
+            start, self._on_demand = self._on_demand, None
+            start()  # attaches the group
 
     def begin_checkpoint(self, started: float, load_s: float) -> None:
         """The ranks swapped in another checkpoint (at ``started``, reading for ``load_s``): the
@@ -149,6 +164,7 @@ class Executor:
             Counter(micro_batch for micro_batch, _, _ in where),
             disable_tqdm,
             on_result=store,
+            cached=len(cached),
         )
         scored = (results[micro_batch][row][target] for micro_batch, row, target in where)
         if not cached:
@@ -174,9 +190,11 @@ class Executor:
         reason = self._batching([(r.max_length, r.kwargs) for r in pending])
         if reason is None:
             pending_names = [names[i] for i in todo] if names else None
-            outputs = self._generate_continuous(pending, pending_keys, pending_names, disable_tqdm)
+            outputs = self._generate_continuous(
+                pending, pending_keys, pending_names, disable_tqdm, len(cached)
+            )
         else:
-            outputs = self._generate_static(pending, pending_keys, disable_tqdm)
+            outputs = self._generate_static(pending, pending_keys, disable_tqdm, len(cached))
         generated = dict(cached) | dict(zip(todo, outputs, strict=True))
         return [list(generated[i]) for i in range(len(requests))]
 
@@ -206,7 +224,11 @@ class Executor:
         return None
 
     def _generate_static(
-        self, requests: Sequence[GenerateRequest], keys: Sequence[Any], disable_tqdm: bool
+        self,
+        requests: Sequence[GenerateRequest],
+        keys: Sequence[Any],
+        disable_tqdm: bool,
+        cached: int = 0,
     ) -> list[list[int]]:
         """lm-eval's static batches: a micro-batch decodes until its longest row is done."""
         plan = plan_generate(requests, self._generate_budget)
@@ -217,6 +239,7 @@ class Executor:
             Counter(mb for mb, _ in plan.locations),
             disable_tqdm,
             on_result=self._cache.storer(located) if self._cache is not None else None,
+            cached=cached,
         )
         return [list(outputs[mb][position]) for mb, position in plan.locations]
 
@@ -226,8 +249,11 @@ class Executor:
         keys: Sequence[Any],
         names: Sequence[str] | None,
         disable_tqdm: bool,
+        cached: int = 0,
     ) -> list[list[int]]:
         """Continuous batching: groups streamed back request by request."""
+        if not requests:  # the response cache answered them all: no rank starts
+            return self._run([], RequestType.GENERATE_UNTIL, Counter(), disable_tqdm, cached=cached)
         start = self._start_up()
         seeds = Seeder(self._seed).seeds(requests)
         plan = plan_generate_groups(requests, self._slot_budget(), seeds, names)
@@ -247,6 +273,7 @@ class Executor:
             disable_tqdm,
             on_piece=store,
             start=start,
+            cached=cached,
         )
         return [list(outputs[group][position]) for group, position in plan.locations]
 
@@ -264,7 +291,9 @@ class Executor:
         return cached, [i for i in range(len(keys)) if i not in cached]
 
     def _start_up(self) -> StartUp:
-        """Wait for the ranks and seed them for this evaluation, once; the start-up figures."""
+        """Wait for the ranks (started now if they start on demand) and seed them for this
+        evaluation, once; the start-up figures."""
+        self.start_now()
         if self._group is None:
             raise ConfigError("this RayEvalLM was closed: create a new one to evaluate again")
         load_reports = self._group.wait_ready()
@@ -288,11 +317,17 @@ class Executor:
         on_result: Callable[[int, Any], None] | None = None,
         on_piece: Callable[[PieceDone], None] | None = None,
         start: StartUp | None = None,
+        cached: int = 0,
     ) -> list[Any]:
         """Compute the micro-batches of one request type, reporting progress after each step
         (for streamed groups: as each request finishes); ``on_result(micro_batch, result)`` for
-        each finished micro-batch, ``on_piece`` for each streamed piece."""
-        tracker = self._tracker(phase, requests_per_micro_batch, disable_tqdm, start)
+        each finished micro-batch, ``on_piece`` for each streamed piece. ``cached``: requests of
+        the type the response cache answered (done from the start); when it answered them all,
+        no rank is waited for, or started if they start on demand."""
+        if not micro_batches:
+            self._answered_whole(phase, cached, disable_tqdm)
+            return []
+        tracker = self._tracker(phase, requests_per_micro_batch, disable_tqdm, start, None, cached)
         self.stats[phase].micro_batches += len(micro_batches)
         assert self._group is not None
 
@@ -328,6 +363,7 @@ class Executor:
         disable_tqdm: bool,
         start: StartUp | None = None,
         expected: int | None = None,
+        answered: int = 0,
     ) -> PhaseTracker:
         """The progress of one run of ``phase`` (the ranks ready and seeded first)."""
         start = start or self._start_up()
@@ -342,7 +378,28 @@ class Executor:
             self._on_progress,
             disable_tqdm,
             expected=expected,
+            answered=answered,
         )
+
+    def _answered_whole(self, phase: RequestType, cached: int, disable_tqdm: bool) -> None:
+        """Report a run of ``phase`` that the response cache answered whole (``cached``
+        requests): done, with no rank started or waited for."""
+        stats = self.stats.setdefault(phase, PhaseStats())
+        if not cached:
+            return
+        tracker = PhaseTracker(
+            phase,
+            stats,
+            Counter(),
+            range(0),
+            self._rank_memory,
+            StartUp(load_s=None, startup_s=None),
+            self._on_progress,
+            disable_tqdm,
+            answered=cached,
+        )
+        tracker.report()
+        tracker.close()
 
     def score_parts(
         self,

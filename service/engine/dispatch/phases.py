@@ -106,6 +106,8 @@ class PhaseTracker:
         on_progress: Called with the request type's progress after every step.
         disable_tqdm: No progress bar.
         expected: Requests of the run when its micro-batches come in parts (:meth:`expect`).
+        answered: Requests of the run the response cache answered: they count as done (and
+            in the total) from the start.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class PhaseTracker:
         on_progress: Callable[[Progress], None] | None,
         disable_tqdm: bool,
         expected: int | None = None,
+        answered: int = 0,
     ) -> None:
         self._phase = phase
         self._stats = stats
@@ -126,9 +129,10 @@ class PhaseTracker:
         self._rank_memory = rank_memory
         self._start = start
         self._on_progress = on_progress
-        self.total = sum(requests_per_micro_batch.values()) if expected is None else expected
-        self.done = 0
-        stats.requests += self.total
+        computed = sum(requests_per_micro_batch.values()) if expected is None else expected
+        stats.requests += computed
+        self.total = computed + answered
+        self.done = answered
         for replica in replicas:
             stats.replica_busy_s.setdefault(replica, 0.0)
         self._started = time.monotonic()
@@ -136,6 +140,7 @@ class PhaseTracker:
         #: (requests done, when) at the last progress report.
         self._reported: tuple[int, float] | None = None
         self._bar = tqdm(
+            initial=self.done,
             total=self.total,
             desc=f"rayeval {phase}",
             disable=disable_tqdm,
@@ -145,11 +150,12 @@ class PhaseTracker:
 
     def expect(self, requests_per_micro_batch: Counter[int], answered: int) -> None:
         """Micro-batches of the next part of the run, and how many of the expected requests
-        were answered without computing (the run's total shrinks by them)."""
+        were answered without computing (they are done at once)."""
         self._counts.update(requests_per_micro_batch)
-        self.total -= answered
         self._stats.requests -= answered
-        self._bar.total = self.total
+        if answered:
+            self.done += answered
+            self._moved(answered)
 
     def step(self, step: StepDone) -> None:
         """Add a finished step's figures and report progress."""
@@ -244,6 +250,12 @@ class PhaseTracker:
             load_s=self._start.load_s,
             startup_s=self._start.startup_s,
         )
+
+    def report(self) -> None:
+        """Report the progress as it stands (a run the response cache answered whole)."""
+        if self._on_progress is not None:
+            self._reported = (self.done, time.monotonic())
+            self._on_progress(self.progress())
 
     def close(self) -> None:
         """Close the progress bar."""
