@@ -162,7 +162,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.ray_address,
         embedded_cpus=settings.num_cpus,
         namespace=settings.ray_namespace,
-        log_to_driver=False,
+        cluster_logs=False,
     )
     owns_ray = connection.started
     store = EvaluationStore(settings.effective_database_url)

@@ -43,7 +43,7 @@ def connect(
     *,
     embedded_cpus: int | None = None,
     namespace: str | None = None,
-    log_to_driver: bool = True,
+    cluster_logs: bool = True,
 ) -> Connection:
     """Make this process a Ray driver: the one way rayeval connects (the engine, the service).
 
@@ -56,22 +56,22 @@ def connect(
         embedded_cpus: Logical CPUs of an embedded Ray (None: the machine's cores); logical CPUs
             may exceed cores.
         namespace: The driver's Ray namespace (None: Ray's anonymous one).
-        log_to_driver: Print the workers' output in this process (the service keeps its own
-            log: no).
+        cluster_logs: Print an existing cluster's workers' output in this process too (an
+            embedded Ray's workers always print here; the service, on a shared cluster: no).
     """
     if ray.is_initialized():
         logger.info("using the Ray session already initialised in this process")
         return Connection("existing session", started=False)
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+        ray.init(address=address, namespace=namespace, log_to_driver=cluster_logs)
         logger.info("connected to the Ray cluster at %s", address)
         return Connection(address, started=True)
     ray.init(
         num_cpus=embedded_cpus,
         namespace=namespace,
         include_dashboard=False,
-        log_to_driver=log_to_driver,
+        log_to_driver=True,
     )
     logger.info("started an embedded Ray with %s logical CPUs", embedded_cpus or os.cpu_count())
     return Connection("embedded", started=True)
