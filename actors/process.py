@@ -24,15 +24,7 @@ FORWARDED_ENV = (
     "TRANSFORMERS_OFFLINE",
     "HF_TOKEN",
     "HF_HUB_CACHE",
-    "RAYEVAL_RANK_NICENESS",
 )
-
-#: How far a CPU rank lowers its scheduling priority when it starts (Unix niceness added;
-#: ``RAYEVAL_RANK_NICENESS`` where the server runs says otherwise, 0: not at all). On a node
-#: whose cores the ranks share with the API server, the runners and Ray's own daemons, compute
-#: then yields to the control plane: status reads stay fast while every core computes, and the
-#: ranks lose nothing on an otherwise idle node (docs/performance.md, the chaos soak).
-RANK_NICENESS = 10
 
 
 #: The one command that puts the CUDA build of torch in the venv (``make install`` pins the CPU
@@ -99,16 +91,6 @@ def runner_environment() -> dict[str, str]:
     env.update({k: v for k, v in os.environ.items() if k.startswith(TRACKER_ENV_PREFIXES)})
     env["DISABLE_MULTIPROC"] = "1"
     return env
-
-
-def lower_rank_priority() -> int:
-    """Lower this CPU rank's scheduling priority by ``RAYEVAL_RANK_NICENESS`` (default
-    :data:`RANK_NICENESS`); the niceness it then has (unchanged where the OS refuses)."""
-    try:
-        return os.nice(int(os.environ.get("RAYEVAL_RANK_NICENESS", RANK_NICENESS)))
-    except OSError as error:
-        logger.warning("could not lower the rank's priority: %s", error)
-        return os.nice(0)
 
 
 def rss_mib() -> float:

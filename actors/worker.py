@@ -46,7 +46,6 @@ from rayeval.actors.placement import cuda_device_index
 from rayeval.actors.process import (
     INSTALL_CUDA_TORCH,
     host_memory_share,
-    lower_rank_priority,
     peak_rss_mib,
     pin_socket_interfaces,
 )
@@ -86,7 +85,6 @@ class ShardWorker:
         self._cuda_index: int | None = None
         if options.device is DeviceKind.CPU:  # host-allocator tuning: a GPU rank's tensors
             self._strategy.prepare_process(options.shard_size)  # live in device memory
-            lower_rank_priority()  # compute yields to the control plane sharing the cores
 
     # ----------------------------------------------------------------------------- lifecycle
     def node_info(self) -> NodeInfo:

@@ -6,8 +6,8 @@ disk filled) while three users keep evaluations in flight; the soak itself check
 evaluation ended, that each succeeded one's samples equal a quiet pass's, that every event was
 kept in order, and that nothing was left behind. About three minutes on two shared cores.
 
-Also here: what the soak measured led to, CPU ranks at a lower OS priority than the control
-plane (a real process's niceness; the rank environment passes the server's setting on).
+Also here, at one seam each, what the soak found: a killed runner's scratch folder is removed by
+the next runner on its node.
 """
 
 from __future__ import annotations
@@ -39,20 +39,17 @@ def test_a_short_chaos_soak_loses_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
-def test_cpu_ranks_yield_the_cpu_to_the_control_plane(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rayeval.actors.layout import DeviceKind
-    from rayeval.actors.process import RANK_NICENESS, rank_environment
+def test_the_next_runner_removes_a_killed_runner_s_scratch_folder(tmp_path: Path) -> None:
+    from rayeval.service.jobs.runner_actor import sweep_scratch_folders
 
-    def niceness_of_a_rank(env: dict[str, str]) -> int:
-        code = "from rayeval.actors.process import lower_rank_priority as l; print(l())"
-        done = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        return int(done.stdout)
-
-    base = os.nice(0)
-    env = {k: v for k, v in os.environ.items() if k != "RAYEVAL_RANK_NICENESS"}
-    assert niceness_of_a_rank(env) == min(19, base + RANK_NICENESS)
-    assert niceness_of_a_rank({**env, "RAYEVAL_RANK_NICENESS": "0"}) == base
-    monkeypatch.setenv("RAYEVAL_RANK_NICENESS", "3")
-    assert rank_environment(DeviceKind.CPU)["RAYEVAL_RANK_NICENESS"] == "3"
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    killed.wait()
+    dead = tmp_path / f"rayeval-0123abcd-p{killed.pid}-x1"
+    (dead / "output").mkdir(parents=True)
+    live = tmp_path / f"rayeval-4567cdef-p{os.getpid()}-x2"
+    other = tmp_path / "rayeval-output-x3"  # not a runner's: left alone
+    live.mkdir()
+    other.mkdir()
+    assert sweep_scratch_folders(tmp_path) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
