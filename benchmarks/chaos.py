@@ -14,9 +14,10 @@ continuous batching, a preemptible cloze and an urgent one that may preempt it).
 
 1. A quiet pass: each recipe once on a server without the response cache; its per-sample results
    are the reference.
-2. The soak (``--minutes``; ``--short``: about two minutes, one fault of each kind): the users'
-   load, a poller reading ``GET /evaluations/{id}`` every 0.2 s (its latency is the status
-   p99), and the injector, which at seeded random times does one of
+2. The soak (``--minutes``; ``--short``: about two minutes of faults, one of each kind in a
+   seeded order): the users' load, a poller reading ``GET /evaluations/{id}`` every 0.2 s (its
+   latency is the status p99; the quiet pass's own reads are the machine's baseline), and the
+   injector, which at seeded random times (a pause of 10 s on average) does one of
    ``rank`` (SIGKILL of a rank process), ``runner`` (``ray.kill`` of a runner actor), ``node``
    (``cluster.remove_node`` of a worker, then a fresh one joins), ``api`` (the API server stopped
    and started on the same store and port), ``postgres`` (the database stopped for three seconds),
@@ -96,7 +97,7 @@ def recipes(model_dir: str) -> dict[str, dict[str, Any]]:
             **base, "tasks": ["demo_gen_short"], "limit": 6, "continuous_batching": True,
         },
         "preemptible": {
-            **base, "tasks": ["demo_cloze"], "limit": 16, "batch_size": 1,
+            **base, "tasks": ["demo_cloze"], "limit": 12, "batch_size": 1,
             "parallelism": {"num_replicas": 2, "shard_size": 1},
             "scheduling": {"preemptible": True, "priority": -1},
         },
@@ -451,8 +452,11 @@ def _read_stream(
 
 
 # ------------------------------------------------------------------------------ the checks
-def quiet_pass(service: Service, bodies: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each recipe once without faults (no response cache): its samples, per task."""
+def quiet_pass(
+    service: Service, bodies: dict[str, dict[str, Any]], latencies: list[float]
+) -> dict[str, Any]:
+    """Each recipe once without faults (no response cache): its samples, per task; the
+    latencies of its status reads (the machine's own baseline for the soak's p99)."""
     service.response_cache = False
     service.start()
     keys = make_users(service.url, ADMIN, ["quiet"])
@@ -460,7 +464,7 @@ def quiet_pass(service: Service, bodies: dict[str, dict[str, Any]]) -> dict[str,
     reference = {}
     for name, evaluation_id in ids.items():
         assert evaluation_id is not None, f"the quiet pass could not submit {name}"
-        final = wait_terminal(service.url, keys["quiet"], evaluation_id, 900)
+        final = wait_terminal(service.url, keys["quiet"], evaluation_id, 900, latencies)
         if final["status"] != "succeeded":
             raise SystemExit(f"the quiet pass's {name} {final['status']}: {final['error']}")
         reference[name] = samples(service.url, keys["quiet"], final)
@@ -469,12 +473,18 @@ def quiet_pass(service: Service, bodies: dict[str, dict[str, Any]]) -> dict[str,
     return reference
 
 
-def wait_terminal(url: str, key: str, evaluation_id: str, timeout_s: float) -> dict[str, Any]:
-    """The evaluation once terminal, or as last seen after ``timeout_s``."""
+def wait_terminal(
+    url: str, key: str, evaluation_id: str, timeout_s: float, latencies: list[float] | None = None
+) -> dict[str, Any]:
+    """The evaluation once terminal, or as last seen after ``timeout_s`` (each read's latency
+    added to ``latencies``)."""
     deadline = time.monotonic() + timeout_s
     state: dict[str, Any] = {"status": "unknown", "error": "never answered"}
     while time.monotonic() < deadline:
+        sent = time.perf_counter()
         response = _get(url, f"/evaluations/{evaluation_id}", key)
+        if latencies is not None and response is not None:
+            latencies.append(time.perf_counter() - sent)
         if response is not None:
             state = response.json()
             if state["status"] in TERMINAL:
@@ -647,9 +657,10 @@ def soak(service: Service, load: Load, injector: Injector, seconds: float, short
     started = time.monotonic()
     plan = list(KINDS)
     injector.rng.shuffle(plan)
-    # --short: one of each kind, evenly spread; else at random times, about one each 15 s.
-    gap = (seconds - 20.0) / len(plan) if short else 15.0
-    time.sleep(20.0 if short else 30.0)  # the first evaluations running
+    # --short: one of each kind, evenly spread; else at random times, a pause of 10 s on average
+    # after each fault (a fault and its repair take seconds too: over 30 in ten minutes).
+    gap = (seconds - 15.0) / len(plan) if short else 10.0
+    time.sleep(15.0 if short else 30.0)  # the first evaluations running
     while plan if short else time.monotonic() - started < seconds:
         kind = plan.pop(0) if short else injector.rng.choice(KINDS)
         tried = 0
@@ -682,7 +693,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    seconds = 100.0 if args.short else 60.0 * args.minutes
+    seconds = 75.0 if args.short else 60.0 * args.minutes
 
     from rayeval.service.demo import ensure_demo_assets
 
@@ -693,7 +704,8 @@ def main() -> int:
         try:
             started = time.monotonic()
             before = scratch_folders()
-            reference = quiet_pass(service, bodies)
+            quiet_reads: list[float] = []
+            reference = quiet_pass(service, bodies, quiet_reads)
             quiet_s = time.monotonic() - started
             service.start()
             keys = make_users(service.url, ADMIN, [f"user{i}" for i in range(USERS)])
@@ -713,6 +725,7 @@ def main() -> int:
         "skipped": dict(injector.skipped),
         "status_reads": percentiles(load.latencies) if load.latencies else {},
         "status_unavailable": load.unavailable,
+        "status_reads_quiet_pass": percentiles(quiet_reads),
         **outcome,
         "fault_log": injector.log,
     }
