@@ -536,13 +536,16 @@ def check(
     reference: dict[str, Any],
     before: set[Path],
 ) -> dict[str, Any]:
-    """Lost, wrong and left-behind counts, with what each one was."""
-    every = _everything(service.url)
-    finals = {
-        evaluation_id: wait_terminal(service.url, ADMIN, evaluation_id, 600)
-        for evaluation_id in every
-    }
+    """Lost, wrong and left-behind, with what each one was; each evaluation a fault failed is
+    retried once (a retry must succeed, equal the quiet pass, and take what was finished from
+    the response cache)."""
+    finals = _finals(service.url, _everything(service.url))
+    failed = [f"{i}: {s['error']}"[:300] for i, s in finals.items() if s["status"] == "failed"]
+    retries = _retry_failed(service.url, finals)
+    finals.update(retries)
     lost = [f"{i}: {s['status']}" for i, s in finals.items() if s["status"] not in TERMINAL]
+    lost += [f"retry {i}: {s['status']} ({s['error']})" for i, s in retries.items()
+             if s["status"] != "succeeded"]  # fmt: skip
     wrong = []
     for evaluation_id, state in finals.items():
         recipe = load.submitted.get(evaluation_id, (None, _recipe_of(state, load.bodies)))[1]
@@ -554,23 +557,55 @@ def check(
     for evaluation_id, state in finals.items():
         events = read_sse(service.url, f"/evaluations/{evaluation_id}/events", ADMIN)
         lost += _event_losses(evaluation_id, events, state["status"])
-    for thread in injector.followers:
-        thread.join(timeout=60)
-    for evaluation_id, read in injector.streams:
-        stored = read_sse(service.url, f"/evaluations/{evaluation_id}/events", ADMIN)
-        if [e["id"] for e in read] != [e["id"] for e in stored]:
-            lost.append(f"{evaluation_id}: the resumed stream read {len(read)} of {len(stored)}")
-    statuses = Counter(s["status"] for s in finals.values())
-    failed = [f"{i}: {s['error']}"[:300] for i, s in finals.items() if s["status"] == "failed"]
+    lost += _stream_losses(service.url, injector)
+    statuses = Counter(s["status"] for i, s in finals.items() if i not in retries)
     service.stop()
-    left = left_behind(before)
     return {
         "evaluations": dict(statuses),
         "failed": failed,
+        "retried": len(retries),
+        "retries_succeeded": sum(s["status"] == "succeeded" for s in retries.values()),
+        "retries_cached_requests": sum(_cached(s) for s in retries.values()),
         "lost": lost,
         "wrong": wrong,
-        "left_behind": left,
+        "left_behind": left_behind(before),
     }
+
+
+def _finals(url: str, ids: list[str]) -> dict[str, dict[str, Any]]:
+    return {evaluation_id: wait_terminal(url, ADMIN, evaluation_id, 600) for evaluation_id in ids}
+
+
+def _retry_failed(url: str, finals: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Retry each failed evaluation once, as its owner would; the retries once terminal."""
+    retried = []
+    for evaluation_id, state in finals.items():
+        if state["status"] == "failed":
+            response = httpx.post(
+                f"{url}/evaluations/{evaluation_id}/retry",
+                headers={"Authorization": f"Bearer {ADMIN}"},
+                timeout=60,
+            )
+            response.raise_for_status()
+            retried.append(str(response.json()["id"]))
+    return _finals(url, retried)
+
+
+def _cached(state: dict[str, Any]) -> int:
+    """Requests the evaluation took from the response cache."""
+    return sum(int(phase.get("cached", 0)) for phase in (state.get("stats") or {}).values())
+
+
+def _stream_losses(url: str, injector: Injector) -> list[str]:
+    """Each dropped stream, followed again, must have read exactly the stored events."""
+    lost = []
+    for thread in injector.followers:
+        thread.join(timeout=60)
+    for evaluation_id, read in injector.streams:
+        stored = read_sse(url, f"/evaluations/{evaluation_id}/events", ADMIN)
+        if [e["id"] for e in read] != [e["id"] for e in stored]:
+            lost.append(f"{evaluation_id}: the resumed stream read {len(read)} of {len(stored)}")
+    return lost
 
 
 def _everything(url: str) -> list[str]:
@@ -674,15 +709,29 @@ def soak(service: Service, load: Load, injector: Injector, seconds: float, short
 
 
 def table(report: dict[str, Any]) -> str:
-    rows = [
-        f"| {'fault':<10} | {'injected':>8} | {'no target':>9} |",
-        f"|{'-' * 12}|{'-' * 10}|{'-' * 11}|",
-    ]
+    """The faults by kind, then the checks, as Markdown tables."""
+    rows = ["| fault | injected | no target then |", "|---|---:|---:|"]
     for kind in KINDS:
-        rows.append(
-            f"| {kind:<10} | {report['faults'].get(kind, 0):>8} | "
-            f"{report['skipped'].get(kind, 0):>9} |"
-        )
+        injected, skipped = report["faults"].get(kind, 0), report["skipped"].get(kind, 0)
+        rows.append(f"| {kind} | {injected} | {skipped} |")
+    soak, quiet = report["status_reads"], report["status_reads_quiet_pass"]
+    checks = {
+        "evaluations (by end state)": report["evaluations"],
+        "failed by a fault, retried / retry succeeded": (
+            f"{report['retried']} / {report['retries_succeeded']} "
+            f"({report['retries_cached_requests']} requests from the cache)"
+        ),
+        "lost": len(report["lost"]),
+        "wrong": len(report["wrong"]),
+        "left behind": len(report["left_behind"]),
+        "status p50 / p99 / max, soak": (
+            f"{soak.get('p50_ms')} / {soak.get('p99_ms')} / {soak.get('max_ms')} ms "
+            f"({soak.get('reads')} reads, {report['status_unavailable']} unanswered)"
+        ),
+        "status p50 / p99, quiet pass": f"{quiet['p50_ms']} / {quiet['p99_ms']} ms",
+    }
+    rows += ["", "| check | result |", "|---|---|"]
+    rows += [f"| {name} | {value} |" for name, value in checks.items()]
     return "\n".join(rows)
 
 
