@@ -17,7 +17,7 @@ continuous batching, a preemptible cloze and an urgent one that may preempt it).
 2. The soak (``--minutes``; ``--short``: about two minutes of faults, one of each kind in a
    seeded order): the users' load, a poller reading ``GET /evaluations/{id}`` every 0.2 s (its
    latency is the status p99; the quiet pass's own reads are the machine's baseline), and the
-   injector, which at seeded random times (a pause of 10 s on average) does one of
+   injector, which at seeded random times (a pause of 8 s on average) does one of
    ``rank`` (SIGKILL of a rank process), ``runner`` (``ray.kill`` of a runner actor), ``node``
    (``cluster.remove_node`` of a worker, then a fresh one joins), ``api`` (the API server stopped
    and started on the same store and port), ``postgres`` (the database stopped for three seconds),
@@ -534,12 +534,12 @@ def check(
     load: Load,
     injector: Injector,
     reference: dict[str, Any],
-    before: set[Path],
 ) -> dict[str, Any]:
     """Lost, wrong and left-behind, with what each one was; each evaluation a fault failed is
     retried once (a retry must succeed, equal the quiet pass, and take what was finished from
     the response cache)."""
-    finals = _finals(service.url, _everything(service.url))
+    every = _everything(service.url)
+    finals = _finals(service.url, every)
     failed = [f"{i}: {s['error']}"[:300] for i, s in finals.items() if s["status"] == "failed"]
     retries = _retry_failed(service.url, finals)
     finals.update(retries)
@@ -568,7 +568,7 @@ def check(
         "retries_cached_requests": sum(_cached(s) for s in retries.values()),
         "lost": lost,
         "wrong": wrong,
-        "left_behind": left_behind(before),
+        "left_behind": left_behind([*every, *retries]),
     }
 
 
@@ -642,22 +642,27 @@ def _event_losses(evaluation_id: str, events: list[dict[str, Any]], status: str)
     return []
 
 
-def scratch_folders() -> set[Path]:
-    """The runners' and engines' temporary folders (``rayeval-<id>-*``, ``rayeval-output-*``)
-    now: the machine is shared, so only those made during the soak count as left behind."""
-    scratch = Path(tempfile.gettempdir())
-    return {p for p in scratch.glob("rayeval-*") if not p.name.startswith("rayeval-pg-")}
-
-
-def left_behind(before: set[Path], timeout_s: float = 60.0) -> list[str]:
-    """Actors, rank processes, placement groups and temporary folders still there (after the
-    server stopped; Ray gets the time it takes to reap what was released)."""
+def left_behind(evaluation_ids: list[str], timeout_s: float = 60.0) -> list[str]:
+    """Actors, rank and runner processes, placement groups of this cluster and the evaluations'
+    temporary folders still there (after the server stopped; Ray gets the time it takes to reap
+    what was released). The machine is shared: other people's folders and processes are not
+    looked at."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left = _leftovers() + [f"temporary {p}" for p in sorted(scratch_folders() - before)]
+        left = _leftovers() + _scratch_folders(evaluation_ids)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(2.0)
+
+
+def _scratch_folders(evaluation_ids: list[str]) -> list[str]:
+    """The runners' temporary folders (``rayeval-<evaluation>-...``) of these evaluations."""
+    scratch = Path(tempfile.gettempdir())
+    return [
+        f"temporary {path}"
+        for evaluation_id in evaluation_ids
+        for path in sorted(scratch.glob(f"rayeval-{evaluation_id}-*"))
+    ]
 
 
 def _leftovers() -> list[str]:
@@ -665,20 +670,18 @@ def _leftovers() -> list[str]:
     import ray
     from ray._private import state as ray_state  # the GCS's table: no dashboard here
 
-    left = [
-        f"actor {a['ActorClassName']} {a['Name']}"
-        for a in ray_state.actors().values()
-        if a["State"] != "DEAD"
-    ]
+    actors = list(ray_state.actors().values())
+    left = [f"actor {a['ActorClassName']} {a['Name']}" for a in actors if a["State"] != "DEAD"]
     left += [
         f"placement group {pg_id}"
         for pg_id, pg in ray.util.placement_group_table().items()
         if pg["state"] != "REMOVED"
     ]
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if cmdline.startswith(("ray::ShardWorker", "ray::EvaluationRunner")):
-            left.append(f"process {process.info['pid']} {cmdline[:40]}")
+    for actor in actors:
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(actor["Pid"])
+            if process.cmdline()[:1] == [f"ray::{actor['ActorClassName']}"]:
+                left.append(f"process {actor['Pid']} of {actor['ActorClassName']} {actor['Name']}")
     return left
 
 
@@ -692,9 +695,9 @@ def soak(service: Service, load: Load, injector: Injector, seconds: float, short
     started = time.monotonic()
     plan = list(KINDS)
     injector.rng.shuffle(plan)
-    # --short: one of each kind, evenly spread; else at random times, a pause of 10 s on average
+    # --short: one of each kind, evenly spread; else at random times, a pause of 8 s on average
     # after each fault (a fault and its repair take seconds too: over 30 in ten minutes).
-    gap = (seconds - 15.0) / len(plan) if short else 10.0
+    gap = (seconds - 15.0) / len(plan) if short else 8.0
     time.sleep(15.0 if short else 30.0)  # the first evaluations running
     while plan if short else time.monotonic() - started < seconds:
         kind = plan.pop(0) if short else injector.rng.choice(KINDS)
@@ -752,7 +755,6 @@ def main() -> int:
         service = start_service(assets, Path(root))
         try:
             started = time.monotonic()
-            before = scratch_folders()
             quiet_reads: list[float] = []
             reference = quiet_pass(service, bodies, quiet_reads)
             quiet_s = time.monotonic() - started
@@ -761,7 +763,7 @@ def main() -> int:
             load = Load(keys, bodies, random.Random(args.seed))
             injector = Injector(service, load, random.Random(args.seed + 1))
             soak(service, load, injector, seconds, args.short)
-            outcome = check(service, load, injector, reference, before)
+            outcome = check(service, load, injector, reference)
         finally:
             stop_service(service)
     report = {
