@@ -306,7 +306,9 @@ class Injector:
         return [
             actor
             for actor in ray_state.actors().values()
-            if actor["ActorClassName"] == class_name and actor["State"] == "ALIVE"
+            if actor["ActorClassName"] == class_name
+            and actor["State"] in ("ALIVE", "PENDING_CREATION")  # starting up or loading
+            and actor["Pid"]
         ]
 
     def _live(self, states: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -701,8 +703,8 @@ def soak(service: Service, load: Load, injector: Injector, seconds: float, short
     time.sleep(15.0 if short else 30.0)  # the first evaluations running
     while plan if short else time.monotonic() - started < seconds:
         kind = plan.pop(0) if short else injector.rng.choice(KINDS)
-        tried = 0
-        while not injector.inject(kind) and tried < 10:
+        tried = 0  # --short must inject every kind: it waits longer for a target
+        while not injector.inject(kind) and tried < (30 if short else 10):
             tried += 1
             time.sleep(2.0)
         time.sleep(gap if short else injector.rng.expovariate(1.0 / gap))
@@ -772,6 +774,11 @@ def main() -> int:
         "quiet_pass_s": round(quiet_s),
         "store": "postgresql" if service.postgres is not None else "sqlite",
         "notes": service.notes,
+        "unavailable": [
+            kind
+            for kind, there in (("postgres", service.postgres), ("disk", service.cache_mounted))
+            if not there
+        ],
         "faults": dict(injector.faults),
         "skipped": dict(injector.skipped),
         "status_reads": percentiles(load.latencies) if load.latencies else {},
