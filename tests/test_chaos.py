@@ -5,7 +5,8 @@ server restarted, PostgreSQL restarted, an event stream dropped and resumed, the
 disk filled) while three users keep evaluations in flight; the soak itself checks that every
 evaluation ended, that each succeeded one's samples equal a quiet pass's, that every event was
 kept in order, that each evaluation a fault failed succeeds on a retry, and that nothing was left
-behind. About four and a half minutes on two shared cores (264 s measured, load average 12).
+behind. Three to four and a half minutes on two shared cores (192 s measured at load average
+2-4, 264 s at 12).
 
 Also here, at one seam each, what the soak found: a killed runner's scratch folder is removed by
 the next runner on its node.
