@@ -34,11 +34,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.service_harness import free_port, start_server, stop_server, wait_ready
+from benchmarks.service_harness import (
+    free_port,
+    make_users,
+    percentiles,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 ADMIN = "bench-team-admin"
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -68,7 +73,7 @@ def main() -> int:
         try:
             base = f"http://127.0.0.1:{port}"
             wait_ready(base)
-            keys = _make_users(base, args.users)
+            keys = make_users(base, ADMIN, [f"u{i:02d}" for i in range(args.users)])
             body = _body(str(assets.model_dir))
             report = asyncio.run(_run(base, keys, body, args.each))
         finally:
@@ -78,17 +83,6 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0 if report["promises_kept"] else 1
-
-
-def _make_users(base: str, count: int) -> dict[str, str]:
-    keys = {}
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
-        for i in range(count):
-            name = f"u{i:02d}"
-            response = admin.post("/users", json={"name": name, "role": "member"}, timeout=60)
-            response.raise_for_status()
-            keys[name] = response.json()["key"]
-    return keys
 
 
 def _body(model_dir: str) -> dict[str, Any]:
@@ -232,7 +226,7 @@ def _report(
     order = sorted(finals, key=lambda i: times[i][1])
     once = all(s.count("starting") == 1 for s in states.values())
     succeeded = sum(f["status"] == "succeeded" for f in finals.values())
-    status, listing = _percentiles(latencies["status"]), _percentiles(latencies["list"])
+    status, listing = percentiles(latencies["status"]), percentiles(latencies["list"])
     unfair = _unfair_starts(order, owner, times)
     out_of_priority = _out_of_priority(order, owner, priority, times)
     first_wait = [
@@ -271,16 +265,6 @@ def _report(
         and errors == 0,
         "starts": order,
         "start_owners": [owner[i] for i in order],
-    }
-
-
-def _percentiles(seconds: list[float]) -> dict[str, float]:
-    ordered = sorted(seconds)
-    return {
-        "reads": len(ordered),
-        "p50_ms": round(1000 * statistics.median(ordered), 1),
-        "p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1),
-        "max_ms": round(1000 * ordered[-1], 1),
     }
 
 

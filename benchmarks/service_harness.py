@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -90,3 +91,25 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def make_users(base: str, admin_token: str, names: list[str]) -> dict[str, str]:
+    """Members ``names`` made over REST with the server's admin token; name -> API key."""
+    keys = {}
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {admin_token}"}) as admin:
+        for name in names:
+            response = admin.post("/users", json={"name": name, "role": "member"}, timeout=60)
+            response.raise_for_status()
+            keys[name] = response.json()["key"]
+    return keys
+
+
+def percentiles(seconds: list[float]) -> dict[str, float]:
+    """Count, p50, p99 and max of latencies (seconds in, milliseconds out)."""
+    ordered = sorted(seconds)
+    return {
+        "reads": len(ordered),
+        "p50_ms": round(1000 * statistics.median(ordered), 1),
+        "p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1),
+        "max_ms": round(1000 * ordered[-1], 1),
+    }

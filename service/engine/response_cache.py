@@ -26,13 +26,14 @@ training run skips the checkpoints it has already evaluated.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -136,6 +137,8 @@ class ResponseCache:
             )
         self.hits = 0
         self.stored = 0
+        #: Answers not stored because the cache's disk was full (the evaluation went on).
+        self.unstored = 0
         #: Parts of a large request type are looked up on a planning thread while the
         #: driver's thread stores finished ones (engine.parts.pipeline).
         self._lock = threading.Lock()
@@ -152,7 +155,7 @@ class ResponseCache:
     def mark_evaluated(self, fingerprint: str, settings: str) -> None:
         """Record that the model of ``fingerprint`` was evaluated to the end with ``settings``
         (a digest of the evaluation's other options)."""
-        with self._db:
+        with self._unless_full(0), self._db:
             self._db.execute(
                 "INSERT OR REPLACE INTO evaluated VALUES (?, ?)", (fingerprint, settings)
             )
@@ -192,9 +195,10 @@ class ResponseCache:
         ]
         if not rows:
             return
-        with self._lock, self._db:
-            self._db.executemany("INSERT OR REPLACE INTO answers VALUES (?, ?)", rows)
-        self.stored += len(rows)
+        with self._lock, self._unless_full(len(rows)):
+            with self._db:
+                self._db.executemany("INSERT OR REPLACE INTO answers VALUES (?, ?)", rows)
+            self.stored += len(rows)
 
     def storer(
         self, located: Sequence[tuple[Any, int, tuple[int, ...]]]
@@ -253,11 +257,37 @@ class ResponseCache:
         """Close the database (answers are committed as they are stored)."""
         self._db.close()
 
+    @contextlib.contextmanager
+    def _unless_full(self, count: int) -> Iterator[None]:
+        """Skip a write the cache's disk has no room for (``count`` answers): the cache only
+        saves work, so a full disk costs recomputing them on a retry, never the evaluation
+        (issue 41's soak filled it, and the evaluation failed)."""
+        try:
+            yield
+        except sqlite3.OperationalError as error:
+            if not _disk_full(error):
+                raise
+            with contextlib.suppress(sqlite3.Error):
+                self._db.rollback()
+            if not self.unstored:
+                logger.warning(
+                    "response cache %s: not storing answers (%s); the evaluation goes on "
+                    "without caching them: free space there for a retry to reuse them",
+                    self.path,
+                    error,
+                )
+            self.unstored += count
+
     def _key(self, request: Any) -> str:
         if isinstance(request, Digest):
             return request
         text = json.dumps([self._fingerprint, request], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _disk_full(error: sqlite3.OperationalError) -> bool:
+    """Whether SQLite failed for lack of room (full, or a write's I/O error such as ENOSPC)."""
+    return error.sqlite_errorcode & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
 
 
 def _from_json(answer: Any) -> Any:
@@ -316,6 +346,13 @@ def open_cache(use_cache: str | None, model_args: Mapping[str, Any]) -> Response
     """The cache for ``--use_cache PREFIX`` and this model, or None without ``use_cache``."""
     if not use_cache:
         return None
-    cache = ResponseCache(cache_file(os.path.expanduser(use_cache)), model_fingerprint(model_args))
+    path = cache_file(os.path.expanduser(use_cache))
+    try:
+        cache = ResponseCache(path, model_fingerprint(model_args))
+    except sqlite3.OperationalError as error:
+        if not _disk_full(error):
+            raise
+        logger.warning("response cache %s: cannot open it (%s); evaluating without it", path, error)
+        return None
     logger.info("response cache: %s (keyed by model fingerprint and request)", cache.path)
     return cache

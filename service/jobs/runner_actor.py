@@ -17,6 +17,8 @@ inside the actor process only.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shutil
 import tempfile
 import threading
@@ -56,6 +58,11 @@ from rayeval.service.vocabulary.events import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: A runner's scratch folder for lm-eval's files, ``rayeval-<evaluation>-p<pid>-<random>`` in its
+#: node's temporary directory: the pid lets the next runner on the node remove the folders of
+#: runners killed before they could (``ray.kill``, a node lost; issue 41's chaos soak found them).
+_SCRATCH = re.compile(r"rayeval-[0-9a-f]+-p(?P<pid>\d+)-")
 
 
 class EvaluationRunner:
@@ -170,7 +177,7 @@ class EvaluationRunner:
             events.append(event_type(seq=len(events) + 1, time=time.time(), **fields))
 
     def _run(self, evaluation_id: str, config: EvaluationConfig) -> None:
-        output_dir = Path(tempfile.mkdtemp(prefix=f"rayeval-{evaluation_id}-"))
+        output_dir = scratch_folder(evaluation_id)
         try:
             outputs = self._evaluate(evaluation_id, config, output_dir)
         except RayEvalError as exc:
@@ -235,6 +242,35 @@ class EvaluationRunner:
         return RunOutputs(
             results_json=results_json, samples=samples, stats=output.stats, replicas=replicas
         )
+
+
+def scratch_folder(evaluation_id: str) -> Path:
+    """A new scratch folder for the evaluation, after removing those of dead runners here."""
+    sweep_scratch_folders(Path(tempfile.gettempdir()))
+    return Path(tempfile.mkdtemp(prefix=f"rayeval-{evaluation_id}-p{os.getpid()}-"))
+
+
+def sweep_scratch_folders(root: Path) -> list[Path]:
+    """Remove the scratch folders under ``root`` whose runner process is gone; those removed."""
+    removed = []
+    for path in root.glob("rayeval-*-p*-*"):
+        match = _SCRATCH.match(path.name)
+        if match and not _process_alive(int(match["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        logger.info("removed %d scratch folders of runners that were killed", len(removed))
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
 
 
 def _drop_delivered_files(events: list[RunnerEvent], done: int, seq: int) -> int:
