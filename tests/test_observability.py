@@ -417,10 +417,10 @@ def test_dashboard_plot_eta_and_comparison(
             page.locator("#metrics tr[data-task='demo_mc']").first.wait_for(timeout=30_000)
             _check_progress_and_plot(page, timeline)
             _check_comparison(page, results, a, b)
-            _check_from_cache(page, runs["d"])
-            _check_stage(page, server, demo, gated_tasks)
             if os.environ.get("RAYEVAL_SCREENSHOT"):  # how docs/dashboard.png is made
                 page.screenshot(path=os.environ["RAYEVAL_SCREENSHOT"], full_page=True)
+            _check_from_cache(page, runs["d"])
+            _check_stage(page, server, demo, gated_tasks)
             assert errors == []
         finally:
             browser.close()
