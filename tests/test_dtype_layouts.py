@@ -78,7 +78,7 @@ def runs(models: dict[str, Path], task_manager: Any, ray_session: None) -> Any:
                 ) as lm:
                     results = evaluate(lm, task_manager, ["demo"], **RUN)
                     strategies = {report.strategy for report in lm.engine.load_reports}
-                    assert lm.share_prefixes
+                    assert lm.engine.share_prefixes
                     assert lm.engine.stats["generate_until"].report()["batching"] == "continuous"
                 cache[key] = (results, strategies)
         return cache[key]
