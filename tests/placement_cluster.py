@@ -214,9 +214,9 @@ def _record_evaluation(model_dir: str, tasks_dir: str, names: dict[str, str]) ->
                 info = ray.get(ray.get_actor(name).node_info.remote(), timeout=60)
                 ranks.append({"name": name, "node": names[info.node_id]})
         groups = [
-            info.name
+            info["name"]
             for info in ray.util.placement_group_table().values()
-            if info.state == "CREATED"
+            if info["state"] == "CREATED"
         ]
     return {
         "results": json.loads(json.dumps(results, default=str)),
