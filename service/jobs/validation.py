@@ -337,23 +337,23 @@ def _checkpoint_problems(
     """A training checkpoint named by a request: a directory under a model root (a missing one
     and one outside the roots get the same answer; whether it is a usable checkpoint is checked
     when the evaluation starts, before any rank computes)."""
-    if isinstance(value, str) and value and _directory_under_roots(Path(value), policy):
-        return []
-    return [
-        f"{where}: {value!r} is not a checkpoint directory under this server's "
-        f"model roots ({', '.join(policy.model_roots) or 'none configured'}): save it under "
-        "one, or the server operator adds its folder with --model-root"
-    ]
+    return _folder_problems(value, policy, where, "a checkpoint directory")
 
 
 def _adapter_problems(value: Any, policy: ServerPolicy) -> list[str]:
-    """A LoRA adapter named by a request: a folder under a model root, as ``pretrained`` is (a
-    missing one and one outside the roots get the same answer; whether it is an adapter of this
-    model is checked when the evaluation starts, before any rank starts)."""
+    """A LoRA adapter named by a request: a folder under a model root, as ``pretrained`` is
+    (whether it is an adapter of this model is checked when the evaluation starts, before any
+    rank starts)."""
+    return _folder_problems(value, policy, "model_args.peft", "an adapter folder")
+
+
+def _folder_problems(value: Any, policy: ServerPolicy, where: str, what: str) -> list[str]:
+    """``value`` at ``where`` must be ``what`` under a model root (a missing one and one
+    outside the roots get the same answer)."""
     if isinstance(value, str) and value and _directory_under_roots(Path(value), policy):
         return []
     return [
-        f"model_args.peft: {value!r} is not an adapter folder under this server's model roots "
+        f"{where}: {value!r} is not {what} under this server's model roots "
         f"({', '.join(policy.model_roots) or 'none configured'}): save it under one, or the "
         "server operator adds its folder with --model-root"
     ]
