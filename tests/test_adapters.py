@@ -289,3 +289,133 @@ def test_cache_keys_answers_by_adapter_content(tmp_path: Path) -> None:
     fingerprints = [model_fingerprint({**args, "peft": str(p)}) for p in (first, copy, other)]
     assert fingerprints[0] == fingerprints[1] != fingerprints[2]
     assert base not in fingerprints
+
+
+# ------------------------------------------------------------------ adapter sweeps in place
+def _adapter_run(lora: Path, lora_later: Path, out: Path) -> Path:
+    """A training run's folder as a PEFT trainer leaves it: ``checkpoint-*`` adapters, each with
+    a ``trainer_state.json``. The steps are the states' (the names would order them the other
+    way), so the sweep must read the state."""
+    for name, adapter, step in (("checkpoint-b", lora, 1000), ("checkpoint-a", lora_later, 2000)):
+        shutil.copytree(adapter, out / name)
+        (out / name / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return out
+
+
+@pytest.mark.e2e
+def test_cli_adapter_sweep_keeps_the_base_and_equals_lm_eval_hf(
+    demo: Any, lora: Path, lora_later: Path, ray_session: None, tmp_path: Path
+) -> None:
+    """``rayeval run --checkpoints RUN/checkpoint-*`` over LoRA checkpoints at 1x2 FSDP: ordered
+    by ``trainer_state.json``'s step, each checkpoint's files equal, per sample, what ``lm_eval
+    run --model hf`` writes with that ``peft=``; the base is read once (a further checkpoint
+    reads only its adapter), and ``sweep.json`` labels each record as an adapter."""
+    from rayeval.api.cli import main
+
+    run = _adapter_run(lora, lora_later, tmp_path / "run")
+    out = tmp_path / "sweep"
+    base = f"pretrained={demo.model_dir},dtype=float32"
+    common = ["--model", "hf", "--include_path", str(demo.tasks_dir), "--tasks", ",".join(TASKS),
+              "--limit", "4", "--num_fewshot", "1", "--log_samples"]  # fmt: skip
+    sweep = ["--output_path", str(out), "--checkpoints", str(run / "checkpoint-*")]
+    assert main(["run", *common, "--model_args", base, "--shard_size", "2", *sweep]) == 0
+    summary = json.loads((out / "sweep.json").read_text())
+    records = summary["checkpoints"]
+    assert [(r["label"], r["step"], r["kind"], r["status"]) for r in records] == [
+        ("checkpoint-b", 1000, "adapter", "succeeded"),
+        ("checkpoint-a", 2000, "adapter", "succeeded"),
+    ]
+    assert len({r["fingerprint"] for r in records}) == 2
+    for record in records:
+        reference_out = tmp_path / "ref" / record["label"]
+        run_lm_eval_cli(["run", *common, "--model_args", f"{base},peft={record['checkpoint']}",
+                         "--device", "cpu", "--batch_size", "4",
+                         "--output_path", str(reference_out)])  # fmt: skip
+        _, reference, reference_samples = read_outputs(reference_out)
+        _, results, samples = read_outputs(out / record["label"])
+        assert results["config"]["model_args"]["peft"] == record["checkpoint"]
+        assert_same_results(
+            {"results": reference["results"], "samples": reference_samples},
+            {"results": results["results"], "samples": samples},
+        )
+    assert records[0]["results"] != records[1]["results"]  # the two adapters answer differently
+    first, further = (r["seconds"] for r in records)
+    print(f"adapter sweep seconds: first {first}, further {further}")
+    # the further checkpoint's swap reads the adapter's matrices, not the base
+    assert further["swap"] < 5 and further["read"] < first["read"], (first, further)
+
+
+@pytest.mark.service
+def test_adapter_sweeps_refuse_mixed_or_foreign_checkpoints(
+    demo: Any, lora: Path, delta: Path, tmp_path: Path
+) -> None:
+    """Before any rank starts: ``peft=``/``delta=`` beside ``--checkpoints``, an adapter sweep
+    that also names model weights, or an adapter of another LoRA run; ``checkpoint=`` naming an
+    adapter says to pass it as ``peft=``. (No Ray is started: no ``ray_session``.)"""
+    from rayeval.actors.errors import CheckpointError, ConfigError
+    from rayeval.service.engine.lm import RayEvalLM
+    from rayeval.service.engine.sweep import run_sweep
+    from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+
+    def sweep(checkpoints: list[Path], **args: str) -> None:
+        config = EvaluationConfig(
+            model_args={"pretrained": str(demo.model_dir), "dtype": "float32", **args},
+            tasks=["demo_mc"], limit=2,
+        )  # fmt: skip
+        host = HostOptions(output_path=str(tmp_path / "out"), include_paths=(str(demo.tasks_dir),))
+        run_sweep(config, host, checkpoints)
+
+    with pytest.raises(ConfigError, match=r"drop peft= from --model_args and name the adapter"):
+        sweep([lora], peft=str(lora))
+    with pytest.raises(ConfigError, match=r"delta= over a checkpoint sweep is not supported"):
+        sweep([lora], delta=str(delta))
+    with pytest.raises(CheckpointError, match=r"is model weights and this sweep's first .* LoRA"):
+        sweep([lora, delta])
+    other = tmp_path / "other"
+    train_lora(demo.model_dir, other, ["a few words"], steps=1, rank=4)
+    with pytest.raises(CheckpointError, match=r"differs from the loaded adapter .* lora_alpha, r"):
+        sweep([lora, other])
+    with pytest.raises(ConfigError, match=r"is a PEFT adapter, not the model's weights: pass it"):
+        RayEvalLM(pretrained=str(demo.model_dir), dtype="float32", checkpoint=str(lora))
+
+
+@pytest.mark.unit
+def test_adapter_checkpoint_folders_and_steps(lora: Path, tmp_path: Path) -> None:
+    """An adapter folder is a checkpoint; its weights without ``adapter_config.json`` (PEFT writes
+    it last) are a save still under way; steps come from ``trainer_state.json``, else the name."""
+    from rayeval.actors.weights.checkpoint_dirs import (
+        CheckpointFormat,
+        by_step,
+        candidates,
+        inspect_dir,
+        step_of_dir,
+    )
+
+    run = _adapter_run(lora, lora, tmp_path / "run")
+    found = inspect_dir(run / "checkpoint-a")
+    assert found is not None and found.format is CheckpointFormat.ADAPTER and found.complete
+    assert [step_of_dir(p) for p in (run / "checkpoint-a", run / "checkpoint-b")] == [2000, 1000]
+    assert [p.name for p in by_step(list(run.iterdir()))] == ["checkpoint-b", "checkpoint-a"]
+    saving = run / "checkpoint-3000"
+    saving.mkdir()
+    shutil.copy(lora / "adapter_model.safetensors", saving)
+    (partial,) = [c for c in candidates(run) if c.path == saving]
+    assert not partial.complete and "no adapter_config.json beside it" in partial.problem
+    assert step_of_dir(saving) == 3000
+
+
+@pytest.mark.unit
+def test_server_refuses_peft_or_delta_beside_a_sweep(demo: Any, lora: Path) -> None:
+    """REST: a sweep names its adapters in ``sweep.checkpoints``; ``model_args.peft`` or
+    ``model_args.delta`` beside it is refused with the field."""
+    from rayeval.service.jobs.validation import ServerPolicy, expand_sweep
+    from rayeval.service.vocabulary.config import EvaluationConfig
+
+    policy = ServerPolicy(model_roots=(str(demo.model_dir.parent), str(lora.parent)))
+    for arg in ("peft", "delta"):
+        config = EvaluationConfig(
+            model_args={"pretrained": str(demo.model_dir), arg: str(lora)}, tasks=["demo_mc"],
+            sweep={"checkpoints": [str(lora)]},
+        )  # fmt: skip
+        _, problems = expand_sweep(config, policy)
+        assert any(p.startswith(f"model_args.{arg}: ") for p in problems), problems

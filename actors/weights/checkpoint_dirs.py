@@ -10,13 +10,20 @@ A checkpoint directory holds its weights in one of two forms (:class:`Checkpoint
   (model 0; ``_1`` ... for further models); naming the parent is enough.
 * **HF files** — safetensors (one ``model.safetensors`` or several named by
   ``model.safetensors.index.json``) or ``.bin`` files, as ``save_pretrained`` writes them.
+* **A LoRA adapter** — ``adapter_config.json`` beside ``adapter_model.safetensors`` (or
+  ``.bin``), as a PEFT trainer saves each checkpoint (``checkpoint-500/``). PEFT's
+  ``save_pretrained`` writes the weights first and the config last, so weights without the
+  config are a save still being written. A sweep over adapters keeps the base (``pretrained``)
+  loaded and swaps only the adapter (:mod:`rayeval.service.engine.sweep`).
 
 :func:`inspect_dir` says which, and whether the save is complete: a DCP directory without its
 ``.metadata`` is half-written (still being saved, or the save failed); a safetensors file is
 complete when its size is what its own header promises; a ``.bin`` file when it is a whole zip
 archive; an index when every file it names is complete. :func:`expand` turns ``--checkpoints``
 (a list, globs) into directories, :func:`labels` gives each a unique name for its output files,
-and :func:`step_of` reads the training step from a name (``step-1000``, ``checkpoint-500``).
+and :func:`step_of_dir` reads the training step: ``global_step`` of the ``trainer_state.json``
+that Hugging Face's Trainer saves in each checkpoint, else the name's last number
+(:func:`step_of`: ``step-1000``, ``checkpoint-500``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SAFETENSORS_SINGLE = "model.safetensors"
 _BIN_INDEX = "pytorch_model.bin.index.json"
 _BIN_SINGLE = "pytorch_model.bin"
+#: What PEFT's ``save_pretrained`` writes: the weights, then (last) the config.
+ADAPTER_CONFIG = "adapter_config.json"
+_ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+#: What Hugging Face's Trainer saves in each checkpoint beside the weights.
+TRAINER_STATE = "trainer_state.json"
 _STEP = re.compile(r"(\d+)(?!.*\d)")
 
 
@@ -49,6 +61,7 @@ class CheckpointFormat(StrEnum):
 
     DCP = "dcp"
     HF = "hf"
+    ADAPTER = "adapter"
 
 
 @dataclass(frozen=True)
@@ -59,7 +72,7 @@ class CheckpointDir:
         path: The directory as the user named it (or as a watch found it).
         weights: The directory holding the weight files (the DCP directory with ``.metadata``,
             which is ``path/pytorch_model_fsdp_0`` for accelerate's saves).
-        format: DCP or HF files.
+        format: DCP, HF files or a LoRA adapter.
         complete: Whether the save is complete.
         problem: Why it is not complete (empty when it is).
     """
@@ -79,11 +92,14 @@ def inspect_dir(path: str | Path) -> CheckpointDir | None:
 
     Returns:
         The checkpoint, complete or not, or None when ``path`` is not a directory or holds
-        neither DCP files nor HF weight files.
+        neither DCP files, HF weight files nor an adapter.
     """
     root = Path(path)
     if not root.is_dir():
         return None
+    adapter = _adapter_problem(root)
+    if adapter is not None:
+        return CheckpointDir(root, root, CheckpointFormat.ADAPTER, not adapter, adapter)
     for candidate in [root, *sorted(root.glob(f"{ACCELERATE_DIR_PREFIX}*"))]:
         if (candidate / DCP_METADATA).is_file():
             return CheckpointDir(root, candidate, CheckpointFormat.DCP, True)
@@ -101,6 +117,24 @@ def inspect_dir(path: str | Path) -> CheckpointDir | None:
     if problem is None:
         return None
     return CheckpointDir(root, root, CheckpointFormat.HF, not problem, problem)
+
+
+def _adapter_problem(root: Path) -> str | None:
+    """Why the adapter saved in ``root`` is incomplete ("" if complete; None: it has none)."""
+    weights = [root / name for name in _ADAPTER_WEIGHTS if (root / name).is_file()]
+    if not (root / ADAPTER_CONFIG).is_file():
+        if not weights:
+            return None
+        return (
+            f"{weights[0]} has no {ADAPTER_CONFIG} beside it: the adapter's save is incomplete "
+            "(PEFT writes the config last)"
+        )
+    if not weights:
+        return (
+            f"{root} has {ADAPTER_CONFIG} but no adapter_model.safetensors: the save is "
+            "incomplete, or it is not a PEFT adapter folder"
+        )
+    return _file_problem(weights[0])
 
 
 def _hf_files_problem(root: Path) -> str | None:
@@ -161,7 +195,8 @@ def checkpoint_or_error(path: str | Path) -> CheckpointDir:
         raise CheckpointError(
             f"{str(path)!r} is not a checkpoint: expected a torch.distributed.checkpoint "
             f"directory (with a {DCP_METADATA} file), accelerate's {ACCELERATE_DIR_PREFIX}0/ "
-            "folder, or safetensors/.bin files as save_pretrained writes them"
+            "folder, safetensors/.bin files as save_pretrained writes them, or a PEFT adapter "
+            f"({ADAPTER_CONFIG} + adapter_model.safetensors)"
         )
     if not found.complete:
         raise CheckpointError(
@@ -180,6 +215,24 @@ def step_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def step_of_dir(path: Path) -> int | None:
+    """A checkpoint's training step: ``global_step`` of its ``trainer_state.json`` (Hugging Face's
+    Trainer saves one in each checkpoint; for accelerate's folder, beside it), else the last
+    number of its name (:func:`step_of`); None without either."""
+    folder = Path(path)
+    states = [folder / TRAINER_STATE]
+    if folder.name.startswith(ACCELERATE_DIR_PREFIX):
+        states.append(folder.parent / TRAINER_STATE)
+    for state in states:
+        try:
+            step = json.loads(state.read_text()).get("global_step")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            return step
+    return step_of(label_of(folder))
+
+
 def label_of(path: Path) -> str:
     """A checkpoint's own name: its directory, or for accelerate's folder its parent's."""
     resolved = Path(path)
@@ -189,10 +242,10 @@ def label_of(path: Path) -> str:
 
 
 def by_step(paths: Sequence[Path]) -> list[Path]:
-    """``paths`` sorted by training step (names without a number last, by name)."""
+    """``paths`` sorted by training step (:func:`step_of_dir`; those without one last, by name)."""
 
     def key(path: Path) -> tuple[bool, int, str]:
-        step = step_of(label_of(path))
+        step = step_of_dir(path)
         return (step is None, step or 0, str(path))
 
     return sorted(paths, key=key)

@@ -110,6 +110,11 @@ def open_source(path: str | Path) -> WeightSource:
     found = checkpoint_or_error(path)
     if found.format is CheckpointFormat.DCP:
         return DcpSource(found.weights)
+    if found.format is CheckpointFormat.ADAPTER:
+        raise CheckpointError(
+            f"checkpoint {path} is a PEFT adapter, not the model's weights: pass it as peft= "
+            "(a sweep over adapter checkpoints applies each to pretrained's weights itself)"
+        )
     try:
         checkpoint = find_checkpoint_in(found.weights)
     except CannotStream as exc:

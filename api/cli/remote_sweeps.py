@@ -28,7 +28,8 @@ def add_remote_sweep_flags(group: Any) -> None:
         "--checkpoints",
         default=None,
         metavar="A,B,C|GLOB",
-        help="a checkpoint sweep on the server: its checkpoint directories (DCP or safetensors) "
+        help="a checkpoint sweep on the server: its checkpoint directories (DCP, safetensors "
+        "or LoRA adapters over pretrained=) "
         "under its model roots, comma-separated, or a glob such as /models/run/step-* (expanded "
         "by the server, sorted by step); --model_args pretrained= names the config and tokenizer",
     )

@@ -37,8 +37,11 @@ def add_checkpoints_flag(parser: argparse.ArgumentParser) -> None:
         metavar="A,B,C|GLOB",
         help="evaluate these training checkpoints of the model of --model_args pretrained=... "
         "one after another, on ranks started once (a sweep): torch.distributed.checkpoint "
-        "directories (accelerate's pytorch_model_fsdp_0/ too) or safetensors directories, "
-        "comma-separated, or a glob such as run/step-* (sorted by step). Each one's lm-eval "
+        "directories (accelerate's pytorch_model_fsdp_0/ too), safetensors directories, or "
+        "LoRA adapter checkpoints (adapter_config.json + adapter_model.safetensors: the base "
+        "pretrained= stays loaded and only the adapter is swapped), comma-separated, or a glob "
+        "such as run/checkpoint-* (sorted by step: trainer_state.json, else the name). Each "
+        "one's lm-eval "
         "files go under --output_path/<checkpoint>/, the sweep's table in "
         "--output_path/sweep.json",
     )
@@ -58,7 +61,9 @@ def add_watch_parser(subparsers: argparse._SubParsersAction) -> None:
             help="evaluate each new checkpoint of a training run here, as it is saved (on a "
             "server: submit --watch DIR)",
             description="Evaluate every checkpoint that appears under DIR (a DCP directory "
-            "with its .metadata written, or safetensors files complete) with rayeval run's "
+            "with its .metadata written, safetensors files complete, or a LoRA adapter with "
+            "its adapter_config.json written: the base pretrained= stays loaded) with rayeval "
+            "run's "
             "flags, in this process, on ranks started once, skipping checkpoints evaluated "
             "before (their results under --output_path, or --use_cache). Ctrl-C stops it. "
             "(`rayeval submit --watch DIR` asks a server to do the same; `rayeval status "

@@ -4,8 +4,15 @@ model, on ranks started once; and the loop that watches a training run for new c
 What is done once for the whole sweep, and how:
 
 * **Ranks** start at the first checkpoint; between checkpoints every rank swaps weights in
-  place, reading only the regions it holds (:meth:`rayeval.service.engine.lm.RayEvalLM.
-  load_checkpoint`). Each checkpoint is checked on the driver before any rank reads it.
+  place, reading only the regions it holds (:meth:`rayeval.service.engine.engine.Engine.
+  swap_checkpoint`). Each checkpoint is checked on the driver before any rank reads it.
+* **Adapter checkpoints.** When the checkpoints are LoRA adapters (``adapter_config.json`` +
+  ``adapter_model.safetensors``, as a PEFT trainer saves ``checkpoint-500/``), ``pretrained``
+  is their base: the ranks load it once with the first adapter applied (``peft=``, as lm-eval's
+  hf backend applies it) and between checkpoints overwrite only the adapter's matrices
+  (:meth:`rayeval.service.engine.engine.Engine.swap_adapter`); every checkpoint must be one of
+  the same LoRA run (its config and shapes). A sweep's checkpoints are all adapters or all
+  weights. Each record and results file names its adapter (``peft=`` in the model args).
 * **Tasks and requests.** lm-eval's ``simple_evaluate`` loads its tasks through the task
   manager it is given and ``evaluate`` then has every task build its requests. A sweep hands it
   :class:`TasksOnce`: the tasks are loaded on the first call only, and each task's
@@ -36,7 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from rayeval.actors.errors import CheckpointError, ConfigError
-from rayeval.actors.weights.checkpoint_dirs import label_of, labels, step_of
+from rayeval.actors.weights.checkpoint_dirs import (
+    CheckpointFormat,
+    inspect_dir,
+    label_of,
+    labels,
+    step_of_dir,
+)
 from rayeval.service.engine.experiments import record_mlflow, written_files
 from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
@@ -108,8 +121,8 @@ class Sweep:
         on_warning: Called when a task has requests whose tokens do not measure it.
 
     Raises:
-        ConfigError: ``checkpoint=`` in the model args, an output path ending in ``.json``,
-            a tracker asked for, unknown tasks.
+        ConfigError: ``checkpoint=``, ``peft=`` or ``delta=`` in the model args, an output path
+            ending in ``.json``, a tracker asked for, unknown tasks.
     """
 
     def __init__(
@@ -123,6 +136,18 @@ class Sweep:
             raise ConfigError(
                 "a sweep names its checkpoints itself (--checkpoints, or the watched directory): "
                 "drop checkpoint= from --model_args"
+            )
+        if config.model_args.get("peft"):
+            raise ConfigError(
+                "a sweep names its checkpoints itself: drop peft= from --model_args and name the "
+                "adapter checkpoints in --checkpoints (or watch their folder); pretrained= is "
+                "their base"
+            )
+        if config.model_args.get("delta"):
+            raise ConfigError(
+                "delta= over a checkpoint sweep is not supported: the checkpoints replace "
+                "pretrained's weights (or, for adapters, lm-eval refuses peft= with delta=); "
+                "evaluate delta= with pretrained= alone"
             )
         self._cfg = config.evaluator_config(host)
         if self._cfg.output_path and str(self._cfg.output_path).endswith(".json"):
@@ -140,6 +165,10 @@ class Sweep:
         self._tasks = TasksOnce(resolve_tasks(self._cfg))
         self._target = OutputTarget(self._cfg.output_path) if self._cfg.output_path else None
         self._lm: RayEvalLM | None = None
+        #: Adapters or weights: set by the first checkpoint checked or evaluated.
+        self._adapters: bool | None = None
+        self._first_adapter: str | None = None
+        self._shell: Any = None
         self._settings = settings_digest(self._config)
         use_cache = host.lm_eval.get("use_cache")
         self._cache = ResponseCache(cache_file(str(use_cache)), "") if use_cache else None
@@ -152,18 +181,59 @@ class Sweep:
         Raises:
             CheckpointError: naming, per unusable checkpoint, its first problem.
         """
-        from rayeval.service.engine.plan.encoder import meta_model
-        from rayeval.service.engine.plan.model_shell import check_checkpoint
-
-        shell, _ = meta_model(self._config.pretrained, dict(self._config.model_args))
         refused = []
         for checkpoint in checkpoints:
             try:
-                check_checkpoint(str(checkpoint), shell, self._config.pretrained)
+                self._check(Path(checkpoint))
             except CheckpointError as exc:
                 refused.append(str(exc))
         if refused:
             raise CheckpointError("; ".join(refused))
+
+    def _check(self, checkpoint: Path) -> None:
+        """Refuse one checkpoint that does not fit the model, or is an adapter in a sweep of
+        weights (or the reverse), or an adapter of another LoRA run than the first.
+
+        Raises:
+            CheckpointError: what is wrong and what to do.
+        """
+        from rayeval.service.engine.plan.model_shell import check_checkpoint
+
+        found = inspect_dir(checkpoint)
+        adapter = found is not None and found.format is CheckpointFormat.ADAPTER
+        if self._adapters is None:
+            self._adapters = adapter
+        elif adapter != self._adapters:
+            first = "LoRA adapters" if self._adapters else "model weights"
+            raise CheckpointError(
+                f"{checkpoint} is {'a LoRA adapter' if adapter else 'model weights'} and this "
+                f"sweep's first checkpoint is {first}: sweep adapters and weights separately"
+            )
+        if not adapter:
+            check_checkpoint(str(checkpoint), self._meta(), self._config.pretrained)
+            return
+        from rayeval.actors.weights.adapters import adapter_problems, swap_problems
+
+        assert found is not None
+        if not found.complete:
+            raise CheckpointError(f"adapter {checkpoint} cannot be used: {found.problem}")
+        path = str(checkpoint.resolve())
+        try:
+            if self._first_adapter is None:
+                adapter_problems(path, self._meta())
+                self._first_adapter = path
+            else:
+                swap_problems(self._first_adapter, path, self._meta())
+        except ConfigError as exc:
+            raise CheckpointError(str(exc)) from None
+
+    def _meta(self) -> Any:
+        """``pretrained``'s model on the meta device (built once)."""
+        if self._shell is None:
+            from rayeval.service.engine.plan.encoder import meta_model
+
+            self._shell, _ = meta_model(self._config.pretrained, dict(self._config.model_args))
+        return self._shell
 
     def done_before(self, checkpoint: Path, label: str) -> bool:
         """Whether ``checkpoint`` was evaluated before with these settings: its results file is
@@ -180,6 +250,13 @@ class Sweep:
             return False
         return any((Path(self._target.local_path) / label).glob("*/results_*.json"))
 
+    def skipped(self, checkpoint: Path, label: str) -> CheckpointRecord:
+        """Record ``checkpoint`` as evaluated before (:meth:`done_before`), not evaluated now."""
+        path = Path(checkpoint)
+        record = CheckpointRecord(str(path.resolve()), label, step_of_dir(path), "skipped")
+        record.kind = "adapter" if self._adapters else "weights"
+        return self._record(record)
+
     # ------------------------------------------------------------------------ evaluation
     def evaluate(self, checkpoint: Path, label: str | None = None) -> CheckpointRecord:
         """Evaluate one checkpoint, write its files and the summary; returns its record.
@@ -192,9 +269,11 @@ class Sweep:
         """
         path = Path(checkpoint).resolve()
         label = label or label_of(Path(checkpoint))
-        record = CheckpointRecord(str(path), label, step_of(label), "failed")
+        record = CheckpointRecord(str(path), label, step_of_dir(Path(checkpoint)), "failed")
         started = time.monotonic()
         try:
+            self._check(path)
+            record.kind = "adapter" if self._adapters else "weights"
             self._swap(str(path), record)
         except CheckpointError as exc:
             record.status, record.error = "refused", str(exc)
@@ -217,13 +296,15 @@ class Sweep:
         if self._lm is None:
             on_progress, on_warning = self._callbacks
             self._lm = RayEvalLM.from_config(
-                self._config.with_checkpoint(checkpoint),
+                self._model_config(checkpoint),
                 self._host,
                 on_progress=on_progress,
                 on_warning=on_warning,
             )
             reports = self._lm.engine.load_reports  # the ranks' start is this checkpoint's swap
             record.seconds["read"] = max(r.seconds for r in reports)
+        elif self._adapters:
+            record.seconds["read"] = self._lm.engine.swap_adapter(checkpoint).read_s
         else:
             record.seconds["read"] = self._lm.engine.swap_checkpoint(checkpoint).read_s
         record.fingerprint = model_fingerprint(self._lm.engine.config.model_args)
@@ -271,9 +352,20 @@ class Sweep:
             self._target.publish()  # a no-op for a local path
         return record
 
+    def _model_config(self, checkpoint: str) -> EvaluationConfig:
+        """The evaluation of one checkpoint: ``checkpoint=`` it, or ``peft=`` it (an adapter)."""
+        if self._adapters:
+            return self._config.model_copy(
+                update={"model_args": {**self._config.model_args, "peft": checkpoint}}
+            )
+        return self._config.with_checkpoint(checkpoint)
+
     def _fingerprint(self, checkpoint: Path) -> str:
-        config = self._config.with_checkpoint(str(Path(checkpoint).resolve()))
-        return model_fingerprint(config.model_args)
+        path = Path(checkpoint).resolve()
+        if self._adapters is None:
+            found = inspect_dir(path)
+            self._adapters = found is not None and found.format is CheckpointFormat.ADAPTER
+        return model_fingerprint(self._model_config(str(path)).model_args)
 
     def close(self) -> None:
         """Release the ranks, the cache and a staged output directory. Safe to call twice."""

@@ -29,7 +29,8 @@ class CheckpointRecord:
     Args:
         checkpoint: Its path (absolute).
         label: Its name in file names and tables (unique within the sweep).
-        step: The training step its name gives, if any.
+        step: Its training step (``trainer_state.json``'s ``global_step``, else its name's last
+            number), if any.
         status: ``succeeded``, ``refused`` (it did not fit the model: ``error`` says why),
             ``failed`` or ``skipped`` (evaluated before, by a results file or the response cache).
         fingerprint: Its weights' fingerprint (the response cache's key for it).
@@ -41,6 +42,8 @@ class CheckpointRecord:
             first its whole load), ``compute`` (the ranks' request types), ``evaluate``
             (lm-eval's whole evaluation, compute included), ``save`` and ``total``.
         error: Why it was refused or failed.
+        kind: ``weights`` (a checkpoint of the model) or ``adapter`` (a LoRA adapter applied
+            to the sweep's model, as ``peft=``).
     """
 
     checkpoint: str
@@ -53,6 +56,7 @@ class CheckpointRecord:
     higher_is_better: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    kind: str = "weights"
 
 
 @dataclass

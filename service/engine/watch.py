@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rayeval.actors.errors import ConfigError
-from rayeval.actors.weights.checkpoint_dirs import candidates, label_of, step_of
+from rayeval.actors.weights.checkpoint_dirs import candidates, label_of
 from rayeval.service.engine.sweep import Sweep
 from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
@@ -139,7 +139,5 @@ def _handle(sweep: Sweep, path: Path) -> CheckpointRecord:
     label = label_of(path)
     if sweep.done_before(path, label):
         logger.info("%s was evaluated before with these settings: skipped", path)
-        record = CheckpointRecord(str(path.resolve()), label, step_of(label), "skipped")
-        sweep.summary.add(record)
-        return record
+        return sweep.skipped(path, label)
     return sweep.evaluate(path, label)

@@ -387,6 +387,16 @@ def expand_sweep(
             "model_args.checkpoint: a sweep names its checkpoints in sweep.checkpoints or "
             "sweep.watch: drop model_args.checkpoint"
         )
+    if config.model_args.get("peft"):
+        problems.append(
+            "model_args.peft: a sweep over adapter checkpoints names them in sweep.checkpoints "
+            "or sweep.watch, with model_args.pretrained their base: drop model_args.peft"
+        )
+    if config.model_args.get("delta"):
+        problems.append(
+            "model_args.delta: a sweep's checkpoints replace pretrained's weights (or are "
+            "adapters, which lm-eval does not combine with delta): drop model_args.delta"
+        )
     if spec.watch is not None:
         return config, problems + _checkpoint_problems(spec.watch, policy, "sweep.watch")
     expanded: list[str] = []

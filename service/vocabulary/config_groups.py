@@ -107,8 +107,10 @@ class SweepSpec(Frozen):
         default=None,
         min_length=1,
         max_length=10_000,
-        description="Checkpoint directories (DCP or Hugging Face weights) or globs such as "
-        "/models/run/step-*, evaluated in this order (a glob's matches by step). The server "
+        description="Checkpoint directories (DCP, Hugging Face weights, or LoRA adapters: "
+        "adapter_config.json + adapter_model.safetensors, applied to model_args.pretrained, "
+        "which stays loaded) or globs such as /models/run/step-*, evaluated in this order (a "
+        "glob's matches by step: trainer_state.json's global_step, else the name). The server "
         "expands the globs when it accepts the evaluation.",
     )
     watch: str | None = Field(
