@@ -419,3 +419,82 @@ def test_server_refuses_peft_or_delta_beside_a_sweep(demo: Any, lora: Path) -> N
         )  # fmt: skip
         _, problems = expand_sweep(config, policy)
         assert any(p.startswith(f"model_args.{arg}: ") for p in problems), problems
+
+
+@pytest.mark.e2e
+def test_rest_watch_over_adapter_checkpoints(
+    demo: Any, lora: Path, lora_later: Path, references: References, ray_session: None,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """``sweep.watch`` on a folder of LoRA checkpoints over REST: each is evaluated on the base
+    loaded once, stored by its ``trainer_state.json`` step and labelled as an adapter, with
+    lm-eval hf's metrics for that ``peft=``; ``model_args.peft`` beside a sweep is a 422."""
+    from tests.test_service import ServerThread, body, finished, make_settings, submit, wait_for
+
+    run = _adapter_run(lora, lora_later, tmp_path / "run")
+    settings = make_settings(tmp_path / "data", demo.tasks_dir)
+    roots = [str(demo.model_dir.parent), str(run)]
+    server = ServerThread(settings.model_copy(update={"model_roots": roots}))
+    server.start()
+    args = {"pretrained": str(demo.model_dir), "dtype": "float32"}
+    watch = {"watch": str(run), "poll_s": 0.2, "max_checkpoints": 2}
+    request = {"tasks": TASKS, **RUN, "parallelism": {"num_replicas": 1, "shard_size": 1}}
+    try:
+        with server.client() as client:
+            with_peft = {**args, "peft": str(run / "checkpoint-a")}
+            refused = client.post("/evaluations", json=body(demo, **request, model_args=with_peft,
+                                                            sweep=watch))  # fmt: skip
+            assert refused.status_code == 422 and "model_args.peft" in refused.text, refused.text
+            accepted = submit(client, body(demo, **request, model_args=args, sweep=watch))
+            evaluation = wait_for(client, accepted["id"], finished, timeout_s=600)
+            sweep = client.get(f"/evaluations/{accepted['id']}/sweep").json()
+            served = {
+                c["label"]: client.get(c["links"]["results"]).json() for c in sweep["checkpoints"]
+            }
+        rows, points = _dashboard_sweep(server.url, accepted["id"])
+    finally:
+        server.stop()
+    if rows:  # the dashboard: a curve by step, each row labelled as an adapter
+        assert rows == [["checkpoint-b", "adapter", "checkpoint-b (adapter)"],
+                        ["checkpoint-a", "adapter", "checkpoint-a (adapter)"]]  # fmt: skip
+        assert points == [["checkpoint-b", "1000"], ["checkpoint-a", "2000"]]
+    assert evaluation["status"] == "succeeded", evaluation
+    assert [(c["label"], c["step"], c["kind"], c["status"]) for c in sweep["checkpoints"]] == [
+        ("checkpoint-b", 1000, "adapter", "succeeded"),
+        ("checkpoint-a", 2000, "adapter", "succeeded"),
+    ]
+    for label, key in (("checkpoint-b", "peft"), ("checkpoint-a", "later")):
+        ours = served[label]
+        assert ours["config"]["model_args"]["peft"] == str((run / label).resolve())
+        for task, metrics in references[(key, "float32")]["results"].items():
+            for name, value in metrics.items():
+                if "," in name and "stderr" not in name:
+                    near = pytest.approx(value, rel=1e-5, abs=1e-4)  # perplexity: relative
+                    assert ours["results"][task][name] == near, (label, task, name)
+
+
+def _dashboard_sweep(url: str, evaluation_id: str) -> tuple[list[Any], list[Any]]:
+    """What Chromium shows of a finished sweep: its table rows (label, kind, first cell) and the
+    ``demo_mc`` accuracy curve's points (label, step); empty without Debian's chromium."""
+    from tests.test_service import CHROMIUM, CHROMIUM_ARGS
+
+    if not Path(CHROMIUM).exists():
+        return [], []
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1400})
+            page.goto(f"{url}/#{evaluation_id}")
+            page.locator("#sweep-table tbody tr").nth(1).wait_for(timeout=30_000)
+            rows = page.locator("#sweep-table tbody tr").evaluate_all(
+                "rows => rows.map(r => [r.dataset.label, r.dataset.kind, r.cells[0].textContent])"
+            )
+            curve = "#sweep-curves svg.curve[data-task='demo_mc'][data-metric='acc']"
+            points = page.locator(f"{curve} circle.point").evaluate_all(
+                "points => points.map(p => [p.dataset.label, p.dataset.step])"
+            )
+        finally:
+            browser.close()
+    return rows, points

@@ -523,7 +523,9 @@ function sweepTable(ordered) {
     const row = body.insertRow();
     row.dataset.label = record.label;
     row.dataset.status = record.status;
-    cell(row, record.label, "mono");
+    row.dataset.kind = record.kind || "weights";
+    // A LoRA checkpoint is labelled as one: its results are the sweep's base with it applied.
+    cell(row, record.label + (record.kind === "adapter" ? " (adapter)" : ""), "mono");
     cell(row, record.step === null ? "" : String(record.step));
     cell(row, record.status, "badge " + record.status);
     const total = (record.seconds || {}).total;
@@ -555,6 +557,7 @@ async function showCheckpoint(record) {
   if (state.sweep.chosen !== record.label) return;  // another one was chosen meanwhile
   $("checkpoint").dataset.label = record.label;
   $("checkpoint-label").textContent = record.label
+    + (record.kind === "adapter" ? ", adapter" : "")
     + (record.step === null ? "" : " (step " + record.step + ")");
   $("checkpoint-results-link").href = record.links.results;
   fillMetrics($("checkpoint-metrics").tBodies[0], results);
