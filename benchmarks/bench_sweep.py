@@ -18,8 +18,14 @@ the slowest rank's read, the ranks' compute, and the rest (lm-eval's per-evaluat
 filters, metrics, its environment report, files). Every checkpoint's metrics must agree between
 the three (float32; exit status 1 otherwise).
 
+With ``--adapters``, the checkpoints are those of one LoRA run on the model instead (PEFT
+on the CPU, seconds; ``checkpoint-<step>/`` with a ``trainer_state.json``, as a trainer saves
+them): the sweep keeps the base loaded and swaps only the adapter; the second row is one
+``rayeval run --model_args ...,peft=DIR/checkpoint-K`` per checkpoint (the base loaded each
+time) and the third one ``lm_eval run --model hf --model_args ...,peft=...`` each (no merge).
+
 Usage: ``python benchmarks/bench_sweep.py [--checkpoints 3] [--tasks demo] [--limit 8]
-[--hidden 1024 --layers 8] [--shard_size 1] [--rest] [--json out.json]``
+[--hidden 1024 --layers 8] [--shard_size 1] [--adapters] [--rest] [--json out.json]``
 
 With ``--rest``, a fourth row: the same sweep submitted to ``rayeval serve`` (``"sweep":
 {"checkpoints": [...]}``), timed by when each checkpoint shows in ``GET /evaluations/{id}/sweep``;
@@ -68,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--skip_lm_eval", action="store_true", help="no lm_eval row")
     parser.add_argument(
+        "--adapters", action="store_true", help="checkpoints of a LoRA run instead (peft=)"
+    )
+    parser.add_argument(
         "--rest", action="store_true", help="also the sweep through `rayeval serve` (REST)"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -94,6 +103,8 @@ def build_model(out: Path, args: argparse.Namespace) -> tuple[Path, Any]:
     model.config.save_pretrained(out)
     transformers.GenerationConfig.from_pretrained(demo).save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(demo).save_pretrained(out)
+    if args.adapters:  # the LoRA run trains on the saved weights
+        model.save_pretrained(out)
     return out, model
 
 
@@ -115,6 +126,22 @@ def save_checkpoints(model: Any, run: Path, count: int) -> list[Path]:
     return paths
 
 
+def save_adapters(model_dir: Path, run: Path, count: int) -> list[Path]:
+    """``count`` checkpoints of one LoRA run on ``model_dir`` (every 2 steps, as a trainer saves
+    them: ``checkpoint-<step>/`` with ``adapter_*`` files and a ``trainer_state.json``). The
+    same seed and data order make the run to step 2k a prefix of the run to step 2k + 2."""
+    from rayeval.service.demo.make_data import DATA_DIR
+    from tests.lora_run import corpus_texts, train_lora
+
+    paths = []
+    for index in range(count):
+        step = 2 * (index + 1)
+        out = train_lora(model_dir, run / f"checkpoint-{step}", corpus_texts(DATA_DIR), steps=step)
+        (out / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        paths.append(out)
+    return paths
+
+
 def merge(checkpoint: Path, model_dir: Path, out: Path) -> float:
     """Merge a DCP checkpoint into a safetensors model directory; seconds it took."""
     import torch
@@ -133,6 +160,27 @@ def merge(checkpoint: Path, model_dir: Path, out: Path) -> float:
     transformers.GenerationConfig.from_pretrained(model_dir).save_pretrained(out)
     out.with_suffix(".pt").unlink()
     return time.monotonic() - started
+
+
+def lm_eval_row(
+    args: argparse.Namespace, path: Path, model_dir: Path, root: Path
+) -> tuple[float, float]:
+    """``lm_eval run`` on one checkpoint: merged first (DCP), or with ``peft=`` (an adapter,
+    applied by lm-eval itself); the seconds of the merge and of the run."""
+    from rayeval.service.demo import ensure_demo_assets
+
+    if args.adapters:
+        merge_s, model_args = 0.0, f"pretrained={model_dir},dtype=float32,peft={path}"
+    else:
+        merged = root / "merged" / path.name
+        merge_s = merge(path, model_dir, merged)
+        model_args = f"pretrained={merged},dtype=float32"
+    include = ensure_demo_assets().tasks_dir
+    run_s = timed(
+        [str(BIN / "lm_eval"), "run", "--model", "hf", "--device", "cpu", "--batch_size", "8",
+         "--model_args", model_args, *task_flags(args, root / "lm_eval" / path.name, include)]
+    )  # fmt: skip
+    return merge_s, run_s
 
 
 def timed(command: list[str]) -> float:
@@ -181,8 +229,12 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         model_dir, model = build_model(root / "model", args)
         size_mb = sum(p.numel() for p in model.parameters()) * 4 / 2**20
-        paths = save_checkpoints(model, root / "run", args.checkpoints)
+        if args.adapters:
+            paths, every = save_adapters(model_dir, root / "run", args.checkpoints), "checkpoint-*"
+        else:
+            paths, every = save_checkpoints(model, root / "run", args.checkpoints), "step-*"
         del model
+        arg = "peft" if args.adapters else "checkpoint"
         base = f"pretrained={model_dir},dtype=float32"
         layout = [
             "--shard_size",
@@ -192,9 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         rayeval = [str(BIN / "rayeval"), "run", "--model", "hf", *layout]
 
-        every = str(root / "run" / "step-*")
         sweep_s = timed(
-            [*rayeval, "--model_args", base, "--checkpoints", every,
+            [*rayeval, "--model_args", base, "--checkpoints", str(root / "run" / every),
              *task_flags(args, root / "sweep", include)]
         )  # fmt: skip
         summary = json.loads((root / "sweep" / "sweep.json").read_text())["checkpoints"]
@@ -202,18 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
         for path, record in zip(paths, summary, strict=True):
             out = root / "one" / path.name
-            run_s = timed([*rayeval, "--model_args", f"{base},checkpoint={path}",
+            run_s = timed([*rayeval, "--model_args", f"{base},{arg}={path}",
                            *task_flags(args, out, include)])  # fmt: skip
             row = {"checkpoint": path.name, "sweep": record["seconds"], "rayeval_run_s": run_s}
             ok &= same(metrics(root / "sweep" / path.name), metrics(out))
             if not args.skip_lm_eval:
-                merged = root / "merged" / path.name
-                row["merge_s"] = merge(path, model_dir, merged)
-                row["lm_eval_s"] = timed(
-                    [str(BIN / "lm_eval"), "run", "--model", "hf", "--device", "cpu",
-                     "--batch_size", "8", "--model_args", f"pretrained={merged},dtype=float32",
-                     *task_flags(args, root / "lm_eval" / path.name, include)]
-                )  # fmt: skip
+                row["merge_s"], row["lm_eval_s"] = lm_eval_row(args, path, model_dir, root)
                 ok &= same(metrics(root / "lm_eval" / path.name), metrics(out))
             rows.append(row)
         if args.rest:
@@ -247,8 +292,9 @@ def print_table(
     rows: list[dict[str, Any]], sweep_s: float, size_mb: float, args: argparse.Namespace
 ) -> None:
     n = len(rows)
+    kind = "LoRA adapter" if args.adapters else "DCP"
     print(
-        f"model {size_mb:.1f} MB fp32, {n} DCP checkpoints, tasks {args.tasks}, limit "
+        f"model {size_mb:.1f} MB fp32, {n} {kind} checkpoints, tasks {args.tasks}, limit "
         f"{args.limit:g}, G={args.shard_size}: seconds per checkpoint"
     )
     header = ["checkpoint", "sweep", "rayeval run", "merge", "lm_eval", "|", "swap", "read"]
@@ -264,9 +310,11 @@ def print_table(
     if further:
         mean = sum(r["sweep"]["total"] for r in further) / len(further)
         read = sum(r["sweep"].get("read", 0.0) for r in further) / len(further)
+        beyond = sum(r["sweep"]["total"] - r["sweep"]["evaluate"] for r in further) / len(further)
         print(
             f"sweep process: {sweep_s:.2f}s in all ({sweep_s / n:.2f}s per checkpoint); after "
-            f"the first, {mean:.2f}s per checkpoint, of which {read:.2f}s reading weights"
+            f"the first, {mean:.2f}s per checkpoint, of which {read:.2f}s reading weights and "
+            f"{beyond:.2f}s beyond its evaluation (swap and files)"
         )
     if rows and "rest" in rows[0]:
         gaps = ", ".join(f"{r['rest']['gap_s']:.2f}s" for r in rows)
