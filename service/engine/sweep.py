@@ -202,7 +202,8 @@ class Sweep:
         found = inspect_dir(checkpoint)
         adapter = found is not None and found.format is CheckpointFormat.ADAPTER
         if self._adapters is None:
-            self._adapters = adapter
+            if found is not None:  # what is no checkpoint at all decides nothing
+                self._adapters = adapter
         elif adapter != self._adapters:
             first = "LoRA adapters" if self._adapters else "model weights"
             raise CheckpointError(
