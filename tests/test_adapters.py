@@ -347,16 +347,28 @@ def test_resized_vocabulary_matches_lm_eval_hf(
     reads its rows: vocabulary chunks over the resized row count)."""
     from rayeval.service.engine.lm import RayEvalLM
 
+    def reference(args: dict[str, str]) -> dict[str, Any]:
+        return evaluate("hf", task_manager, TASKS, model_args={**args, "dtype": dtype},
+                        device="cpu", batch_size=4, **RUN)  # fmt: skip
+
     args = _resized_args(case, grown, padded, demo)
-    reference = evaluate("hf", task_manager, TASKS, model_args={**args, "dtype": dtype},
-                         device="cpu", batch_size=4, **RUN)  # fmt: skip
+    swap = case == "grown" and shard_size == 2  # another checkpoint of the run, swapped in place
     with RayEvalLM(
         dtype=dtype, num_replicas=replicas, shard_size=shard_size, batch_size="auto",
         max_batch_tokens=256, **args,
     ) as lm:  # fmt: skip
         ours = evaluate(lm, task_manager, TASKS, **RUN)
         assert lm.engine.shard_strategy.value == "fsdp"
-    assert_same_results(reference, ours, exact=dtype != "float32")
+        if swap:  # its saved embeddings and head are rewritten in the rows each rank holds
+            from rayeval.service.demo.make_data import DATA_DIR
+
+            later = train_lora(demo.model_dir, grown.parent / "later", corpus_texts(DATA_DIR),
+                               steps=2, seed=1, added_tokens=ADDED_TOKENS)  # fmt: skip
+            lm.engine.swap_adapter(str(later))
+            swapped = evaluate(lm, task_manager, TASKS, **RUN)
+    assert_same_results(reference(args), ours, exact=dtype != "float32")
+    if swap:
+        assert_same_results(reference({**args, "peft": str(later)}), swapped)
     if case == "grown":  # the prompts are tokenised into added tokens (their rows are read)
         import transformers
 

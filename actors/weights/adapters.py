@@ -10,13 +10,18 @@
   of a percent of the model) are whole on every rank. Unmerged, because merging changes
   answers: PEFT keeps a bf16 model's adapter in float32 and adds ``B(A(x)) * scaling`` to the
   base layer's output, so ``W + scaling * B @ A`` rounded into bf16 weights gives other bits.
-  Unmerged, every layout gives lm-eval's own bits in float32 and bf16.
+  Unmerged, every layout gives lm-eval's own bits in float32 and bf16. When the tokenizer's
+  length differs from the base's vocabulary, lm-eval resizes the embeddings and head first, and
+  so do the ranks (:mod:`rayeval.actors.weights.vocabulary`): a padded vocabulary is cut to its
+  first rows; added tokens take the rows of the whole embeddings and head the adapter saved
+  (PEFT's ``save_embedding_layers``), written into the rows each rank holds before PEFT runs.
 * **Delta** (``delta=DIR``, a model folder of the same architecture): its weights are added to
   the base's, ``param += delta`` in the model's dtype, as lm-eval adds them; each rank reads
   only the regions it holds (:mod:`rayeval.actors.weights.sources`).
 
 The driver checks both on its weightless copy of the model before any rank starts
-(:func:`adapter_problems`, :func:`delta_problems`); the ranks apply them
+(:func:`adapter_problems`, :func:`delta_problems`; added tokens without saved embeddings are
+refused there, since lm-eval gives them random rows); the ranks apply them
 (:func:`apply_adapter`, :func:`add_delta`).
 """
 
