@@ -189,7 +189,7 @@ def apply_adapter(model: Any, path: str, revision: str | None) -> None:
 
     from rayeval.actors.weights.vocabulary import fill_saved_matrices
 
-    fill_saved_matrices(model, path)
+    fill_saved_matrices(model, path, adapter_file(path), adapter_shapes(path))
     try:
         wrapped = PeftModel.from_pretrained(model, path, revision=revision)
     except Exception as exc:  # PEFT raises many kinds; each is a load failure here
@@ -326,4 +326,4 @@ def load_adapter_weights(model: Any, path: str) -> int:
             written += param.numel() * param.element_size()
     if params:
         raise ModelLoadError(f"peft={path}: no tensor for the loaded matrix {next(iter(params))}")
-    return written + fill_saved_matrices(model, path)
+    return written + fill_saved_matrices(model, path, adapter_file(path), adapter_shapes(path))

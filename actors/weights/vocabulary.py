@@ -25,6 +25,7 @@ shrinking. Then the matrices an adapter saved overwrite the rows each rank holds
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from rayeval.actors.errors import ConfigError, ModelLoadError
@@ -134,10 +135,12 @@ def resize_whole(model: Any, rows: int) -> None:
     model.resize_token_embeddings(rows, mean_resizing=False)
 
 
-def fill_saved_matrices(model: Any, path: str) -> int:
+def fill_saved_matrices(
+    model: Any, path: str, file: Path, shapes: Mapping[str, Sequence[int]]
+) -> int:
     """Overwrite the vocabulary rows this rank holds of ``model`` (whole, FSDP2-sharded, or in
-    vocabulary chunks) with the matrices the adapter at ``path`` saved, in the parameter's
-    dtype. Nothing when it saved none.
+    vocabulary chunks) with the matrices the adapter at ``path`` saved in its weight ``file``
+    (whose tensors have ``shapes``), in the parameter's dtype. Nothing when it saved none.
 
     Returns:
         Bytes written.
@@ -147,12 +150,10 @@ def fill_saved_matrices(model: Any, path: str) -> int:
     """
     import torch
 
-    from rayeval.actors.weights.adapters import adapter_file, adapter_shapes
     from rayeval.actors.weights.dcp import Region
     from rayeval.actors.weights.hf_files import Checkpoint, match_key
     from rayeval.actors.weights.sources import slots
 
-    shapes = adapter_shapes(path)
     stripped = {key.removeprefix(ADAPTER_PREFIX): key for key in saved_matrices(model, shapes)}
     if not stripped:
         return 0
@@ -170,7 +171,6 @@ def fill_saved_matrices(model: Any, path: str) -> int:
         regions.append(Region(key, slot.local, slot.offsets))
     if not regions:
         return 0
-    file = adapter_file(path)
     checkpoint = Checkpoint(
         dict.fromkeys((r.key for r in regions), file), safetensors=file.suffix == ".safetensors"
     )
