@@ -73,21 +73,26 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     return config
 
 
-def adapter_problems(path: str, shell: Any, tokens: int) -> None:
+def adapter_problems(path: str, shell: Any, tokens: int | None = None) -> None:
     """Refuse an adapter the ranks cannot apply to the model ``shell`` (its weightless copy)
-    with a tokenizer of ``tokens`` tokens: not a LoRA, a LoRA option other than low-rank
-    matrices on linear layers, matrices whose layers or shapes the model does not have (another
-    base), or a vocabulary resize that lm-eval's answers cannot be reproduced for
-    (:func:`rayeval.actors.weights.vocabulary.resize_problems`). Besides LoRA matrices, the
-    adapter may carry the whole embeddings and head (PEFT's ``save_embedding_layers``). Reads
-    the config and the weight file's header only.
+    with a tokenizer of ``tokens`` tokens (None: as many as the model's vocabulary): not a
+    LoRA, a LoRA option other than low-rank matrices on linear layers, matrices whose layers or
+    shapes the model does not have (another base), or a vocabulary resize that lm-eval's
+    answers cannot be reproduced for (:func:`rayeval.actors.weights.vocabulary.resize_problems`).
+    Besides LoRA matrices, the adapter may carry the whole embeddings and head (PEFT's
+    ``save_embedding_layers``). Reads the config and the weight file's header only.
 
     Raises:
         ConfigError: naming the field and what to do.
     """
     from torch import nn
 
-    from rayeval.actors.weights.vocabulary import resize_problems, resized_rows, saved_matrices
+    from rayeval.actors.weights.vocabulary import (
+        config_rows,
+        resize_problems,
+        resized_rows,
+        saved_matrices,
+    )
 
     config = read_adapter_config(path)
     kind = str(config.get("peft_type", "?"))
@@ -102,9 +107,12 @@ def adapter_problems(path: str, shell: Any, tokens: int) -> None:
                 f"apply: {_MERGE_FIX}"
             )
     shapes = adapter_shapes(path)
-    resize_problems(path, shell, tokens, shapes)
+    if tokens is None:
+        tokens = config_rows(shell.config)
+    if tokens is not None:
+        resize_problems(path, shell, tokens, shapes)
     matrices = saved_matrices(shell, shapes)
-    rows = resized_rows(shell.config, tokens)
+    rows = resized_rows(shell.config, tokens) if tokens is not None else None
     head = shell.get_output_embeddings()
     modules = dict(shell.named_modules())
     for key, shape in shapes.items():
@@ -261,7 +269,7 @@ _RUN_BOOKKEEPING = frozenset(
 )
 
 
-def swap_problems(loaded: str, path: str, shell: Any, tokens: int) -> None:
+def swap_problems(loaded: str, path: str, shell: Any, tokens: int | None = None) -> None:
     """Refuse swapping the LoRA at ``path`` in place of the one at ``loaded``: it must be
     applicable (:func:`adapter_problems`, ``tokens``: the tokenizer's length) and another
     checkpoint of the same run: the same config (rank, alpha, targets, ...) and the same
