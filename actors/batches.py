@@ -40,6 +40,9 @@ class ModelSpec:
             ``peft=`` (:mod:`rayeval.actors.weights.adapters`).
         delta: A model folder whose weights are added to the loaded ones, as lm-eval's
             ``delta=``.
+        vocab_size: Rows of the embeddings and head when they differ from the config's: the
+            tokenizer's length, to which lm-eval resizes them for ``peft=``
+            (:mod:`rayeval.actors.weights.vocabulary`); None: the config's.
     """
 
     pretrained: str
@@ -55,6 +58,7 @@ class ModelSpec:
     checkpoint: str | None = None
     peft: str | None = None
     delta: str | None = None
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)

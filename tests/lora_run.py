@@ -14,8 +14,15 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def train_lora(model_dir: Path, out: Path, corpus: list[str], steps: int = 8, seed: int = 0,
-               rank: int = 8, lr: float = 5e-2) -> Path:  # fmt: skip
-    """Train a LoRA on ``corpus`` (causal LM loss) for ``steps`` steps; save it under ``out``."""
+               rank: int = 8, lr: float = 5e-2, added_tokens: list[str] | None = None,
+               save_embedding_layers: bool | str = "auto") -> Path:  # fmt: skip
+    """Train a LoRA on ``corpus`` (causal LM loss) for ``steps`` steps; save it under ``out``.
+
+    ``added_tokens``: tokens added to the tokenizer first, the base's embeddings resized for
+    them (new rows drawn around the mean, as ``resize_token_embeddings`` draws them); the
+    tokenizer is saved beside the adapter, and PEFT saves the resized embeddings and head with
+    it (``save_embedding_layers="auto"``) unless told not to.
+    """
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -23,6 +30,9 @@ def train_lora(model_dir: Path, out: Path, corpus: list[str], steps: int = 8, se
     torch.manual_seed(seed)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if added_tokens:
+        tokenizer.add_tokens(added_tokens)
+        base.resize_token_embeddings(len(tokenizer))
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS,
                         task_type="CAUSAL_LM")  # fmt: skip
     model = get_peft_model(base, config)
@@ -37,7 +47,34 @@ def train_lora(model_dir: Path, out: Path, corpus: list[str], steps: int = 8, se
         loss.backward()
         optimiser.step()
         optimiser.zero_grad()
-    model.save_pretrained(out)
+    model.save_pretrained(out, save_embedding_layers=save_embedding_layers)
+    if added_tokens:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def pad_vocabulary(model_dir: Path, out: Path, rows: int) -> Path:
+    """The model at ``model_dir`` with tied embeddings padded to ``rows`` rows beyond its
+    tokenizer (as Qwen pads its vocabulary), saved with that tokenizer under ``out``. The
+    padded rows repeat the first ones, so that they hold a fair share of the softmax: lm-eval
+    cuts them off again for a ``peft=`` adapter, which changes every log-probability."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = base.config
+    config.vocab_size, config.tie_word_embeddings = rows, True
+    padded = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = base.state_dict()
+    weight = state.pop("model.embed_tokens.weight")
+    state.pop("lm_head.weight")
+    extra = rows - weight.shape[0]
+    state["model.embed_tokens.weight"] = torch.cat([weight, weight[:extra]])
+    padded.load_state_dict(state, strict=False)
+    padded.tie_weights()
+    padded.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
 
 

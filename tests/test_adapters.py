@@ -7,7 +7,10 @@ in the same dtype; rayeval must give its per-sample results at 1x1, 2x1 and 1x2 
 float32 (|delta logprob| <= 1e-4) and bf16 (bit for bit), through the Python LM and (float32,
 2x1) the CLI.
 Bad adapters are refused before any rank starts; the server holds adapter paths to its model
-roots; the response cache keys answers by the adapter's content.
+roots; the response cache keys answers by the adapter's content. Sweeps over a LoRA run's
+checkpoints (CLI ``--checkpoints``, a REST watch, the dashboard's rows) keep the base loaded and
+equal lm-eval per adapter; an adapter whose tokenizer is longer (added tokens) or shorter (a
+padded vocabulary) than the base's vocabulary is resized as lm-eval resizes it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import assert_same_results, evaluate, read_outputs, run_lm_eval_cli
-from tests.lora_run import corpus_texts, train_lora
+from tests.lora_run import corpus_texts, pad_vocabulary, train_lora
 
 RUN = {"num_fewshot": 1, "limit": 4, "bootstrap_iters": 0}
 TASKS = ["demo_mc", "demo_cloze", "demo_rolling", "demo_gen_short"]
@@ -498,3 +501,121 @@ def _dashboard_sweep(url: str, evaluation_id: str) -> tuple[list[Any], list[Any]
         finally:
             browser.close()
     return rows, points
+
+
+# ------------------------------------------------------------------ a resized vocabulary
+#: Tokens the ``grown`` adapter's tokenizer adds: words of the demo tasks' first documents, so
+#: that prompts and answers are tokenised into them.
+ADDED_TOKENS = ["What", " comes after", " baby", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def grown(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA trained with tokens added to the tokenizer (saved beside it) and the embeddings
+    resized for them; PEFT saved the resized embeddings and head with it."""
+    from rayeval.service.demo.make_data import DATA_DIR
+
+    return train_lora(demo.model_dir, tmp_path_factory.mktemp("grown") / "adapter",
+                      corpus_texts(DATA_DIR), steps=4, added_tokens=ADDED_TOKENS)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def padded(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A base with tied embeddings padded 64 rows beyond its tokenizer, and a LoRA of it."""
+    from rayeval.service.demo.make_data import DATA_DIR
+
+    root = tmp_path_factory.mktemp("padded")
+    base = pad_vocabulary(demo.model_dir, root / "base", rows=832)
+    return base, train_lora(base, root / "adapter", corpus_texts(DATA_DIR), steps=4)
+
+
+def _resized_args(case: str, grown: Path, padded: tuple[Path, Path], demo: Any) -> dict[str, str]:
+    if case == "grown":
+        return {"pretrained": str(demo.model_dir), "peft": str(grown), "tokenizer": str(grown)}
+    return {"pretrained": str(padded[0]), "peft": str(padded[1])}
+
+
+RESIZED = [  # (case, R, G, dtype)
+    ("grown", 1, 1, "float32"),
+    ("grown", 1, 2, "float32"),
+    ("padded", 1, 2, "float32"),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("case", "replicas", "shard_size", "dtype"),
+    RESIZED,
+    ids=[f"{c}-{r}x{g}-{d}" for c, r, g, d in RESIZED],
+)
+def test_resized_vocabulary_matches_lm_eval_hf(
+    case: str, replicas: int, shard_size: int, dtype: str, demo: Any, grown: Path,
+    padded: tuple[Path, Path], task_manager: Any, ray_session: None,
+) -> None:  # fmt: skip
+    """A tokenizer of another length than the base's vocabulary, which lm-eval resizes the
+    embeddings and head for before applying peft=: grown for added tokens (their rows are the
+    ones the adapter saved) or shrunk from a padded vocabulary (tied embeddings, rows cut off).
+    Every request type per sample as lm-eval's hf backend, whole and FSDP-sharded (each rank
+    reads its rows: vocabulary chunks over the resized row count)."""
+    from rayeval.service.engine.lm import RayEvalLM
+
+    def reference(args: dict[str, str]) -> dict[str, Any]:
+        return evaluate("hf", task_manager, TASKS, model_args={**args, "dtype": dtype},
+                        device="cpu", batch_size=4, **RUN)  # fmt: skip
+
+    args = _resized_args(case, grown, padded, demo)
+    swap = case == "grown" and shard_size == 2  # another checkpoint of the run, swapped in place
+    with RayEvalLM(
+        dtype=dtype, num_replicas=replicas, shard_size=shard_size, batch_size="auto",
+        max_batch_tokens=256, **args,
+    ) as lm:  # fmt: skip
+        ours = evaluate(lm, task_manager, TASKS, **RUN)
+        assert lm.engine.shard_strategy.value == "fsdp"
+        if swap:  # its saved embeddings and head are rewritten in the rows each rank holds
+            from rayeval.service.demo.make_data import DATA_DIR
+
+            later = train_lora(demo.model_dir, grown.parent / "later", corpus_texts(DATA_DIR),
+                               steps=2, seed=1, added_tokens=ADDED_TOKENS)  # fmt: skip
+            lm.engine.swap_adapter(str(later))
+            swapped = evaluate(lm, task_manager, TASKS, **RUN)
+    assert_same_results(reference(args), ours, exact=dtype != "float32")
+    if swap:
+        assert_same_results(reference({**args, "peft": str(later)}), swapped)
+    if case == "grown":  # the prompts are tokenised into added tokens (their rows are read)
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(grown)
+        prompts = [s["arguments"][0][0] for s in ours["samples"]["demo_gen_short"]]
+        assert max(max(tokenizer(p)["input_ids"]) for p in prompts) >= 768
+
+
+@pytest.mark.service
+def test_resized_vocabulary_refusals_before_any_rank_starts(
+    demo: Any, grown: Path, tmp_path: Path
+) -> None:
+    """Added tokens whose adapter saved no embeddings (lm-eval gives them random rows), or saved
+    embeddings without the tokenizer they were trained with: a ConfigError naming peft= and the
+    fix, while the engine is built (no Ray: no ``ray_session`` here)."""
+    from safetensors.torch import load_file, save_file
+
+    from rayeval.actors.errors import ConfigError
+    from rayeval.service.engine.lm import RayEvalLM
+
+    bare = tmp_path / "bare"
+    shutil.copytree(grown, bare)
+    weights = load_file(bare / "adapter_model.safetensors")
+    for key in ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"):
+        del weights[key]
+    save_file(weights, bare / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match=(
+        r"peft=.*bare: the tokenizer has 772 tokens, 4 more than pretrained's model \(768\), "
+        r"and the adapter saved no model\.embed_tokens\.weight or lm_head\.weight .*"
+        r"save_embedding_layers=True"
+    )):  # fmt: skip
+        RayEvalLM(pretrained=str(demo.model_dir), dtype="float32", peft=str(bare),
+                  tokenizer=str(bare))  # fmt: skip
+    with pytest.raises(ConfigError, match=(
+        r"peft=.*: the adapter saved .*(embed_tokens|lm_head)\.weight with 772 rows, but the "
+        r"tokenizer has 768 tokens: pass the tokenizer the adapter was trained with in tokenizer="
+    )):  # fmt: skip
+        RayEvalLM(pretrained=str(demo.model_dir), dtype="float32", peft=str(grown))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from functools import partial
 
 import torch
@@ -42,6 +42,7 @@ from rayeval.actors.weights.hf_files import (
     resolve_dtype,
 )
 from rayeval.actors.weights.sources import fill, open_source
+from rayeval.actors.weights.vocabulary import resize_config, resize_whole
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,14 @@ def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -
     """
     config = load_config(spec)
     dtype = resolve_dtype(spec.dtype, config)
+    if spec.vocab_size is not None:  # built with the resized row count (sharded ranks)
+        resize_config(config, spec.vocab_size)
     if spec.checkpoint is not None:
         model = _load_checkpoint(spec, config, dtype, mesh, device)
     elif mesh is None:
         model = load_plain(spec, dtype, device)
+        if spec.vocab_size is not None:
+            resize_whole(model, spec.vocab_size)
     else:
         model = _load_sharded(spec, config, dtype, mesh, device)
     model.eval()
@@ -100,10 +105,11 @@ def _load_sharded(
             f"(e.g. {missing[0]})"
         )
         return _full_load_then_shard(spec, model, dtype, mesh, device, why)
+    skip = {key for name in _from_adapter(spec, model) if (key := keys.get(name)) is not None}
     offsets = _shard_empty(model, keys, mesh, device)
     try:
         with checkpoint.reader() as reader, torch.no_grad():
-            _read_local_shards(model, keys, reader.rows, mesh, offsets)
+            _read_local_shards(model, keys, reader.rows, mesh, offsets, skip)
     except CannotStream as exc:
         return _full_load_then_shard(
             spec, _meta_model(spec, config, dtype), dtype, mesh, device, str(exc)
@@ -176,6 +182,7 @@ def _full_load_then_shard(
     ``from_pretrained`` loads it, one rank after another: each frees the whole model before
     the next loads it, so that a node holds one whole copy at a time, not G."""
     keys: dict[str, str | None] = {name: name for name in _aliases(model)}
+    skip = {name for name in _from_adapter(spec, model) if name in keys}
     offsets = _shard_empty(model, keys, mesh, device)
     rank, size = mesh.get_local_rank(), mesh.size()
     for turn in range(size):
@@ -183,7 +190,7 @@ def _full_load_then_shard(
             started = time.monotonic()
             state = load_plain(spec, dtype).state_dict()
             with torch.no_grad():
-                _read_local_shards(model, keys, partial(_rows, state), mesh, offsets)
+                _read_local_shards(model, keys, partial(_rows, state), mesh, offsets, skip)
             del state
             logger.warning(
                 "%s for %s: rank %d of %d loaded the whole model in %.2f s to take its shard "
@@ -228,19 +235,36 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
     return {aliases[0]: aliases for aliases in names.values()}
 
 
+def _from_adapter(spec: ModelSpec, model: nn.Module) -> list[str]:
+    """The names of the meta ``model``'s vocabulary matrices that ``spec.peft``'s adapter saved:
+    :func:`~rayeval.actors.weights.adapters.apply_adapter` writes them, so the base's are not
+    read (it has fewer rows than a vocabulary grown for added tokens)."""
+    if spec.peft is None:
+        return []
+    from rayeval.actors.weights.adapters import adapter_shapes
+    from rayeval.actors.weights.vocabulary import saved_matrices
+
+    saved = saved_matrices(model, adapter_shapes(spec.peft))
+    return [name for matrix in saved.values() for name in matrix]
+
+
 def _read_local_shards(
     model: nn.Module,
     keys: dict[str, str | None],
     rows: Callable[..., torch.Tensor],
     mesh: DeviceMesh,
     offsets: dict[str, int],
+    skip: Collection[str] = (),
 ) -> None:
     """Copy each parameter's local rows from its source tensor, ``rows(key, start, stop)``
-    (``offsets``: first source row of a parameter that is a row chunk of a source tensor)."""
+    (``offsets``: first source row of a parameter that is a row chunk of a source tensor); the
+    parameters of the source tensors in ``skip`` are left for another source to fill."""
     rank, world = mesh.get_local_rank(), mesh.size()
     for name, param in model.named_parameters():
         key = keys[name]
         assert key is not None
+        if key in skip:
+            continue
         local = param.to_local() if isinstance(param, DTensor) else param
         if isinstance(param, DTensor):
             if tuple(param.placements) != (Shard(0),):

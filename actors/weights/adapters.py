@@ -10,13 +10,18 @@
   of a percent of the model) are whole on every rank. Unmerged, because merging changes
   answers: PEFT keeps a bf16 model's adapter in float32 and adds ``B(A(x)) * scaling`` to the
   base layer's output, so ``W + scaling * B @ A`` rounded into bf16 weights gives other bits.
-  Unmerged, every layout gives lm-eval's own bits in float32 and bf16.
+  Unmerged, every layout gives lm-eval's own bits in float32 and bf16. When the tokenizer's
+  length differs from the base's vocabulary, lm-eval resizes the embeddings and head first, and
+  so do the ranks (:mod:`rayeval.actors.weights.vocabulary`): a padded vocabulary is cut to its
+  first rows; added tokens take the rows of the whole embeddings and head the adapter saved
+  (PEFT's ``save_embedding_layers``), written into the rows each rank holds before PEFT runs.
 * **Delta** (``delta=DIR``, a model folder of the same architecture): its weights are added to
   the base's, ``param += delta`` in the model's dtype, as lm-eval adds them; each rank reads
   only the regions it holds (:mod:`rayeval.actors.weights.sources`).
 
 The driver checks both on its weightless copy of the model before any rank starts
-(:func:`adapter_problems`, :func:`delta_problems`); the ranks apply them
+(:func:`adapter_problems`, :func:`delta_problems`; added tokens without saved embeddings are
+refused there, since lm-eval gives them random rows); the ranks apply them
 (:func:`apply_adapter`, :func:`add_delta`).
 """
 
@@ -68,16 +73,26 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     return config
 
 
-def adapter_problems(path: str, shell: Any) -> None:
-    """Refuse an adapter the ranks cannot apply to the model ``shell`` (its weightless copy):
-    not a LoRA, a LoRA option other than low-rank matrices on linear layers, or matrices whose
-    layers or shapes the model does not have (another base). Reads the config and the weight
-    file's header only.
+def adapter_problems(path: str, shell: Any, tokens: int | None = None) -> None:
+    """Refuse an adapter the ranks cannot apply to the model ``shell`` (its weightless copy)
+    with a tokenizer of ``tokens`` tokens (None: as many as the model's vocabulary): not a
+    LoRA, a LoRA option other than low-rank matrices on linear layers, matrices whose layers or
+    shapes the model does not have (another base), or a vocabulary resize that lm-eval's
+    answers cannot be reproduced for (:func:`rayeval.actors.weights.vocabulary.resize_problems`).
+    Besides LoRA matrices, the adapter may carry the whole embeddings and head (PEFT's
+    ``save_embedding_layers``). Reads the config and the weight file's header only.
 
     Raises:
         ConfigError: naming the field and what to do.
     """
     from torch import nn
+
+    from rayeval.actors.weights.vocabulary import (
+        config_rows,
+        resize_problems,
+        resized_rows,
+        saved_matrices,
+    )
 
     config = read_adapter_config(path)
     kind = str(config.get("peft_type", "?"))
@@ -92,8 +107,17 @@ def adapter_problems(path: str, shell: Any) -> None:
                 f"apply: {_MERGE_FIX}"
             )
     shapes = adapter_shapes(path)
+    if tokens is None:
+        tokens = config_rows(shell.config)
+    if tokens is not None:
+        resize_problems(path, shell, tokens, shapes)
+    matrices = saved_matrices(shell, shapes)
+    rows = resized_rows(shell.config, tokens) if tokens is not None else None
+    head = shell.get_output_embeddings()
     modules = dict(shell.named_modules())
     for key, shape in shapes.items():
+        if key in matrices:
+            continue
         suffix = next((s for s in _LORA_SUFFIXES if key.endswith(s)), None)
         if suffix is None:
             raise ConfigError(
@@ -111,8 +135,9 @@ def adapter_problems(path: str, shell: Any) -> None:
             )
         if suffix == ".lora_A.weight":
             wanted = (shape[0], module.in_features)
-        else:
-            wanted = (module.out_features, shape[1])
+        else:  # a LoRA on the head of a resized vocabulary has its new row count
+            out = rows if module is head and rows is not None else module.out_features
+            wanted = (out, shape[1])
         if tuple(shape) != wanted:
             raise ConfigError(
                 f"peft={path}: tensor {key} has shape {tuple(shape)}, but layer {name} of "
@@ -122,9 +147,8 @@ def adapter_problems(path: str, shell: Any) -> None:
             )
 
 
-def adapter_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Each tensor of the adapter's weight file and its shape (a safetensors header, or the
-    ``.bin`` file loaded on the CPU: adapters are small).
+def adapter_file(path: str) -> Path:
+    """The adapter's weight file in the folder ``path``.
 
     Raises:
         ConfigError: the folder has no adapter weights.
@@ -136,6 +160,17 @@ def adapter_shapes(path: str) -> dict[str, tuple[int, ...]]:
             f"peft={path}: no {' or '.join(_WEIGHT_FILES)} beside {ADAPTER_CONFIG}: name the "
             "folder the adapter's weights were saved in"
         )
+    return found
+
+
+def adapter_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor of the adapter's weight file and its shape (a safetensors header, or the
+    ``.bin`` file loaded on the CPU: adapters are small).
+
+    Raises:
+        ConfigError: the folder has no adapter weights.
+    """
+    found = adapter_file(path)
     if found.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -150,12 +185,19 @@ def adapter_shapes(path: str) -> dict[str, tuple[int, ...]]:
 def apply_adapter(model: Any, path: str, revision: str | None) -> None:
     """Apply the LoRA adapter at ``path`` to this rank's ``model`` (whole or FSDP2-sharded), in
     place and unmerged, with PEFT's own ``PeftModel.from_pretrained`` as lm-eval applies it.
+    The embeddings and head the adapter saved, if any, first overwrite the rows this rank holds
+    (:func:`rayeval.actors.weights.vocabulary.fill_saved_matrices`): PEFT loads them by name,
+    which a rank holding them in vocabulary chunks does not have (it ignores them there; where
+    the names match it writes the same values again).
 
     Raises:
         ModelLoadError: PEFT cannot apply it.
     """
     from peft import PeftModel
 
+    from rayeval.actors.weights.vocabulary import fill_saved_matrices
+
+    fill_saved_matrices(model, path, adapter_file(path), adapter_shapes(path))
     try:
         wrapped = PeftModel.from_pretrained(model, path, revision=revision)
     except Exception as exc:  # PEFT raises many kinds; each is a load failure here
@@ -227,15 +269,16 @@ _RUN_BOOKKEEPING = frozenset(
 )
 
 
-def swap_problems(loaded: str, path: str, shell: Any) -> None:
+def swap_problems(loaded: str, path: str, shell: Any, tokens: int | None = None) -> None:
     """Refuse swapping the LoRA at ``path`` in place of the one at ``loaded``: it must be
-    applicable (:func:`adapter_problems`) and another checkpoint of the same run: the same
-    config (rank, alpha, targets, ...) and the same matrices and shapes.
+    applicable (:func:`adapter_problems`, ``tokens``: the tokenizer's length) and another
+    checkpoint of the same run: the same config (rank, alpha, targets, ...) and the same
+    matrices and shapes (saved embeddings and head included).
 
     Raises:
         ConfigError: naming what differs and what to do.
     """
-    adapter_problems(path, shell)
+    adapter_problems(path, shell, tokens)
     before, after = read_adapter_config(loaded), read_adapter_config(path)
     differ = sorted(
         key
@@ -261,7 +304,8 @@ def _same(value: Any) -> Any:
 def load_adapter_weights(model: Any, path: str) -> int:
     """Overwrite the LoRA matrices applied to ``model`` (:func:`apply_adapter`) with those saved
     at ``path``, another checkpoint of the same run (:func:`swap_problems`), in place and in
-    the dtype PEFT gave them. Returns the bytes written.
+    the dtype PEFT gave them; and the embeddings and head it saved, if any, in the rows this
+    rank holds. Returns the bytes written.
 
     Raises:
         ModelLoadError: a matrix is missing, extra, or of another shape.
@@ -269,7 +313,11 @@ def load_adapter_weights(model: Any, path: str) -> int:
     import torch
     from peft.utils import load_peft_weights
 
+    from rayeval.actors.weights.vocabulary import fill_saved_matrices, saved_matrices
+
     saved = load_peft_weights(path, device="cpu")
+    for key in saved_matrices(model, list(saved)):
+        del saved[key]
     params = {
         name: param
         for name, param in model.named_parameters()
@@ -286,4 +334,4 @@ def load_adapter_weights(model: Any, path: str) -> int:
             written += param.numel() * param.element_size()
     if params:
         raise ModelLoadError(f"peft={path}: no tensor for the loaded matrix {next(iter(params))}")
-    return written
+    return written + fill_saved_matrices(model, path, adapter_file(path), adapter_shapes(path))

@@ -158,7 +158,12 @@ class Engine:
         self._replicas = replicas
         self._key = replica_key(config) if replicas is not None else ""
         spec = model_spec(
-            config.pretrained, model_args, pad_token_id=self.encoder.tokenizer.pad_token_id
+            config.pretrained,
+            model_args,
+            pad_token_id=self.encoder.tokenizer.pad_token_id,
+            vocab_size=model_shell.adapter_vocab_size(
+                config, self.encoder.model, self.encoder.tokenizer
+            ),
         )
         self._settings = settings
         self._stages = Stages(on_stage)
@@ -289,7 +294,7 @@ class Engine:
             )
         group = self._open()
         started = time.monotonic()
-        swap_problems(str(loaded), peft, self.encoder.model)
+        swap_problems(str(loaded), peft, self.encoder.model, len(self.encoder.tokenizer))
         return self._swapped(
             started,
             lambda: group.load_adapter(peft, timeout_s=self._timeouts.load_s),

@@ -305,7 +305,12 @@ class Sweep:
             reports = self._lm.engine.load_reports  # the ranks' start is this checkpoint's swap
             record.seconds["read"] = max(r.seconds for r in reports)
         elif self._adapters:
-            record.seconds["read"] = self._lm.engine.swap_adapter(checkpoint).read_s
+            try:
+                record.seconds["read"] = self._lm.engine.swap_adapter(checkpoint).read_s
+            except CheckpointError:
+                raise
+            except ConfigError as exc:  # checked with the tokenizer too: nothing was swapped
+                raise CheckpointError(str(exc)) from None
         else:
             record.seconds["read"] = self._lm.engine.swap_checkpoint(checkpoint).read_s
         record.fingerprint = model_fingerprint(self._lm.engine.config.model_args)

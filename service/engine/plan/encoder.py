@@ -134,8 +134,11 @@ class _ModelObjectWarnings(logging.Filter):
 logging.getLogger(HFLM.__module__).addFilter(_ModelObjectWarnings())
 
 
-def model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -> ModelSpec:
-    """How every rank loads the model (``pad_token_id``: the encoder's, after lm-eval's fix-up)."""
+def model_spec(
+    pretrained: str, model_args: dict[str, Any], pad_token_id: int, vocab_size: int | None = None
+) -> ModelSpec:
+    """How every rank loads the model (``pad_token_id``: the encoder's, after lm-eval's fix-up;
+    ``vocab_size``: the resized vocabulary of a ``peft=`` adapter, None: the config's)."""
     tokenizer = model_args.get("tokenizer")
     return ModelSpec(
         pretrained=pretrained,
@@ -151,6 +154,7 @@ def model_spec(pretrained: str, model_args: dict[str, Any], pad_token_id: int) -
         checkpoint=str(model_args["checkpoint"]) if model_args.get("checkpoint") else None,
         peft=str(model_args["peft"]) if model_args.get("peft") else None,
         delta=str(model_args["delta"]) if model_args.get("delta") else None,
+        vocab_size=vocab_size,
     )
 
 

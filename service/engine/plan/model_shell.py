@@ -48,7 +48,8 @@ def obstacles(shell: Any, config: EngineConfig) -> dict[ShardStrategy, list[str]
 
 def check_adapters(config: EngineConfig, shell: Any, tokenizer: Any) -> None:
     """Refuse a ``peft=`` adapter or ``delta=`` weights the ranks cannot apply to this model
-    (before any rank starts; :mod:`rayeval.actors.weights.adapters`).
+    (before any rank starts; :mod:`rayeval.actors.weights.adapters`), with the tokenizer's
+    vocabulary resize lm-eval makes for ``peft=`` (:func:`adapter_vocab_size`).
 
     Raises:
         ConfigError: naming the model arg and what to do.
@@ -57,17 +58,28 @@ def check_adapters(config: EngineConfig, shell: Any, tokenizer: Any) -> None:
 
     args = config.model_args
     if args.get("peft"):
-        vocab = getattr(getattr(shell.config, "text_config", shell.config), "vocab_size", None)
-        if vocab is not None and vocab != len(tokenizer):
-            raise ConfigError(
-                f"peft={args['peft']}: the tokenizer has {len(tokenizer)} tokens and the model "
-                f"{vocab}; lm-eval resizes the embeddings for such an adapter, which rayeval "
-                "does not do yet: save the base with resized embeddings "
-                "(resize_token_embeddings) and name it in pretrained="
-            )
-        adapter_problems(str(args["peft"]), shell)
+        adapter_problems(str(args["peft"]), shell, len(tokenizer))
     if args.get("delta"):
         delta_problems(str(args["delta"]), shell, config.pretrained)
+
+
+def adapter_vocab_size(config: EngineConfig, shell: Any, tokenizer: Any) -> int | None:
+    """The row count the ranks resize the embeddings and head to, as lm-eval does for a
+    ``peft=`` adapter when the model's vocabulary and the tokenizer's length differ (None: no
+    resize; :mod:`rayeval.actors.weights.vocabulary`)."""
+    from rayeval.actors.weights.vocabulary import resized_rows
+
+    if not config.model_args.get("peft"):
+        return None
+    rows = resized_rows(shell.config, len(tokenizer))
+    if rows is not None:
+        logger.info(
+            "peft=%s: the embeddings and head are resized to the tokenizer's %d tokens, as "
+            "lm-eval resizes them",
+            config.model_args["peft"],
+            rows,
+        )
+    return rows
 
 
 def static_generation_reason(config: EngineConfig, shell: Any, encoder: Any) -> str | None:
