@@ -539,7 +539,7 @@ RESIZED = [  # (case, R, G, dtype)
     ("grown", 1, 1, "float32"),
     ("grown", 1, 2, "float32"),
     ("padded", 1, 2, "float32"),
-]
+]  # bf16 with added tokens is not bit for bit yet: docs/architecture.md, "Not yet"
 
 
 @pytest.mark.e2e
