@@ -539,6 +539,7 @@ RESIZED = [  # (case, R, G, dtype)
     ("grown", 1, 1, "float32"),
     ("grown", 1, 2, "float32"),
     ("padded", 1, 2, "float32"),
+    ("padded", 1, 2, "bfloat16"),  # bit for bit
 ]  # bf16 with added tokens is not bit for bit yet: docs/architecture.md, "Not yet"
 
 
@@ -560,8 +561,11 @@ def test_resized_vocabulary_matches_lm_eval_hf(
     from rayeval.service.engine.lm import RayEvalLM
 
     def reference(args: dict[str, str]) -> dict[str, Any]:
+        # bf16: lm-eval's unpadded answers (batches of one); its own bf16 answers moved with its
+        # batch size on these tokenizers (demo_mc/3 of the grown case: -7.21875 at 1, -7.25 at 4)
+        batch_size = 4 if dtype == "float32" else 1
         return evaluate("hf", task_manager, TASKS, model_args={**args, "dtype": dtype},
-                        device="cpu", batch_size=4, **RUN)  # fmt: skip
+                        device="cpu", batch_size=batch_size, **RUN)  # fmt: skip
 
     args = _resized_args(case, grown, padded, demo)
     swap = case == "grown" and shard_size == 2  # another checkpoint of the run, swapped in place
