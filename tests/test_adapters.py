@@ -540,7 +540,7 @@ RESIZED = [  # (case, R, G, dtype)
     ("grown", 1, 2, "float32"),
     ("padded", 1, 2, "float32"),
     ("padded", 1, 2, "bfloat16"),  # bit for bit
-]  # bf16 with added tokens is not bit for bit yet: docs/architecture.md, "Not yet"
+]  # bf16 with added tokens is not bit for bit: docs/architecture.md, "Not yet"
 
 
 @pytest.mark.e2e
