@@ -156,6 +156,7 @@ class WorkerGroup:
         obstacles: Mapping[ShardStrategy, Sequence[str]] | None = None,
         shm_collectives: bool = True,
         rank_class: type | None = None,
+        niceness: int | None = None,
     ) -> WorkerGroup:
         """Reserve resources and start the rank actors; model loading starts in the background
         (call :meth:`wait_ready` before sending work).
@@ -175,6 +176,8 @@ class WorkerGroup:
                 through shared memory.
             rank_class: The rank actors' class (None: ``ShardWorker``); tests' and benchmarks'
                 simulated rank, which loads no model.
+            niceness: The OS niceness of the rank processes (None: Ray's default for its
+                workers; :func:`rayeval.actors.process.rank_environment`).
 
         Raises:
             LayoutError: if the layout is larger than the whole cluster, or ``tp`` was asked
@@ -193,7 +196,7 @@ class WorkerGroup:
             if layout.sharded:
                 logger.info("%s: replicas shard the model with %s", name, group.strategy.value)
             options = group._rank_options(timeouts, seed, shm_collectives, split)
-            group._start_actors(placement, spec, options, rank_class)
+            group._start_actors(placement, spec, options, rank_class, niceness)
         except BaseException:
             group.shutdown()
             raise
@@ -220,6 +223,7 @@ class WorkerGroup:
         spec: ModelSpec,
         options: RankOptions,
         rank_class: type | None = None,
+        niceness: int | None = None,
     ) -> None:
         if rank_class is None:
             from rayeval.actors.worker import ShardWorker
@@ -234,7 +238,7 @@ class WorkerGroup:
                     num_cpus=self.layout.cpus_per_rank,
                     num_gpus=1 if self.layout.device is DeviceKind.CUDA else 0,
                     max_restarts=0,
-                    runtime_env={"env_vars": rank_environment(self.layout.device)},
+                    runtime_env={"env_vars": rank_environment(self.layout.device, niceness)},
                     # The bundle chosen for this rank, not bundle == rank: see actors.placement.
                     scheduling_strategy=placement.scheduling(coord.global_rank),
                 ).remote(spec, coord, options)

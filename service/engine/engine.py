@@ -161,6 +161,7 @@ class Engine:
             config.pretrained, model_args, pad_token_id=self.encoder.tokenizer.pad_token_id
         )
         self._settings = settings
+        self._rank_niceness = host.rank_niceness
         self._stages = Stages(on_stage)
         self._group: WorkerGroup | None = None
         if self._evaluated_before():
@@ -452,6 +453,7 @@ class Engine:
             obstacles=obstacles,
             shm_collectives=parallelism.shm_collectives,
             rank_class=self.tunables.rank_class,
+            niceness=self._rank_niceness,
         )
         self._executor.attach(group, reused=kept is not None)
         return group
