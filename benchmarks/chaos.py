@@ -10,7 +10,8 @@ the data folder, with a note, where PostgreSQL is not installed), warm replicas 
 cache on a small tmpfs (so the disk can be filled; without ``mount`` the disk fault is skipped
 with a note). Three users (members, their own keys) keep two evaluations each in flight, picked by
 the seed from the recipes below (multiple choice, rolling loglikelihood, generation with
-continuous batching, a preemptible cloze and an urgent one that may preempt it).
+continuous batching, greedy and sampled (never cached, so ranks compute all through the soak), a
+preemptible cloze and an urgent one that may preempt it).
 
 1. A quiet pass: each recipe once on a server without the response cache; its per-sample results
    are the reference.
@@ -107,6 +108,12 @@ def recipes(model_dir: str) -> dict[str, dict[str, Any]]:
         "rolling": {**base, "tasks": ["demo_rolling"], "limit": 4},
         "generation": {
             **base, "tasks": ["demo_gen_short"], "limit": 6, "continuous_batching": True,
+        },
+        # Sampled answers are never cached: this one computes on every run, so ranks load and
+        # compute (and stay warm) all through the soak, whatever the cache holds by then.
+        "sampled": {
+            **base, "tasks": ["demo_gen_short"], "limit": 6, "continuous_batching": True,
+            "gen_kwargs": {"do_sample": True, "temperature": 0.8},
         },
         "preemptible": {
             **base, "tasks": ["demo_cloze"], "limit": 12, "batch_size": 1,
@@ -741,6 +748,7 @@ def _recipe_of(state: dict[str, Any], bodies: dict[str, dict[str, Any]]) -> str 
         if (
             list(state["request"]["tasks"]) == body["tasks"]
             and state["request"]["limit"] == body["limit"]
+            and (state["request"].get("gen_kwargs") or {}) == body.get("gen_kwargs", {})
         ):
             return name
     return None
