@@ -28,7 +28,7 @@ def test_ranks_get_the_niceness_asked_and_runners_the_nodes_default() -> None:
 
 @pytest.mark.unit
 def test_a_niceness_outside_the_os_range_is_refused() -> None:
-    with pytest.raises(ConfigError, match="0 .* to 19"):
+    with pytest.raises(ConfigError, match=r"0 .* to 19"):
         HostOptions(rank_niceness=20)
 
 

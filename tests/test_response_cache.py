@@ -67,8 +67,8 @@ def test_an_evaluation_that_misses_the_cache_counts_what_it_computed_twice(
 ) -> None:
     """A rerun on the cache computes nothing; a rerun whose look-up misses (the one seam)
     computes every request again, and its figures say so (the chaos soak's check)."""
-    from rayeval.service.vocabulary.events import RequestType
     from rayeval.service.engine.lm import RayEvalLM
+    from rayeval.service.vocabulary.events import RequestType
     from tests.helpers import evaluate
 
     prefix = str(tmp_path / "answers")
