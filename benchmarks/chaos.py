@@ -91,6 +91,8 @@ OUTAGE_S = {"postgres": 3.0, "disk": 8.0}
 GAP_S = 13.0
 #: Faults after which what was in flight is computed again: a rank, a runner, a node lost.
 KILLS = ("rank", "runner", "node")
+#: Seconds after an API server restart whose status reads are also reported apart.
+AFTER_RESTART_S = 30.0
 CACHE_TMPFS = "64m"
 
 
@@ -233,6 +235,8 @@ class Load:
     rng: random.Random
     submitted: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (user, recipe)
     latencies: list[float] = field(default_factory=list)
+    #: When each of ``latencies`` was read (time.time()).
+    read_at: list[float] = field(default_factory=list)
     #: Every fifth read's latency on a new client (connection and TLS context) instead.
     fresh_latencies: list[float] = field(default_factory=list)
     unavailable: int = 0
@@ -340,6 +344,8 @@ def poller(service: Service, load: Load) -> None:
                 (load.fresh_latencies if fresh else load.latencies).append(
                     time.perf_counter() - sent
                 )
+                if not fresh:
+                    load.read_at.append(time.time())
             else:
                 load.unavailable += 1
             turn += 1
@@ -842,6 +848,19 @@ def soak(service: Service, load: Load, injector: Injector, seconds: float, short
         thread.join(timeout=120)
 
 
+def away_from_restarts(load: Load, injector: Injector, after_s: float = AFTER_RESTART_S) -> Any:
+    """The status reads' percentiles without those within ``after_s`` after an API server
+    restart began (the new server starts its runners' re-attachment and lm-eval's task index
+    scan then), and how many reads that leaves out."""
+    restarts = [at for at, kind in injector.times if kind == "api"]
+    kept = [
+        latency
+        for latency, at in zip(load.latencies, load.read_at, strict=True)
+        if not any(0 <= at - restart <= after_s for restart in restarts)
+    ]
+    return {**(percentiles(kept) if kept else {}), "left_out": len(load.latencies) - len(kept)}
+
+
 def table(report: dict[str, Any]) -> str:
     """The faults by kind, then the checks, as Markdown tables."""
     rows = ["| fault | injected | no target then |", "|---|---:|---:|"]
@@ -850,6 +869,7 @@ def table(report: dict[str, Any]) -> str:
         rows.append(f"| {kind} | {injected} | {skipped} |")
     soak, quiet = report["status_reads"], report["status_reads_quiet_pass"]
     fresh, twice = report["status_reads_new_client"], report["computed_twice"]
+    away = report["status_reads_away_from_restarts"]
     checks = {
         "evaluations (by end state)": report["evaluations"],
         "failed by a fault, retried / retry succeeded": (
@@ -865,6 +885,10 @@ def table(report: dict[str, Any]) -> str:
         "status p50 / p99 / max, soak": (
             f"{soak.get('p50_ms')} / {soak.get('p99_ms')} / {soak.get('max_ms')} ms "
             f"({soak.get('reads')} reads, {report['status_unavailable']} unanswered)"
+        ),
+        f"status p50 / p99 / max, soak, not within {AFTER_RESTART_S:g} s of an API restart": (
+            f"{away.get('p50_ms')} / {away.get('p99_ms')} / {away.get('max_ms')} ms "
+            f"({away.get('reads')} reads; {away['left_out']} left out)"
         ),
         "status p50 / p99 / max, soak, a new client per read": (
             f"{fresh.get('p50_ms')} / {fresh.get('p99_ms')} / {fresh.get('max_ms')} ms "
@@ -925,6 +949,7 @@ def main() -> int:
         "skipped": dict(injector.skipped),
         "rank_niceness": "server default" if args.rank_niceness is None else args.rank_niceness,
         "status_reads": percentiles(load.latencies) if load.latencies else {},
+        "status_reads_away_from_restarts": away_from_restarts(load, injector),
         "status_reads_new_client": (
             percentiles(load.fresh_latencies) if load.fresh_latencies else {}
         ),

@@ -60,3 +60,32 @@ def test_the_ranks_compute_at_the_hosts_niceness_and_the_driver_does_not(
     assert len(pids) == 2 and set(main.values()) == {7}, main
     assert all(7 in nices for nices in threads.values()), threads
     assert os.getpriority(os.PRIO_PROCESS, 0) == driver
+
+
+@pytest.mark.unit
+def test_the_task_index_scan_runs_below_the_server() -> None:
+    # The scan a (re)started server runs in a child process: about 6 s of CPU beside the first
+    # status reads. Its niceness is read while it runs, then it is stopped.
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from rayeval.service.jobs.tasks import SCAN_NICENESS
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "rayeval.service.jobs.tasks"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    expected = min(19, SCAN_NICENESS + os.getpriority(os.PRIO_PROCESS, 0))
+    try:
+        process = psutil.Process(child.pid)
+        deadline = time.monotonic() + 30
+        while process.nice() != expected:
+            assert child.poll() is None and time.monotonic() < deadline, process.nice()
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
