@@ -6,7 +6,9 @@ then maps bundles to ranks so that a replica sits on one node when it fits there
 replicas shard the model (``rayeval.actors.parallel.sharding``: tensor parallelism needs a replica's
 ranks on one node), starts one actor per bundle and has every replica form its process group and
 load the model. A partial start is cleaned up: no actor or placement group outlives a failed
-``create``. ``shutdown`` releases everything.
+``create``. A rank process that dies while loading (killed, or its node lost) has every rank
+started again once, in the same placement group: loading changes nothing outside the ranks, so
+it is safe to repeat. ``shutdown`` releases everything.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from rayeval.actors.process import rank_environment
 from rayeval.actors.protocol import InputTokens, LoadReport, NodeInfo, RankSite, SwapReport
 
 logger = logging.getLogger(__name__)
+
+#: Times a worker group starts its ranks again when one dies while loading the model.
+RESTARTS_WHILE_LOADING = 1
 
 
 class Replica:
@@ -142,6 +147,9 @@ class WorkerGroup:
         self._setup_refs: list[ray.ObjectRef] = []
         self._load_timeout_s = 0.0
         self._deadline = 0.0
+        #: How the ranks were started, to start them again once if one dies while loading.
+        self._start_args: tuple[Placement, ModelSpec, RankOptions, type | None, int | None]
+        self._restarts_left = RESTARTS_WHILE_LOADING
         self.load_reports: list[LoadReport] = []
 
     @classmethod
@@ -156,6 +164,7 @@ class WorkerGroup:
         obstacles: Mapping[ShardStrategy, Sequence[str]] | None = None,
         shm_collectives: bool = True,
         rank_class: type | None = None,
+        niceness: int | None = None,
     ) -> WorkerGroup:
         """Reserve resources and start the rank actors; model loading starts in the background
         (call :meth:`wait_ready` before sending work).
@@ -175,6 +184,8 @@ class WorkerGroup:
                 through shared memory.
             rank_class: The rank actors' class (None: ``ShardWorker``); tests' and benchmarks'
                 simulated rank, which loads no model.
+            niceness: The OS niceness of the rank processes (None: Ray's default for its
+                workers; :func:`rayeval.actors.process.rank_environment`).
 
         Raises:
             LayoutError: if the layout is larger than the whole cluster, or ``tp`` was asked
@@ -193,7 +204,7 @@ class WorkerGroup:
             if layout.sharded:
                 logger.info("%s: replicas shard the model with %s", name, group.strategy.value)
             options = group._rank_options(timeouts, seed, shm_collectives, split)
-            group._start_actors(placement, spec, options, rank_class)
+            group._start_actors(placement, spec, options, rank_class, niceness)
         except BaseException:
             group.shutdown()
             raise
@@ -220,7 +231,9 @@ class WorkerGroup:
         spec: ModelSpec,
         options: RankOptions,
         rank_class: type | None = None,
+        niceness: int | None = None,
     ) -> None:
+        self._start_args = (placement, spec, options, rank_class, niceness)
         if rank_class is None:
             from rayeval.actors.worker import ShardWorker
 
@@ -234,7 +247,7 @@ class WorkerGroup:
                     num_cpus=self.layout.cpus_per_rank,
                     num_gpus=1 if self.layout.device is DeviceKind.CUDA else 0,
                     max_restarts=0,
-                    runtime_env={"env_vars": rank_environment(self.layout.device)},
+                    runtime_env={"env_vars": rank_environment(self.layout.device, niceness)},
                     # The bundle chosen for this rank, not bundle == rank: see actors.placement.
                     scheduling_strategy=placement.scheduling(coord.global_rank),
                 ).remote(spec, coord, options)
@@ -268,6 +281,44 @@ class WorkerGroup:
         """
         if self.load_reports or not self._setup_refs:
             return self.load_reports
+        while True:
+            try:
+                return self._wait_loaded()
+            except ray.exceptions.RayActorError as died:
+                if not self._restarts_left:
+                    raise ModelLoadError(
+                        f"a rank died while loading the model, after its ranks were started "
+                        f"again: {died}"
+                    ) from None
+                self._restarts_left -= 1
+                logger.warning(
+                    "%s: a rank died while loading the model (%s); starting its ranks again",
+                    self.name,
+                    str(died).splitlines()[0],
+                )
+                self._start_again()
+
+    def _start_again(self) -> None:
+        """Kill every rank (those still loading too: their process groups lost a member) and
+        start them again in the same bundles, with the whole load timeout before them."""
+        for replica in self.replicas:
+            replica.kill()
+        names = [f"{self.name}-r{c.replica}-s{c.shard_rank}" for c in self.layout.coords()]
+        if not _names_freed(names, timeout_s=60.0):
+            raise ModelLoadError(
+                f"a rank of {self.name} died while loading the model, and its killed ranks "
+                "still held their names after 60s: check `ray list actors`, then retry"
+            )
+        self.replicas, self._setup_refs = [], []
+        self._deadline = time.monotonic() + self._load_timeout_s
+        self._start_actors(*self._start_args)
+
+    def _wait_loaded(self) -> list[LoadReport]:
+        """Wait for the ranks' loading (:meth:`wait_ready`).
+
+        Raises:
+            ray.exceptions.RayActorError: a rank process died (the caller may start it again).
+        """
         # One rank at a time, so that a rank that fails (say, it cannot reach its replica's
         # other nodes) is reported at once, not after the others time out waiting for it.
         pending = list(self._setup_refs)
@@ -276,7 +327,7 @@ class WorkerGroup:
             ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             if not ready:
                 break
-            _get_or_raise(ready[0], ModelLoadError, "loading the model")
+            _get_or_raise(ready[0], ModelLoadError, "loading the model", died=True)
         if pending:
             raise EvaluationTimeoutError(
                 f"{len(pending)} of {len(self._setup_refs)} ranks did not finish loading the model "
@@ -284,7 +335,8 @@ class WorkerGroup:
                 "or check the Ray dashboard / worker logs for a stuck rank."
             )
         self.load_reports = [
-            _get_or_raise(ref, ModelLoadError, "loading the model") for ref in self._setup_refs
+            _get_or_raise(ref, ModelLoadError, "loading the model", died=True)
+            for ref in self._setup_refs
         ]
         return self.load_reports
 
@@ -397,14 +449,35 @@ class WorkerGroup:
             self._pg = None
 
 
-def _get_or_raise(ref: ray.ObjectRef, error: type[RayEvalError], doing: str) -> Any:
-    """``ray.get`` one finished ref, turning a worker-side exception into a clean rayeval error."""
+def _get_or_raise(
+    ref: ray.ObjectRef, error: type[RayEvalError], doing: str, died: bool = False
+) -> Any:
+    """``ray.get`` one finished ref, turning a worker-side exception into a clean rayeval error
+    (``died``: a dead rank's ``RayActorError`` is raised as it is, for the caller to handle)."""
     try:
         return ray.get(ref, timeout=0)
     except ray.exceptions.RayTaskError as exc:
         raise rank_failure(exc, error, doing) from None
     except ray.exceptions.RayActorError as exc:
+        if died:
+            raise
         raise error(f"a rank died while {doing}: {exc}") from None
+
+
+def _names_freed(names: Sequence[str], timeout_s: float) -> bool:
+    """Whether no live actor holds one of ``names`` within ``timeout_s`` (killed ranks give
+    their names back once Ray has marked them dead)."""
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                break
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+    return True
 
 
 def rank_failure(

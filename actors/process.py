@@ -39,6 +39,10 @@ INSTALL_CUDA_TORCH = (
 CUDA_ALLOC_CONF = "expandable_segments:True"
 
 
+#: The variable Ray reads, as a worker process starts, for the OS niceness it sets on itself.
+RAY_WORKER_NICENESS = "RAY_worker_niceness"
+
+
 #: Prefixes of the experiment trackers' variables a runner sees as the server does.
 TRACKER_ENV_PREFIXES = ("WANDB_", "MLFLOW_")
 
@@ -49,9 +53,15 @@ def _forwarded() -> dict[str, str]:
     return env
 
 
-def rank_environment(device: DeviceKind) -> dict[str, str]:
+def rank_environment(device: DeviceKind, niceness: int | None = None) -> dict[str, str]:
     """The environment of a rank actor (or another actor of the cluster) that computes on
-    ``device``.
+    ``device``, at OS niceness ``niceness`` (None: Ray's default for its workers, 15).
+
+    Ray sets each worker process's niceness as it starts (``RAY_worker_niceness``, 15 unless the
+    cluster says otherwise); a process whose environment names another value gets that one, and
+    the threads torch starts inherit it. Ranks run below the API server, the runners (see
+    :func:`runner_environment`), Ray's own processes and the database, so that on a node they
+    share, compute yields to the control plane.
 
     torch's CPU allocator backs allocations of 2 MiB or more with transparent huge pages (where
     the kernel's THP mode is "madvise"): a forward's activations then cost a page fault per 2 MiB
@@ -66,6 +76,8 @@ def rank_environment(device: DeviceKind) -> dict[str, str]:
     or ``PYTORCH_ALLOC_CONF`` says otherwise (either is then passed on).
     """
     env = _forwarded()
+    if niceness is not None:
+        env[RAY_WORKER_NICENESS] = str(niceness)
     env["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE", "1")
     if device is DeviceKind.CUDA:
         if os.environ.get("PYTORCH_ALLOC_CONF"):  # torch's newer name, read before the old one
@@ -86,8 +98,13 @@ def runner_environment() -> dict[str, str]:
     (``DISABLE_MULTIPROC``) gives the same numbers: the same seeded chunks, in order. The runner
     records evaluations in the server's experiment trackers: their settings and credentials
     (``WANDB_*``, ``MLFLOW_*``) are the server's.
+
+    A runner drives its evaluation: it runs at the node's default priority, not at the niceness
+    Ray gives its workers (15), as Ray's job supervisor does for a job's driver; its ranks yield
+    to it (:func:`rank_environment`).
     """
     env = _forwarded()
+    env[RAY_WORKER_NICENESS] = "0"
     env.update({k: v for k, v in os.environ.items() if k.startswith(TRACKER_ENV_PREFIXES)})
     env["DISABLE_MULTIPROC"] = "1"
     return env

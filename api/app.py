@@ -189,6 +189,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             warm_replicas=settings.warm_replicas,
             runner_scan_timeout_s=settings.runner_scan_timeout_s,
             trackers=settings.trackers,
+            rank_niceness=settings.rank_niceness,
         ),
     )
     await asyncio.to_thread(manager.start)

@@ -78,6 +78,15 @@ class Settings(BaseSettings):
         "the same model and layout (released when a queued evaluation needs the room, and on "
         "shutdown). 0: every evaluation starts and loads its own ranks.",
     )
+    rank_niceness: int = Field(
+        15,
+        ge=0,
+        le=19,
+        description="OS niceness of the rank processes (0: the node's default, 19: the lowest "
+        "priority; 15 is what Ray gives its workers). Runners, each evaluation's driver, run at "
+        "the node's default: on a node that also runs the API server, the runners, Ray's own "
+        "processes or the database, compute yields to them.",
+    )
     response_cache: bool = Field(
         True,
         description="Keep every answered request in a cache under data_dir (keyed by model and "

@@ -10,14 +10,17 @@ the data folder, with a note, where PostgreSQL is not installed), warm replicas 
 cache on a small tmpfs (so the disk can be filled; without ``mount`` the disk fault is skipped
 with a note). Three users (members, their own keys) keep two evaluations each in flight, picked by
 the seed from the recipes below (multiple choice, rolling loglikelihood, generation with
-continuous batching, a preemptible cloze and an urgent one that may preempt it).
+continuous batching, greedy and sampled (never cached, so ranks compute all through the soak), a
+preemptible cloze and an urgent one that may preempt it).
 
 1. A quiet pass: each recipe once on a server without the response cache; its per-sample results
    are the reference.
 2. The soak (``--minutes``; ``--short``: about two minutes of faults, one of each kind in a
-   seeded order): the users' load, a poller reading ``GET /evaluations/{id}`` every 0.2 s (its
-   latency is the status p99; the quiet pass's own reads are the machine's baseline), and the
-   injector, which at seeded random times (a pause of 8 s on average) does one of
+   seeded order): the users' load, a poller reading ``GET /evaluations/{id}`` every 0.2 s on a
+   kept-alive connection, as a dashboard does (its latency is the status p99; every fifth read
+   goes on a new client instead, as a one-off ``httpx.get`` does, and is reported apart; the
+   quiet pass's own reads are the machine's baseline), and the injector, which at seeded random
+   times (starts 13 s apart on average, whatever each fault lasts) does one of
    ``rank`` (SIGKILL of a rank process), ``runner`` (``ray.kill`` of a runner actor), ``node``
    (``cluster.remove_node`` of a worker, then a fresh one joins), ``api`` (the API server stopped
    and started on the same store and port), ``postgres`` (the database stopped for three seconds),
@@ -25,13 +28,18 @@ continuous batching, a preemptible cloze and an urgent one that may preempt it).
    followed again with ``Last-Event-ID``) and ``disk`` (the response cache's filesystem filled to
    the last byte for eight seconds).
 3. The checks: every evaluation in the store reached a terminal state (else *lost*); every
-   succeeded one's samples equal the quiet pass's for its recipe (else *wrong*); every evaluation's
+   succeeded one's samples equal the quiet pass's for its recipe (else *wrong*); no answer was
+   computed twice (the response cache counts the answers stored that it held already: each
+   evaluation's ``recomputed``) except those in flight at a kill or computed by two evaluations
+   running at once (else *wrong*, see :func:`computed_twice`); every evaluation's
    events are numbered 1, 2, 3, ... and end in its final state, and every dropped-then-resumed
    stream read exactly the stored events (else *lost*); after the server stops, no rank or runner
    actor, rank process, placement group or ``rayeval-*`` temporary folder is left (else *left
    behind*).
 
-Usage: ``python benchmarks/chaos.py [--minutes 10] [--short] [--seed 0] [--json out.json]``.
+Usage: ``python benchmarks/chaos.py [--minutes 10] [--short] [--seed 0] [--json out.json]
+[--rank-niceness N]`` (the server's ``--rank-niceness``, to measure the status reads with the
+ranks level with the control plane: 0).
 Exit status 1 on any loss, wrong result or leftover; the last line reads
 ``chaos: N faults of K kinds, lost L, wrong W, left behind B``.
 """
@@ -51,6 +59,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +87,12 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 KINDS = ("rank", "runner", "node", "api", "postgres", "stream", "disk")
 #: Seconds a fault lasts (the database down, the disk full) before it is repaired.
 OUTAGE_S = {"postgres": 3.0, "disk": 8.0}
+#: Seconds between the starts of two faults, on average, in a run of --minutes.
+GAP_S = 13.0
+#: Faults after which what was in flight is computed again: a rank, a runner, a node lost.
+KILLS = ("rank", "runner", "node")
+#: Seconds after an API server restart whose status reads are also reported apart.
+AFTER_RESTART_S = 30.0
 CACHE_TMPFS = "64m"
 
 
@@ -95,6 +110,12 @@ def recipes(model_dir: str) -> dict[str, dict[str, Any]]:
         "rolling": {**base, "tasks": ["demo_rolling"], "limit": 4},
         "generation": {
             **base, "tasks": ["demo_gen_short"], "limit": 6, "continuous_batching": True,
+        },
+        # Sampled answers are never cached: this one computes on every run, so ranks load and
+        # compute (and stay warm) all through the soak, whatever the cache holds by then.
+        "sampled": {
+            **base, "tasks": ["demo_gen_short"], "limit": 6, "continuous_batching": True,
+            "gen_kwargs": {"do_sample": True, "temperature": 0.8},
         },
         "preemptible": {
             **base, "tasks": ["demo_cloze"], "limit": 12, "batch_size": 1,
@@ -120,6 +141,8 @@ class Service:
     server: subprocess.Popen[bytes] | None = None
     response_cache: bool = True
     notes: list[str] = field(default_factory=list)
+    #: The server's --rank-niceness (None: its default).
+    rank_niceness: int | None = None
 
     @property
     def url(self) -> str:
@@ -129,6 +152,8 @@ class Service:
         extra = ["--ray-address", self.cluster.address, "--api-token", ADMIN]
         extra += ["--require-api-keys", "--warm-replicas", "2", "--poll-interval", "0.2"]
         extra += ["--sse-heartbeat", "1"]
+        if self.rank_niceness is not None:
+            extra += ["--rank-niceness", str(self.rank_niceness)]
         if self.database_url:
             extra += ["--database-url", self.database_url]
         self.server = start_server(
@@ -210,7 +235,13 @@ class Load:
     rng: random.Random
     submitted: dict[str, tuple[str, str]] = field(default_factory=dict)  # id -> (user, recipe)
     latencies: list[float] = field(default_factory=list)
+    #: When each of ``latencies`` was read (time.time()).
+    read_at: list[float] = field(default_factory=list)
+    #: Every fifth read's latency on a new client (connection and TLS context) instead.
+    fresh_latencies: list[float] = field(default_factory=list)
     unavailable: int = 0
+    #: Evaluations seen in a terminal state (not read again by the users and the injector).
+    ended: set[str] = field(default_factory=set)
     stop: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -218,13 +249,49 @@ class Load:
         with self.lock:
             return [i for i, (u, _) in self.submitted.items() if user in (None, u)]
 
+    def unended(self, user: str | None = None) -> list[str]:
+        """The evaluations (of ``user``) not yet seen in a terminal state."""
+        return [i for i in self.ids(user) if i not in self.ended]
 
-def _get(url: str, path: str, key: str, **params: Any) -> httpx.Response | None:
-    """A GET, or None while the server or its database is away."""
+    def status(self, url: str, evaluation_id: str) -> str | None:
+        """An evaluation's status now (None while the server is away); a terminal one is
+        remembered."""
+        user = self.submitted[evaluation_id][0]
+        response = _get(url, f"/evaluations/{evaluation_id}", self.keys[user])
+        if response is None:
+            return None
+        status = str(response.json()["status"])
+        if status in TERMINAL:
+            with self.lock:
+                self.ended.add(evaluation_id)
+        return status
+
+
+_CLIENTS = threading.local()
+
+
+def _client() -> httpx.Client:
+    """This thread's client: its connection is kept alive between requests, as a dashboard's or
+    ``rayeval``'s own client keeps it. A new client per request (``httpx.get``) builds a TLS
+    context first, about 50 ms of CPU even for plain HTTP: on a busy machine that, not the
+    server, was most of a status read's latency."""
+    client = getattr(_CLIENTS, "client", None)
+    if client is None:
+        client = _CLIENTS.client = httpx.Client(timeout=30)
+    return client
+
+
+def _get(
+    url: str, path: str, key: str, fresh: bool = False, **params: Any
+) -> httpx.Response | None:
+    """A GET on this thread's kept-alive client (``fresh``: on a new client, as a one-off
+    ``httpx.get`` does), or None while the server or its database is away."""
+    headers = {"Authorization": f"Bearer {key}"}
     try:
-        response = httpx.get(
-            url + path, params=params, headers={"Authorization": f"Bearer {key}"}, timeout=30
-        )
+        if fresh:
+            response = httpx.get(url + path, params=params, headers=headers, timeout=30)
+        else:
+            response = _client().get(url + path, params=params, headers=headers)
     except httpx.HTTPError:
         return None
     return None if response.status_code in (502, 503) else response
@@ -235,9 +302,8 @@ def user_loop(service: Service, load: Load, user: str) -> None:
     key = load.keys[user]
     while not load.stop.is_set():
         live = 0
-        for evaluation_id in load.ids(user):
-            response = _get(service.url, f"/evaluations/{evaluation_id}", key)
-            live += response is None or response.json()["status"] not in TERMINAL
+        for evaluation_id in load.unended(user):
+            live += load.status(service.url, evaluation_id) not in TERMINAL
         if live < IN_FLIGHT:
             with load.lock:
                 recipe = load.rng.choice(sorted(load.bodies))
@@ -250,8 +316,8 @@ def user_loop(service: Service, load: Load, user: str) -> None:
 
 def _submit(url: str, key: str, body: dict[str, Any]) -> str | None:
     try:
-        response = httpx.post(
-            f"{url}/evaluations", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        response = _client().post(
+            f"{url}/evaluations", json=body, headers={"Authorization": f"Bearer {key}"}
         )
     except httpx.HTTPError:
         return None  # an unanswered POST may still have stored it: the checks list the store
@@ -261,17 +327,25 @@ def _submit(url: str, key: str, body: dict[str, Any]) -> str | None:
 
 
 def poller(service: Service, load: Load) -> None:
-    """Read one evaluation's status every 0.2 s; keep the latency of each answered read."""
+    """Read one evaluation's status every 0.2 s, on a kept-alive connection; keep the latency
+    of each answered read (every fifth read on a new client, kept apart)."""
     turn = 0
     while not load.stop.is_set():
         ids = load.ids()
         if ids:
             evaluation_id = ids[turn % len(ids)]
             user = load.submitted[evaluation_id][0]
+            fresh = turn % 5 == 4
             sent = time.perf_counter()
-            response = _get(service.url, f"/evaluations/{evaluation_id}", load.keys[user])
+            response = _get(
+                service.url, f"/evaluations/{evaluation_id}", load.keys[user], fresh=fresh
+            )
             if response is not None and response.status_code == 200:
-                load.latencies.append(time.perf_counter() - sent)
+                (load.fresh_latencies if fresh else load.latencies).append(
+                    time.perf_counter() - sent
+                )
+                if not fresh:
+                    load.read_at.append(time.time())
             else:
                 load.unavailable += 1
             turn += 1
@@ -291,11 +365,16 @@ class Injector:
     streams: list[tuple[str, list[dict[str, Any]]]] = field(default_factory=list)
     followers: list[threading.Thread] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
+    #: (time.time() as it began, kind) of each fault injected.
+    times: list[tuple[float, str]] = field(default_factory=list)
 
     def inject(self, kind: str) -> bool:
         """One fault of ``kind``; False when it had no target (nothing running to break)."""
+        began = time.time()
         done = bool(getattr(self, f"_{kind}")())
         (self.faults if done else self.skipped)[kind] += 1
+        if done:
+            self.times.append((began, kind))
         self.log.append(f"{time.strftime('%H:%M:%S')} {kind}{'' if done else ' (no target)'}")
         print(f"chaos: {self.log[-1]}", flush=True)
         return done
@@ -314,11 +393,9 @@ class Injector:
     def _live(self, states: tuple[str, ...]) -> list[tuple[str, str]]:
         """(id, user) of the evaluations in one of ``states`` now."""
         live = []
-        for evaluation_id in self.load.ids():
-            user = self.load.submitted[evaluation_id][0]
-            response = _get(self.service.url, f"/evaluations/{evaluation_id}", self.load.keys[user])
-            if response is not None and response.json()["status"] in states:
-                live.append((evaluation_id, user))
+        for evaluation_id in self.load.unended():
+            if self.load.status(self.service.url, evaluation_id) in states:
+                live.append((evaluation_id, self.load.submitted[evaluation_id][0]))
         return live
 
     def _rank(self) -> bool:
@@ -560,9 +637,12 @@ def check(
         events = read_sse(service.url, f"/evaluations/{evaluation_id}/events", ADMIN)
         lost += _event_losses(evaluation_id, events, state["status"])
     lost += _stream_losses(service.url, injector)
+    twice = computed_twice(finals, [t for t, kind in injector.times if kind in KILLS])
+    wrong += [f"computed twice: {what}" for what in twice["unexplained"]]
     statuses = Counter(s["status"] for i, s in finals.items() if i not in retries)
     service.stop()
     return {
+        "computed_twice": twice,
         "evaluations": dict(statuses),
         "failed": failed,
         "retried": len(retries),
@@ -572,6 +652,51 @@ def check(
         "wrong": wrong,
         "left_behind": left_behind([*every, *retries]),
     }
+
+
+def computed_twice(finals: dict[str, dict[str, Any]], kills: list[float]) -> dict[str, Any]:
+    """The answers the succeeded evaluations computed although the response cache held them
+    already when they were stored (each one's figures' ``recomputed``), put down, per
+    evaluation, to a kill (rank, runner or node) while it ran: in flight at the kill; else to
+    another evaluation with a task in common running at the same time: each looked the answers
+    up before the other stored them; else *unexplained*: a finished micro-batch computed twice
+    (the soak counts each one as wrong)."""
+    spans = {i: _span(state) for i, state in finals.items()}
+    tasks = {i: set(state["request"]["tasks"]) for i, state in finals.items()}
+    counts: Counter[str] = Counter()
+    unexplained = []
+    for evaluation_id, state in finals.items():
+        answers = sum(int(p.get("recomputed", 0)) for p in (state.get("stats") or {}).values())
+        if not answers:
+            continue
+        begin, end = spans[evaluation_id]
+        at_once = any(
+            other != evaluation_id and tasks[other] & tasks[evaluation_id] and b < end and begin < e
+            for other, (b, e) in spans.items()
+        )
+        if any(begin <= at <= end for at in kills):
+            counts["at_a_kill"] += answers
+        elif at_once:
+            counts["at_once"] += answers
+        else:
+            counts["unexplained"] += answers
+            unexplained.append(f"{evaluation_id}: {answers} answers")
+    return {
+        "answers": sum(counts.values()),
+        "at_a_kill": counts["at_a_kill"],
+        "at_once": counts["at_once"],
+        "unexplained": unexplained,
+    }
+
+
+def _span(state: dict[str, Any]) -> tuple[float, float]:
+    """When an evaluation started (else was created) and ended (else now), as time.time()."""
+    begin = state.get("started_at") or state["created_at"]
+    end = state.get("finished_at")
+    return (
+        datetime.fromisoformat(begin).timestamp(),
+        datetime.fromisoformat(end).timestamp() if end else time.time(),
+    )
 
 
 def _finals(url: str, ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -629,6 +754,7 @@ def _recipe_of(state: dict[str, Any], bodies: dict[str, dict[str, Any]]) -> str 
         if (
             list(state["request"]["tasks"]) == body["tasks"]
             and state["request"]["limit"] == body["limit"]
+            and (state["request"].get("gen_kwargs") or {}) == body.get("gen_kwargs", {})
         ):
             return name
     return None
@@ -697,20 +823,42 @@ def soak(service: Service, load: Load, injector: Injector, seconds: float, short
     started = time.monotonic()
     plan = list(KINDS)
     injector.rng.shuffle(plan)
-    # --short: one of each kind, evenly spread; else at random times, a pause of 8 s on average
-    # after each fault (a fault and its repair take seconds too: over 30 in ten minutes).
-    gap = (seconds - 15.0) / len(plan) if short else 8.0
-    time.sleep(15.0 if short else 30.0)  # the first evaluations running
+    # --short: one of each kind, evenly spread, a pause after each. Else faults start at seeded
+    # times GAP_S apart on average (half to one and a half of it), counted from one start to
+    # the next, so that the faults' own length (an API restart, a full disk) and the waits for
+    # a target do not thin them out: about 44 in ten minutes, at least 30 unless faults and
+    # their waits outlast the whole soak.
+    gap = (seconds - 15.0) / len(plan) if short else GAP_S
+    warm_up = 15.0 if short else 30.0
+    time.sleep(warm_up)  # the first evaluations running
+    due = started + warm_up
     while plan if short else time.monotonic() - started < seconds:
         kind = plan.pop(0) if short else injector.rng.choice(KINDS)
         tried = 0  # --short must inject every kind: it waits longer for a target
         while not injector.inject(kind) and tried < (30 if short else 10):
             tried += 1
             time.sleep(2.0)
-        time.sleep(gap if short else injector.rng.expovariate(1.0 / gap))
+        if short:
+            time.sleep(gap)
+            continue
+        due += gap * injector.rng.uniform(0.5, 1.5)
+        load.stop.wait(max(0.0, due - time.monotonic()))
     load.stop.set()
     for thread in threads:
         thread.join(timeout=120)
+
+
+def away_from_restarts(load: Load, injector: Injector, after_s: float = AFTER_RESTART_S) -> Any:
+    """The status reads' percentiles without those within ``after_s`` after an API server
+    restart began (the new server starts its runners' re-attachment and lm-eval's task index
+    scan then), and how many reads that leaves out."""
+    restarts = [at for at, kind in injector.times if kind == "api"]
+    kept = [
+        latency
+        for latency, at in zip(load.latencies, load.read_at, strict=True)
+        if not any(0 <= at - restart <= after_s for restart in restarts)
+    ]
+    return {**(percentiles(kept) if kept else {}), "left_out": len(load.latencies) - len(kept)}
 
 
 def table(report: dict[str, Any]) -> str:
@@ -720,11 +868,16 @@ def table(report: dict[str, Any]) -> str:
         injected, skipped = report["faults"].get(kind, 0), report["skipped"].get(kind, 0)
         rows.append(f"| {kind} | {injected} | {skipped} |")
     soak, quiet = report["status_reads"], report["status_reads_quiet_pass"]
+    fresh, twice = report["status_reads_new_client"], report["computed_twice"]
+    away = report["status_reads_away_from_restarts"]
     checks = {
         "evaluations (by end state)": report["evaluations"],
         "failed by a fault, retried / retry succeeded": (
             f"{report['retried']} / {report['retries_succeeded']} "
             f"({report['retries_cached_requests']} requests from the cache)"
+        ),
+        "answers computed twice: in flight at a kill / by two evaluations at once / else": (
+            f"{twice['at_a_kill']} / {twice['at_once']} / {len(twice['unexplained'])}"
         ),
         "lost": len(report["lost"]),
         "wrong": len(report["wrong"]),
@@ -733,7 +886,16 @@ def table(report: dict[str, Any]) -> str:
             f"{soak.get('p50_ms')} / {soak.get('p99_ms')} / {soak.get('max_ms')} ms "
             f"({soak.get('reads')} reads, {report['status_unavailable']} unanswered)"
         ),
+        f"status p50 / p99 / max, soak, not within {AFTER_RESTART_S:g} s of an API restart": (
+            f"{away.get('p50_ms')} / {away.get('p99_ms')} / {away.get('max_ms')} ms "
+            f"({away.get('reads')} reads; {away['left_out']} left out)"
+        ),
+        "status p50 / p99 / max, soak, a new client per read": (
+            f"{fresh.get('p50_ms')} / {fresh.get('p99_ms')} / {fresh.get('max_ms')} ms "
+            f"({fresh.get('reads')} reads)"
+        ),
         "status p50 / p99, quiet pass": f"{quiet['p50_ms']} / {quiet['p99_ms']} ms",
+        "rank niceness": report["rank_niceness"],
     }
     rows += ["", "| check | result |", "|---|---|"]
     rows += [f"| {name} | {value} |" for name, value in checks.items()]
@@ -746,6 +908,9 @@ def main() -> int:
     parser.add_argument("--short", action="store_true", help="about 2 minutes, one of each kind")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--rank-niceness", type=int, default=None, help="the server's (default: its default)"
+    )
     args = parser.parse_args()
     seconds = 75.0 if args.short else 60.0 * args.minutes
 
@@ -755,6 +920,7 @@ def main() -> int:
     bodies = recipes(str(assets.model_dir))
     with tempfile.TemporaryDirectory(prefix="chaos-") as root:
         service = start_service(assets, Path(root))
+        service.rank_niceness = args.rank_niceness
         try:
             started = time.monotonic()
             quiet_reads: list[float] = []
@@ -781,7 +947,12 @@ def main() -> int:
         ],
         "faults": dict(injector.faults),
         "skipped": dict(injector.skipped),
+        "rank_niceness": "server default" if args.rank_niceness is None else args.rank_niceness,
         "status_reads": percentiles(load.latencies) if load.latencies else {},
+        "status_reads_away_from_restarts": away_from_restarts(load, injector),
+        "status_reads_new_client": (
+            percentiles(load.fresh_latencies) if load.fresh_latencies else {}
+        ),
         "status_unavailable": load.unavailable,
         "status_reads_quiet_pass": percentiles(quiet_reads),
         **outcome,

@@ -9,7 +9,9 @@ behind. Three to four and a half minutes on two shared cores (192 s measured at 
 2-4, 264 s at 12).
 
 Also here, at one seam each, what the soak found: a killed runner's scratch folder is removed by
-the next runner on its node.
+the next runner on its node. Elsewhere: a full cache disk (``tests/test_response_cache.py``), a
+rank killed while loading (``tests/test_load_restart.py``), the ranks' priority
+(``tests/test_rank_priority.py``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +50,39 @@ def test_other_database_errors_still_raise(tmp_path: Path) -> None:
         cache.put_many([(["a"], 1.0)])
     assert open_cache(None, {}) is None
     cache.close()
+
+
+@pytest.mark.unit
+def test_answers_stored_again_are_counted_as_computed_twice(tmp_path: Path) -> None:
+    cache = ResponseCache(cache_file(str(tmp_path / "cache")), "model")
+    cache.put_many([(["a", i], float(i)) for i in range(3)])
+    cache.put_many([(["a", i], float(i)) for i in range(2, 6)])  # ["a", 2] a second time
+    assert (cache.stored, cache.rewritten) == (7, 1)
+    cache.close()
+
+
+@pytest.mark.service
+def test_an_evaluation_that_misses_the_cache_counts_what_it_computed_twice(
+    tmp_path: Path, demo: Any, task_manager: Any, ray_session: None, monkeypatch: Any
+) -> None:
+    """A rerun on the cache computes nothing; a rerun whose look-up misses (the one seam)
+    computes every request again, and its figures say so (the chaos soak's check)."""
+    from rayeval.service.engine.lm import RayEvalLM
+    from rayeval.service.vocabulary.events import RequestType
+    from tests.helpers import evaluate
+
+    prefix = str(tmp_path / "answers")
+
+    def run() -> Any:
+        with RayEvalLM(str(demo.model_dir), dtype="float32", use_cache=prefix) as lm:
+            evaluate(lm, task_manager, ["demo_mc"], limit=4, bootstrap_iters=0)
+            return lm.engine.stats[RequestType.LOGLIKELIHOOD]
+
+    first = run()
+    assert first.cached == 0 and first.recomputed == 0 and first.requests > 0
+    again = run()
+    assert again.cached == first.requests and again.recomputed == 0
+    monkeypatch.setattr(ResponseCache, "get_many", lambda self, requests: {})
+    missed = run()
+    assert missed.cached == 0 and missed.recomputed == first.requests
+    assert missed.report()["recomputed"] == first.requests

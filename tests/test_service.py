@@ -815,6 +815,8 @@ def test_killed_runner_then_retry_computes_only_the_rest(
     cached = sum(phase["cached"] for phase in retried["stats"].values())
     computed = sum(phase["requests"] for phase in retried["stats"].values())
     assert cached >= done_before > 0, (cached, done_before)
+    # Nothing the killed runner finished is computed again (the response cache counts it).
+    assert sum(phase["recomputed"] for phase in retried["stats"].values()) == 0
     # Progress counts the cached answers as done: the whole evaluation, not only what ran.
     progress = retried["progress"]
     assert progress["done"] == progress["total"] == cached + computed

@@ -166,6 +166,7 @@ class Engine:
             ),
         )
         self._settings = settings
+        self._rank_niceness = host.rank_niceness
         self._stages = Stages(on_stage)
         self._group: WorkerGroup | None = None
         if self._evaluated_before():
@@ -457,6 +458,7 @@ class Engine:
             obstacles=obstacles,
             shm_collectives=parallelism.shm_collectives,
             rank_class=self.tunables.rank_class,
+            niceness=self._rank_niceness,
         )
         self._executor.attach(group, reused=kept is not None)
         return group

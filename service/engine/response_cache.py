@@ -137,6 +137,9 @@ class ResponseCache:
             )
         self.hits = 0
         self.stored = 0
+        #: Answers stored that the cache held already: computed twice (by this evaluation, or
+        #: by another one that computed them at the same time).
+        self.rewritten = 0
         #: Answers not stored because the cache's disk was full (the evaluation went on).
         self.unstored = 0
         #: Parts of a large request type are looked up on a planning thread while the
@@ -197,8 +200,10 @@ class ResponseCache:
             return
         with self._lock, self._unless_full(len(rows)):
             with self._db:
+                held = self._held([key for key, _ in rows])
                 self._db.executemany("INSERT OR REPLACE INTO answers VALUES (?, ?)", rows)
             self.stored += len(rows)
+            self.rewritten += held
 
     def storer(
         self, located: Sequence[tuple[Any, int, tuple[int, ...]]]
@@ -247,6 +252,18 @@ class ResponseCache:
             )
 
         return store
+
+    def _held(self, keys: Sequence[str]) -> int:
+        """How many of ``keys`` the cache holds (the caller holds the lock)."""
+        held = 0
+        for start in range(0, len(keys), 500):  # SQLite bounds the number of parameters
+            chunk = keys[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            (count,) = self._db.execute(
+                f"SELECT count(*) FROM answers WHERE key IN ({marks})", chunk
+            ).fetchone()
+            held += int(count)
+        return held
 
     def digest(self, request: Any) -> Digest | None:
         """The key of ``request`` as this cache stores it (None stays None); every method

@@ -36,6 +36,9 @@ class ManagerOptions:
         runner_scan_timeout_s: Bound on waiting for the runner actors found at start to say
             which evaluation they run (re-attaching after a restart).
         trackers: The experiment trackers evaluations that ask to be tracked are recorded in.
+        rank_niceness: The OS niceness of the rank processes (None: Ray's default for its
+            workers, 15), so that on a node shared with the API server, the runners and the
+            database, compute yields to them.
     """
 
     namespace: str = "rayeval"
@@ -49,3 +52,4 @@ class ManagerOptions:
     warm_replicas: int = 0
     runner_scan_timeout_s: float = 10.0
     trackers: Trackers = field(default_factory=Trackers)
+    rank_niceness: int | None = None

@@ -90,8 +90,10 @@ class EvaluationRunner:
         response_cache: str | None = None,
         keep_replicas: bool = False,
         trackers: dict[str, Any] | None = None,
+        rank_niceness: int | None = None,
     ) -> None:
         self.owner_id = evaluation_id
+        self._rank_niceness = rank_niceness
         self._include_paths = tuple(include_paths)
         self._response_cache = response_cache
         self._trackers = Trackers(**(trackers or {}))
@@ -216,6 +218,7 @@ class EvaluationRunner:
             name=group_name(self.owner_id),
             lm_eval={"use_cache": self._response_cache} if self._response_cache else {},
             trackers=replace(self._trackers, evaluation_id=evaluation_id),
+            rank_niceness=self._rank_niceness,
         )
         if config.sweep is not None:
             reports = SweepReports(
@@ -294,6 +297,7 @@ def launch_runner(
     response_cache: str | None,
     keep_replicas: bool,
     trackers: Trackers | None = None,
+    rank_niceness: int | None = None,
 ) -> Any:
     """Start the named, detached runner actor of an evaluation (its first evaluation starts).
 
@@ -305,6 +309,8 @@ def launch_runner(
         response_cache: Path prefix of the response cache (None: none).
         keep_replicas: Keep the loaded ranks after a successful evaluation.
         trackers: The server's experiment trackers (None: none).
+        rank_niceness: The OS niceness of the evaluation's rank processes (None: Ray's
+            default); the runner itself, the evaluation's driver, runs at the node's default.
 
     Returns:
         The actor's handle.
@@ -327,5 +333,6 @@ def launch_runner(
             response_cache,
             keep_replicas,
             trackers.to_json() if trackers is not None else None,
+            rank_niceness,
         )
     )

@@ -143,6 +143,7 @@ class Scheduler:
                 self._options.response_cache,
                 self._kept.enabled,
                 self._options.trackers,
+                self._options.rank_niceness,
             )
         except Exception as exc:  # e.g. a bad runtime_env: the evaluation cannot start
             error = f"could not start the runner actor: {brief(exc)}"

@@ -405,6 +405,8 @@ class HostOptions:
         name: Placement-group name / actor-name prefix (default: a random id).
         lm_eval: lm-eval's own host options (keys of :data:`LM_EVAL_HOST_FIELDS`), verbatim.
         trackers: The experiment trackers evaluations that ask to be tracked are recorded in.
+        rank_niceness: The OS niceness of the rank processes, 0 to 19 (None: Ray's default for
+            its workers, 15; the service passes its ``--rank-niceness``).
     """
 
     output_path: str | None = None
@@ -413,8 +415,14 @@ class HostOptions:
     name: str | None = None
     lm_eval: Mapping[str, Any] = field(default_factory=dict)
     trackers: Trackers = field(default_factory=Trackers)
+    rank_niceness: int | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.lm_eval) - LM_EVAL_HOST_FIELDS)
         if unknown:
             raise ConfigError(f"not lm-eval host options: {unknown}")
+        if self.rank_niceness is not None and not 0 <= self.rank_niceness <= 19:
+            raise ConfigError(
+                f"rank_niceness {self.rank_niceness} is not an OS niceness: give 0 (the node's "
+                "default) to 19 (the lowest priority)"
+            )

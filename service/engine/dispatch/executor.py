@@ -330,6 +330,7 @@ class Executor:
         tracker = self._tracker(phase, requests_per_micro_batch, disable_tqdm, start, None, cached)
         self.stats[phase].micro_batches += len(micro_batches)
         assert self._group is not None
+        rewritten = self._rewritten()
 
         def on_step(step: StepDone) -> None:
             if on_piece is None:  # streamed groups reported their pieces already
@@ -353,8 +354,13 @@ class Executor:
             )
         finally:
             tracker.close()
+            self.stats[phase].recomputed += self._rewritten() - rewritten
         check_exactly_once(micro_batches, results)
         return results
+
+    def _rewritten(self) -> int:
+        """Answers the response cache was given that it held already, so far."""
+        return self._cache.rewritten if self._cache is not None else 0
 
     def _tracker(
         self,
@@ -495,9 +501,13 @@ class Executor:
         assert self._group is not None
         dispatcher = Dispatcher(self._group, [], self._timeouts.step_s, kind=kind)
         stats, streamed = self.stats[phase], kind is GenerateGroup
-        answers = run_parts(
-            dispatcher, Planner(parts, plan), tracker, stats, total, streamed, on_part
-        )
+        rewritten = self._rewritten()
+        try:
+            answers = run_parts(
+                dispatcher, Planner(parts, plan), tracker, stats, total, streamed, on_part
+            )
+        finally:
+            stats.recomputed += self._rewritten() - rewritten
         stats.tokenised_by_actors += pool.tokenised
         stats.planned_by_actors += pool.planned
         return answers

@@ -33,6 +33,9 @@ class PhaseStats:
 
     requests: int = 0
     cached: int = 0
+    #: Computed answers the response cache held already when they were stored: computed twice
+    #: (in flight at a kill, or by another evaluation at the same time).
+    recomputed: int = 0
     micro_batches: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
@@ -69,6 +72,7 @@ class PhaseStats:
         return {
             "requests": self.requests,
             "cached": self.cached,
+            "recomputed": self.recomputed,
             "micro_batches": self.micro_batches,
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
