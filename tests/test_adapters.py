@@ -674,3 +674,15 @@ def test_resized_vocabulary_refusals_before_any_rank_starts(
     )):  # fmt: skip
         RayEvalLM(pretrained=str(demo.model_dir), dtype="float32", peft=str(grown),
                   tokenizer=str(grown), shard_size=2, shard_strategy="tp")  # fmt: skip
+    saved = tmp_path / "saved"  # the base's vocabulary, its head saved with the adapter
+    shutil.copytree(grown, saved)
+    weights = load_file(saved / "adapter_model.safetensors")
+    del weights["base_model.model.model.embed_tokens.weight"]
+    weights["base_model.model.lm_head.weight"] = weights["base_model.model.lm_head.weight"][:768]
+    save_file(weights, saved / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match=(
+        r"peft=.*saved: the adapter saved the embeddings or head, which shard_strategy tp does "
+        r"not apply: use .*fsdp"
+    )):  # fmt: skip
+        RayEvalLM(pretrained=str(demo.model_dir), dtype="float32", peft=str(saved),
+                  shard_size=2, shard_strategy="tp")  # fmt: skip

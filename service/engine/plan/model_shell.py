@@ -72,7 +72,7 @@ def tp_adapter_problem(config: EngineConfig, shell: Any, tokenizer: Any) -> str 
     resized = tokenizer is not None and resized_rows(shell.config, len(tokenizer)) is not None
     if not saved and not resized:
         return None
-    what = "resizes the vocabulary to the tokenizer" if resized else "saved the embeddings"
+    what = "resizes the vocabulary to the tokenizer" if resized else "saved the embeddings or head"
     return (
         f"peft={peft}: the adapter {what}, which shard_strategy tp does not apply: use "
         f"{field('parallelism', 'shard_strategy', value='fsdp')} (or auto) for it"
