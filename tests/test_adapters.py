@@ -172,6 +172,53 @@ def test_adapter_swaps_in_place(
     assert references[("later", "float32")]["results"] != references[("peft", "float32")]["results"]
 
 
+TP_CASES = [  # (model arg, dtype): shard_strategy tp at 1x2
+    ("peft", "float32"),  # then another checkpoint of the run, swapped in place
+    ("peft", "bfloat16"),
+    ("delta", "float32"),
+    ("delta", "bfloat16"),
+]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("arg", "dtype"), TP_CASES, ids=[f"{a}-{d}" for a, d in TP_CASES])
+def test_adapter_under_tensor_parallelism_matches_lm_eval_hf(
+    arg: str, dtype: str, demo: Any, lora: Path, lora_later: Path, delta: Path,
+    references: References, task_manager: Any, ray_session: None,
+) -> None:  # fmt: skip
+    """``shard_strategy="tp"`` at 1x2: each rank holds its half of the base (and of a LoRA's B
+    where a layer keeps its output columns), and every request type per sample is lm-eval hf's
+    with the same peft=/delta= (bf16 bit for bit); a swapped LoRA checkpoint too."""
+    from rayeval.service.engine.lm import RayEvalLM
+
+    path = {"peft": lora, "delta": delta}[arg]
+    swap = arg == "peft" and dtype == "float32"
+    with RayEvalLM(
+        pretrained=str(demo.model_dir), dtype=dtype, shard_size=2, shard_strategy="tp",
+        batch_size="auto", max_batch_tokens=256, **{arg: str(path)},
+    ) as lm:  # fmt: skip
+        ours = evaluate(lm, task_manager, TASKS, **RUN)
+        assert lm.engine.shard_strategy.value == "tp"
+        held = [r.local_parameters for r in lm.engine.load_reports]
+        if swap:
+            lm.engine.swap_adapter(str(lora_later))
+            swapped = evaluate(lm, task_manager, TASKS, **RUN)
+    assert_same_results(references[(arg, dtype)], ours, exact=dtype != "float32")
+    if swap:
+        assert_same_results(references[("later", "float32")], swapped)
+    # each rank holds its half of the base, and of the adapter at most the whole
+    import math
+
+    import transformers
+
+    from rayeval.actors.weights.adapters import adapter_shapes
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(demo.model_dir).num_parameters()
+    adapter = sum(math.prod(s) for s in adapter_shapes(str(lora)).values()) if arg == "peft" else 0
+    print(f"parameters per rank under tp with {arg}=: {held} (base {base}, adapter {adapter})")
+    assert max(held) <= base / 2 * 1.05 + adapter
+
+
 @pytest.mark.e2e
 def test_cli_peft_two_replicas_writes_what_lm_eval_writes(
     demo: Any, lora: Path, ray_session: None, tmp_path: Path
@@ -212,7 +259,7 @@ def test_bad_adapters_are_refused_before_any_rank_starts(
     demo: Any, lora: Path, delta: Path, tmp_path: Path
 ) -> None:
     """No adapter config, another adapter type, DoRA, an adapter of another base, peft with
-    delta, peft under tensor parallelism: a ConfigError naming the arg and the fix, raised while
+    delta: a ConfigError naming the arg and the fix, raised while
     the engine is built (no Ray is started: no ``ray_session`` here)."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -240,8 +287,6 @@ def test_bad_adapters_are_refused_before_any_rank_starts(
     refused(r"peft=.*has shape \(8, 96\), but layer .*q_proj of pretrained's model is 64 -> 64",
             peft=str(other))  # fmt: skip
     refused(r"peft with delta: .* give one of them", peft=str(lora), delta=str(delta))
-    refused(r"shard_strategy tp does not apply peft= .*: use shard_strategy='fsdp' \(or auto\)",
-            peft=str(lora), shard_size=2, shard_strategy="tp")  # fmt: skip
     refused(r"delta=.*: name a model folder of pretrained's architecture", delta=str(lora))
 
 
@@ -270,8 +315,7 @@ def test_server_holds_adapters_to_its_model_roots(demo: Any, lora: Path, tmp_pat
         device="cpu",
         parallelism={"shard_size": 2, "shard_strategy": "tp"},
     )  # fmt: skip
-    (refused,) = strategy_problems(tp)
-    assert "shard_strategy tp does not apply peft=" in refused and "model_args.peft" in refused
+    assert strategy_problems(tp) == []  # tensor parallelism applies peft= too
 
 
 @pytest.mark.unit
@@ -597,8 +641,9 @@ def test_resized_vocabulary_matches_lm_eval_hf(
 def test_resized_vocabulary_refusals_before_any_rank_starts(
     demo: Any, grown: Path, tmp_path: Path
 ) -> None:
-    """Added tokens whose adapter saved no embeddings (lm-eval gives them random rows), or saved
-    embeddings without the tokenizer they were trained with: a ConfigError naming peft= and the
+    """Added tokens whose adapter saved no embeddings (lm-eval gives them random rows), saved
+    embeddings without the tokenizer they were trained with, or a resized vocabulary under
+    tensor parallelism: a ConfigError naming peft= and the
     fix, while the engine is built (no Ray: no ``ray_session`` here)."""
     from safetensors.torch import load_file, save_file
 
@@ -623,3 +668,21 @@ def test_resized_vocabulary_refusals_before_any_rank_starts(
         r"tokenizer has 768 tokens: pass the tokenizer the adapter was trained with in tokenizer="
     )):  # fmt: skip
         RayEvalLM(pretrained=str(demo.model_dir), dtype="float32", peft=str(grown))
+    with pytest.raises(ConfigError, match=(
+        r"peft=.*: the adapter resizes the vocabulary to the tokenizer, which shard_strategy tp "
+        r"does not apply: use .*fsdp"
+    )):  # fmt: skip
+        RayEvalLM(pretrained=str(demo.model_dir), dtype="float32", peft=str(grown),
+                  tokenizer=str(grown), shard_size=2, shard_strategy="tp")  # fmt: skip
+    saved = tmp_path / "saved"  # the base's vocabulary, its head saved with the adapter
+    shutil.copytree(grown, saved)
+    weights = load_file(saved / "adapter_model.safetensors")
+    del weights["base_model.model.model.embed_tokens.weight"]
+    weights["base_model.model.lm_head.weight"] = weights["base_model.model.lm_head.weight"][:768]
+    save_file(weights, saved / "adapter_model.safetensors")
+    with pytest.raises(ConfigError, match=(
+        r"peft=.*saved: the adapter saved the embeddings or head, which shard_strategy tp does "
+        r"not apply: use .*fsdp"
+    )):  # fmt: skip
+        RayEvalLM(pretrained=str(demo.model_dir), dtype="float32", peft=str(saved),
+                  shard_size=2, shard_strategy="tp")  # fmt: skip

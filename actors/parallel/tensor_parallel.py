@@ -6,7 +6,9 @@ checkpoint as this rank's slice of it (``get_slice`` on safetensors): no rank ev
 whole model. It runs on the replica's process group, which the rank has already joined (world =
 G), over a device mesh it builds on it; on CPU that is gloo. A training checkpoint named by
 ``checkpoint=`` (DCP or HF files) is read slice by slice into the TP model built from
-``pretrained``'s config (:func:`_load_checkpoint`).
+``pretrained``'s config (:func:`_load_checkpoint`). Delta weights (``delta=``) are then added
+to the slices each rank holds, and a LoRA adapter (``peft=``) is applied unmerged with PEFT,
+shaped for the split layers (:func:`_apply_adapters`).
 
 The plan is first rewritten so that no sum is split over the ranks
 (:mod:`rayeval.actors.parallel.tp_exact`): the layers transformers splits by input features (a
@@ -97,13 +99,14 @@ class TensorParallel:
                 tp_size=shard_size, tp_plan=_exact_plan(meta_model, config)
             )
             if spec.checkpoint is not None:
-                return _load_checkpoint(spec, meta_model, config, dtype, distributed)
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                spec.pretrained,
-                dtype=dtype,
-                distributed_config=distributed,
-                **from_pretrained_kwargs(spec),
-            )
+                model = _load_checkpoint(spec, meta_model, config, dtype, distributed)
+            else:
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    spec.pretrained,
+                    dtype=dtype,
+                    distributed_config=distributed,
+                    **from_pretrained_kwargs(spec),
+                )
         except OSError as exc:
             raise ModelLoadError(f"cannot load {spec.pretrained!r}: {exc}") from exc
         except (ValueError, RuntimeError, NotImplementedError) as exc:
@@ -113,6 +116,7 @@ class TensorParallel:
                 f"{field('parallelism', 'shard_strategy', value='fsdp')}"
             ) from exc
         model.eval()
+        _apply_adapters(model, spec)
         return model
 
     def collectives(self, rank: RankContext) -> str | None:
@@ -142,6 +146,32 @@ class TensorParallel:
 
     def after_forward(self, model: Any) -> None:
         """Nothing to release: every rank keeps its slices."""
+
+
+def _apply_adapters(model: Any, spec: ModelSpec) -> None:
+    """Add ``spec.delta``'s regions this rank holds, or apply ``spec.peft``'s LoRA unmerged
+    with PEFT, shaped for this rank's split layers (:func:`tp_exact.split_lora`).
+
+    Raises:
+        ModelLoadError: the weights cannot be applied (a resized vocabulary, which the driver
+            refuses first under this strategy, or PEFT fails).
+    """
+    from rayeval.actors.weights.adapters import add_delta, apply_adapter, load_adapter_weights
+
+    if spec.delta is not None:  # each rank adds the regions it holds
+        add_delta(model, spec.delta, spec.pretrained)
+    if spec.peft is None:
+        return
+    if spec.vocab_size is not None:
+        raise ModelLoadError(
+            f"peft={spec.peft}: a vocabulary resized for the tokenizer is not applied under "
+            f"tensor parallelism: use {field('parallelism', 'shard_strategy', value='fsdp')}"
+        )
+    # PEFT builds each LoRA B with this rank's rows of its layer, so it cannot load the saved
+    # (whole) B: the matrices are written once the layers are shaped for their split.
+    apply_adapter(model, spec.peft, spec.revision, split=True)
+    tp_exact.split_lora(model)
+    load_adapter_weights(model, spec.peft)
 
 
 def _meta_model(spec: ModelSpec, config: Any) -> Any:

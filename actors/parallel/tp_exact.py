@@ -26,6 +26,7 @@ registered in transformers' style registry by :func:`register` on a rank before 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 #: transformers' styles whose forward splits no sum: lookups (a vocabulary-parallel embedding
@@ -123,15 +124,63 @@ def concat_pieces(pieces: Any) -> Any:
     return pieces.movedim(0, -2).reshape(*shape[:-1], world * shape[-1])
 
 
+@dataclass(frozen=True)
+class Split:
+    """How a linear layer split by output features computes (set as ``rayeval_split`` on the
+    layer): whether it gathers its input's last-dim slices first, and its output columns after.
+
+    Args:
+        gather: The ranks' all-gather.
+        group: The replica's process group.
+        gather_input: The input arrives split on its last dim (a row-parallel layer's).
+        gather_output: The output columns are gathered (else each rank keeps its own).
+    """
+
+    gather: Gather
+    group: Any
+    gather_input: bool
+    gather_output: bool
+
+    def whole_input(self) -> Any:
+        """A function of the layer's input giving the whole input on every rank (gathered
+        where it arrives split)."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        def whole(x: Any) -> Any:
+            if isinstance(x, DTensor):
+                return x.redistribute(placements=[Replicate()]).to_local()
+            return self.gather(x, self.group) if self.gather_input else x
+
+        return whole
+
+    def forward_of(self, module: Any, *, input_whole: bool = False) -> Any:
+        """``module``'s forward: its own ``F.linear`` on this rank's rows of the weight (and
+        bias), over the whole input (``input_whole``: the caller has made it whole already)."""
+        import torch.nn.functional as F
+
+        whole = self.whole_input()
+
+        def forward(x: Any) -> Any:
+            if not input_whole:
+                x = whole(x)
+            bias = module.bias
+            out = F.linear(x, _local(module.weight), None if bias is None else _local(bias))
+            return self.gather(out, self.group) if self.gather_output else out
+
+        return forward
+
+
+def _local(tensor: Any) -> Any:
+    """This rank's part of ``tensor`` (a ``DTensor``'s local tensor)."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
+
+
 def _style(gather: Gather, gather_input: bool, gather_output: bool) -> Any:
     """A transformers ``TensorParallelLayer`` for a linear layer split by output features."""
     import torch
-    import torch.nn.functional as F
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from transformers.distributed.tensor_parallel import ColwiseParallel
-
-    def local(tensor: Any) -> Any:
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
     class OutputSplitLinear(ColwiseParallel):  # type: ignore[misc]
         """Weight and bias split by output features (``Shard(0)``); the input made whole on
@@ -150,18 +199,9 @@ def _style(gather: Gather, gather_input: bool, gather_output: bool) -> Any:
                     f"{type(module).__name__} is not a plain linear layer: rayeval's exact "
                     "tensor parallelism splits those only"
                 )
-            group = mesh.get_group()
-
-            def forward(x: Any) -> Any:
-                if isinstance(x, DTensor):
-                    x = x.redistribute(placements=[Replicate()]).to_local()
-                elif gather_input:
-                    x = gather(x, group)
-                bias = module.bias
-                out = F.linear(x, local(module.weight), None if bias is None else local(bias))
-                return gather(out, group) if gather_output else out
-
-            module.forward = forward  # type: ignore[method-assign,assignment]
+            split = Split(gather, mesh.get_group(), gather_input, gather_output)
+            module.forward = split.forward_of(module)  # type: ignore[method-assign]
+            module.rayeval_split = split  # type: ignore[assignment]
             return module
 
         def shard_param(self, module: Any, param: str, mesh: Any, **kw: Any) -> None:
@@ -174,3 +214,63 @@ def _style(gather: Gather, gather_input: bool, gather_output: bool) -> Any:
             )
 
     return OutputSplitLinear(input_layouts=Replicate(), output_layouts=Shard(-1))
+
+
+def split_lora(model: Any) -> int:
+    """Shape the LoRA layers PEFT wrapped around this rank's split linear layers so that they
+    compute as PEFT computes them on one device, in place; returns how many were shaped. Their
+    matrices are written afterwards (:func:`rayeval.actors.weights.adapters.load_adapter_weights`
+    cuts each ``lora_B`` to the rows it is given here).
+
+    PEFT's unmerged forward is ``result = base_layer(x)``, then ``result + lora_B(lora_A(x)) *
+    scaling`` with ``x`` cast to the adapter's dtype, then cast back to ``result``'s dtype. It
+    stays PEFT's own forward, so every element is computed with PEFT's arithmetic:
+
+    * a layer that keeps its output columns (``LOCAL``) holds this rank's rows of ``lora_B``
+      (the rows of the base weight it holds: PEFT builds it so for a tensor-parallel weight),
+      so the LoRA term has the same columns; they are named in ``lora_B``'s ``rayeval_rows``;
+    * a layer that gathers its output (``GATHERED``, ``GATHER_INPUT``) holds the whole
+      ``lora_B`` (PEFT built this rank's rows): the gathered result gets the whole term, as on
+      one device (``r`` columns: a redundant, tiny product on each rank);
+    * a layer whose input arrives split (``GATHER_INPUT``) gathers it before PEFT's forward
+      runs, since ``lora_A`` needs the whole input; its base layer then takes the whole input
+      as it is and gathers only its output.
+    """
+    import torch
+
+    shaped = 0
+    for module in model.modules():
+        base: Any = getattr(module, "base_layer", None)
+        split = getattr(base, "rayeval_split", None)
+        if not isinstance(split, Split) or not hasattr(module, "lora_B"):
+            continue
+        rows = _rows_held(base.weight)
+        for linear in module.lora_B.values():
+            if not split.gather_output:
+                linear.rayeval_rows = rows
+                continue
+            whole = base.weight.shape[0]
+            linear.weight = torch.nn.Parameter(
+                linear.weight.new_zeros(whole, linear.weight.shape[1]), requires_grad=False
+            )
+            linear.out_features = whole
+        if split.gather_input:
+            base.forward = split.forward_of(base, input_whole=True)
+            module.forward = _with_whole_input(module.forward, split.whole_input())
+        shaped += 1
+    return shaped
+
+
+def _rows_held(weight: Any) -> slice:
+    """The rows of the whole weight that this rank's ``Shard(0)`` part of ``weight`` holds."""
+    (chunk,) = weight.__create_chunk_list__()  # DCP's own description of the local shard
+    return slice(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0])
+
+
+def _with_whole_input(forward: Any, whole: Any) -> Any:
+    """``forward`` called on the whole input (``whole(x)``)."""
+
+    def on_whole_input(x: Any, *args: Any, **kwargs: Any) -> Any:
+        return forward(whole(x), *args, **kwargs)
+
+    return on_whole_input

@@ -4,10 +4,14 @@
 * **LoRA** (``peft=DIR``, a folder a PEFT trainer saved: ``adapter_config.json`` +
   ``adapter_model.safetensors``). Each rank applies it with PEFT's own
   ``PeftModel.from_pretrained``, unmerged, as lm-eval does, onto the model it has already
-  loaded: whole (G = 1) or FSDP2-sharded. PEFT wraps each target ``nn.Linear`` in a LoRA layer
-  whose ``base_layer`` is that same module object, so FSDP2 still gathers and frees the base
-  weight at each forward; the adapter's own matrices (``r x (in + out)`` per layer: a fraction
-  of a percent of the model) are whole on every rank. Unmerged, because merging changes
+  loaded: whole (G = 1), FSDP2-sharded or tensor-parallel. PEFT wraps each target
+  ``nn.Linear`` in a LoRA layer whose ``base_layer`` is that same module object, so FSDP2 still
+  gathers and frees the base weight at each forward; the adapter's own matrices (``r x (in +
+  out)`` per layer: a fraction of a percent of the model) are whole on every FSDP rank. Under
+  tensor parallelism a layer that keeps its output columns holds only its rows of ``lora_B``,
+  and a layer whose input arrives split gathers it first
+  (:func:`rayeval.actors.parallel.tp_exact.split_lora`; the matrices are written after PEFT
+  applied the adapter, ``split=True``). Unmerged, because merging changes
   answers: PEFT keeps a bf16 model's adapter in float32 and adds ``B(A(x)) * scaling`` to the
   base layer's output, so ``W + scaling * B @ A`` rounded into bf16 weights gives other bits.
   Unmerged, every layout gives lm-eval's own bits in float32 and bf16. When the tokenizer's
@@ -17,7 +21,8 @@
   (PEFT's ``save_embedding_layers``), written into the rows each rank holds before PEFT runs.
 * **Delta** (``delta=DIR``, a model folder of the same architecture): its weights are added to
   the base's, ``param += delta`` in the model's dtype, as lm-eval adds them; each rank reads
-  only the regions it holds (:mod:`rayeval.actors.weights.sources`).
+  only the regions it holds (:mod:`rayeval.actors.weights.sources`): whole, FSDP2 shards or
+  tensor-parallel slices.
 
 The driver checks both on its weightless copy of the model before any rank starts
 (:func:`adapter_problems`, :func:`delta_problems`; added tokens without saved embeddings are
@@ -182,13 +187,18 @@ def adapter_shapes(path: str) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items()}
 
 
-def apply_adapter(model: Any, path: str, revision: str | None) -> None:
+def apply_adapter(model: Any, path: str, revision: str | None, *, split: bool = False) -> None:
     """Apply the LoRA adapter at ``path`` to this rank's ``model`` (whole or FSDP2-sharded), in
     place and unmerged, with PEFT's own ``PeftModel.from_pretrained`` as lm-eval applies it.
     The embeddings and head the adapter saved, if any, first overwrite the rows this rank holds
     (:func:`rayeval.actors.weights.vocabulary.fill_saved_matrices`): PEFT loads them by name,
     which a rank holding them in vocabulary chunks does not have (it ignores them there; where
     the names match it writes the same values again).
+
+    ``split``: the model is tensor-parallel, where PEFT builds each LoRA B with the rows of its
+    layer's local weight; PEFT then leaves the saved B matrices (whose shapes differ) unloaded,
+    for the caller to shape the layers and write them
+    (:func:`rayeval.actors.parallel.tp_exact.split_lora`, :func:`load_adapter_weights`).
 
     Raises:
         ModelLoadError: PEFT cannot apply it.
@@ -199,7 +209,9 @@ def apply_adapter(model: Any, path: str, revision: str | None) -> None:
 
     fill_saved_matrices(model, path, adapter_file(path), adapter_shapes(path))
     try:
-        wrapped = PeftModel.from_pretrained(model, path, revision=revision)
+        wrapped = PeftModel.from_pretrained(
+            model, path, revision=revision, ignore_mismatched_sizes=split
+        )
     except Exception as exc:  # PEFT raises many kinds; each is a load failure here
         raise ModelLoadError(f"peft={path}: PEFT could not apply the adapter: {exc}") from exc
     model.eval()  # the injected LoRA layers too (their dropout is off)
@@ -304,8 +316,9 @@ def _same(value: Any) -> Any:
 def load_adapter_weights(model: Any, path: str) -> int:
     """Overwrite the LoRA matrices applied to ``model`` (:func:`apply_adapter`) with those saved
     at ``path``, another checkpoint of the same run (:func:`swap_problems`), in place and in
-    the dtype PEFT gave them; and the embeddings and head it saved, if any, in the rows this
-    rank holds. Returns the bytes written.
+    the dtype PEFT gave them (a ``lora_B`` a tensor-parallel rank holds rows of, its
+    ``rayeval_rows``, gets those rows); and the embeddings and head it saved, if any, in the
+    rows this rank holds. Returns the bytes written.
 
     Raises:
         ModelLoadError: a matrix is missing, extra, or of another shape.
@@ -323,10 +336,15 @@ def load_adapter_weights(model: Any, path: str) -> int:
         for name, param in model.named_parameters()
         if ".lora_A." in name or ".lora_B." in name
     }
+    modules = dict(model.named_modules())
     written = 0
     with torch.no_grad():
         for key, value in saved.items():
             name = key.removeprefix("base_model.model.").replace(".weight", ".default.weight")
+            # a tensor-parallel rank holds its rows of B (tp_exact.split_lora): cut the same
+            rows = getattr(modules.get(name.removesuffix(".weight")), "rayeval_rows", None)
+            if rows is not None:
+                value = value[rows]
             param = params.pop(name, None)
             if param is None or tuple(param.shape) != tuple(value.shape):
                 raise ModelLoadError(f"peft={path}: tensor {key} matches no loaded LoRA matrix")

@@ -125,7 +125,7 @@ class Engine:
         model_args = {k: v for k, v in config.model_args.items() if k != "pretrained"}
         #: lm-eval's HF backend over the weightless model: every tokeniser rule is its own.
         self.encoder, self.dtype = build_encoder(config.pretrained, model_args)
-        obstacles = model_shell.obstacles(self.encoder.model, config)
+        obstacles = model_shell.obstacles(self.encoder.model, config, self.encoder.tokenizer)
         if config.checkpoint:  # refused here, before any rank starts
             model_shell.check_checkpoint(config.checkpoint, self.encoder.model, config.pretrained)
         model_shell.check_adapters(config, self.encoder.model, self.encoder.tokenizer)

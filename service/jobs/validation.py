@@ -174,13 +174,6 @@ def strategy_problems(
     chosen = strategy(parallelism.shard_strategy)
     problems = []
     args = config.model_args
-    for key in ("peft", "delta"):
-        if args.get(key) and chosen.name is ShardStrategy.TP:
-            problems.append(
-                f"shard_strategy tp does not apply {key}= weights (they are applied under "
-                f"FSDP): use {field('parallelism', 'shard_strategy', value='fsdp')} (or auto) "
-                f"for model_args.{key}"
-            )
     model_dir = Path(str(args["pretrained"])).expanduser() / str(args.get("subfolder") or "")
     config_file = model_dir / "config.json"
     if config_file.is_file():

@@ -21,8 +21,15 @@ from rayeval.service.vocabulary.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 
-def obstacles(shell: Any, config: EngineConfig) -> dict[ShardStrategy, list[str]]:
-    """Per strategy, why it cannot shard this model at the configured G.
+def obstacles(
+    shell: Any, config: EngineConfig, tokenizer: Any = None
+) -> dict[ShardStrategy, list[str]]:
+    """Per strategy, why it cannot shard this model at the configured G (``tokenizer``: the
+    evaluation's, whose length decides whether a ``peft=`` adapter resizes the vocabulary).
+
+    ``auto`` keeps FSDP for ``peft=``/``delta=``: tensor parallelism applies them when named
+    (:func:`rayeval.actors.parallel.tp_exact.split_lora`), except a LoRA over a resized
+    vocabulary or one that saved the embeddings and head (:func:`tp_adapter_problem`).
 
     Raises:
         ConfigError: the requested strategy cannot (before anything starts).
@@ -32,18 +39,44 @@ def obstacles(shell: Any, config: EngineConfig) -> dict[ShardStrategy, list[str]
         return {}
     found = model_obstacles(shell.config, shard_size)
     requested = config.parallelism.shard_strategy
-    for key in ("peft", "delta"):
-        if config.model_args.get(key) and ShardStrategy.TP in found:
-            if requested == ShardStrategy.TP:
-                raise ConfigError(
-                    f"shard_strategy tp does not apply {key}= weights (they are applied under "
-                    f"FSDP): use {field('parallelism', 'shard_strategy', value='fsdp')} (or "
-                    f"auto) for {key}="
-                )
-            found[ShardStrategy.TP] = [*found[ShardStrategy.TP], f"{key}= is applied under FSDP"]
+    if requested == ShardStrategy.TP:
+        problem = tp_adapter_problem(config, shell, tokenizer)
+        if problem is not None:
+            raise ConfigError(problem)
+    elif ShardStrategy.TP in found:
+        for key in ("peft", "delta"):
+            if config.model_args.get(key):
+                found[ShardStrategy.TP] = [
+                    *found[ShardStrategy.TP],
+                    f"auto applies {key}= under FSDP (name shard_strategy tp for it)",
+                ]
     if found.get(requested):
         raise ConfigError(refusal(requested, found[requested]))
     return found
+
+
+def tp_adapter_problem(config: EngineConfig, shell: Any, tokenizer: Any) -> str | None:
+    """Why tensor parallelism cannot apply this evaluation's ``peft=`` adapter (None: it can,
+    as it can any ``delta=``): the tokenizer's length resizes the vocabulary, or the adapter
+    saved the embeddings and head (PEFT's ``save_embedding_layers``); FSDP applies both."""
+    from rayeval.actors.weights.adapters import adapter_shapes
+    from rayeval.actors.weights.vocabulary import resized_rows, saved_matrices
+
+    peft = config.model_args.get("peft")
+    if not peft:
+        return None
+    try:
+        saved = saved_matrices(shell, adapter_shapes(str(peft)))
+    except ConfigError:
+        return None  # no weights: check_adapters names the problem
+    resized = tokenizer is not None and resized_rows(shell.config, len(tokenizer)) is not None
+    if not saved and not resized:
+        return None
+    what = "resizes the vocabulary to the tokenizer" if resized else "saved the embeddings or head"
+    return (
+        f"peft={peft}: the adapter {what}, which shard_strategy tp does not apply: use "
+        f"{field('parallelism', 'shard_strategy', value='fsdp')} (or auto) for it"
+    )
 
 
 def check_adapters(config: EngineConfig, shell: Any, tokenizer: Any) -> None:
