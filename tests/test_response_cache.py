@@ -2,13 +2,18 @@
 evaluation (issue 41's chaos soak filled the cache's filesystem and an evaluation failed).
 
 Real SQLite; the one seam is the cache database's page limit (``PRAGMA max_page_count``), which
-makes SQLite answer exactly as on a full disk (``SQLITE_FULL``, "database or disk is full").
+makes SQLite answer exactly as on a full disk (``SQLITE_FULL``, "database or disk is full"), or,
+for opening the cache, a file-size limit (``RLIMIT_FSIZE``) in a child process: SQLite cannot
+create its shared-memory index, "disk I/O error", as on a full tmpfs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +91,43 @@ def test_an_evaluation_that_misses_the_cache_counts_what_it_computed_twice(
     missed = run()
     assert missed.cached == 0 and missed.recomputed == first.requests
     assert missed.report()["recomputed"] == first.requests
+
+
+_OPEN_ON_A_FULL_DISK = """
+import logging, resource, signal, sys
+from rayeval.service.engine.response_cache import ResponseCache, cache_file, open_cache
+
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails, as ENOSPC does
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+prefix = sys.argv[1]
+try:
+    ResponseCache(cache_file(prefix), "model")
+except Exception as error:
+    print("raw:", type(error).__name__, error.sqlite_errorname)
+print("engine's:", open_cache(prefix, {"pretrained": "m"}))
+print("sweep's:", open_cache(prefix, None))
+"""
+
+
+@pytest.mark.unit
+def test_a_cache_opened_on_a_full_disk_is_left_out(tmp_path: Path) -> None:
+    """The soak filled the disk as a sweep started: opening the cache (SQLite creates its WAL
+    index) failed with "disk I/O error" and the sweep failed. The engine's cache and a
+    sweep's (which records what was evaluated) both go without it now."""
+    prefix = str(tmp_path / "cache")
+    cache = ResponseCache(cache_file(prefix), "model")
+    cache.put_many([(["a", i], float(i)) for i in range(50)])
+    cache.close()  # the last connection: SQLite removes the WAL and its index
+    done = subprocess.run(
+        [sys.executable, "-c", _OPEN_ON_A_FULL_DISK, prefix],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "raw: OperationalError SQLITE_IOERR_SHMSIZE" in done.stdout, done.stdout
+    assert "engine's: None" in done.stdout and "sweep's: None" in done.stdout, done.stdout
+    assert done.stderr.count("cannot open it (disk I/O error); evaluating without it") == 2
+    reopened = ResponseCache(cache_file(prefix), "model")  # room again: nothing was lost
+    assert reopened.get_many([["a", 1], ["a", 49]]) == {0: 1.0, 1: 49.0}
+    reopened.close()

@@ -359,13 +359,16 @@ def settings_digest(config: EvaluationConfig) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def open_cache(use_cache: str | None, model_args: Mapping[str, Any]) -> ResponseCache | None:
-    """The cache for ``--use_cache PREFIX`` and this model, or None without ``use_cache``."""
+def open_cache(use_cache: str | None, model_args: Mapping[str, Any] | None) -> ResponseCache | None:
+    """The cache for ``--use_cache PREFIX`` and this model (None: no model yet, as for a sweep,
+    which names each checkpoint's fingerprint itself), or None without ``use_cache`` or where
+    the cache cannot be opened for lack of room (SQLite must create its shared-memory index to
+    read a WAL database: on a full disk that is "disk I/O error")."""
     if not use_cache:
         return None
     path = cache_file(os.path.expanduser(use_cache))
     try:
-        cache = ResponseCache(path, model_fingerprint(model_args))
+        cache = ResponseCache(path, model_fingerprint(model_args) if model_args is not None else "")
     except sqlite3.OperationalError as error:
         if not _disk_full(error):
             raise

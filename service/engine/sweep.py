@@ -53,12 +53,7 @@ from rayeval.actors.weights.checkpoint_dirs import (
 from rayeval.service.engine.experiments import record_mlflow, written_files
 from rayeval.service.engine.lm import RayEvalLM
 from rayeval.service.engine.outputs import OutputTarget
-from rayeval.service.engine.response_cache import (
-    ResponseCache,
-    cache_file,
-    model_fingerprint,
-    settings_digest,
-)
+from rayeval.service.engine.response_cache import model_fingerprint, open_cache, settings_digest
 from rayeval.service.engine.runner import evaluate_on, make_tracker, resolve_tasks, save
 from rayeval.service.engine.sweep_summary import CheckpointRecord, SweepSummary, metrics_of
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
@@ -170,8 +165,9 @@ class Sweep:
         self._first_adapter: str | None = None
         self._shell: Any = None
         self._settings = settings_digest(self._config)
-        use_cache = host.lm_eval.get("use_cache")
-        self._cache = ResponseCache(cache_file(str(use_cache)), "") if use_cache else None
+        # Only to record and look up which checkpoints were evaluated (the engine opens its own
+        # for the answers); None where the cache's disk is full, as the engine's.
+        self._cache = open_cache(host.lm_eval.get("use_cache"), None)
         self.summary = SweepSummary(model=self._config.pretrained, tasks=list(self._cfg.tasks))
 
     # ------------------------------------------------------------------------ checks
@@ -347,6 +343,7 @@ class Sweep:
         if self._cache is not None and record.fingerprint:
             self._cache.mark_evaluated(record.fingerprint, self._settings)
         record.status = "succeeded"
+        record.stats = dict(output.stats)
         record.results = metrics_of(output.results)
         record.higher_is_better = dict(output.results.get("higher_is_better") or {})
         return output
