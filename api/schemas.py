@@ -119,7 +119,11 @@ class EvaluationPublic(BaseModel):
     progress: ProgressPublic
     throughput: Throughput
     stats: dict[str, Any] | None = Field(
-        None, description="Per request type: requests, micro-batches, tokens/s (when finished)."
+        None,
+        description=(
+            "Per request type: requests, answers from the response cache, micro-batches, tokens/s "
+            "(when finished). A sweep's: its checkpoints' counts and seconds added up."
+        ),
     )
     request: EvaluationConfig
     links: Links

@@ -11,7 +11,8 @@ cache on a small tmpfs (so the disk can be filled; without ``mount`` the disk fa
 with a note). Three users (members, their own keys) keep two evaluations each in flight, picked by
 the seed from the recipes below (multiple choice, rolling loglikelihood, generation with
 continuous batching, greedy and sampled (never cached, so ranks compute all through the soak), a
-preemptible cloze and an urgent one that may preempt it).
+preemptible cloze and an urgent one that may preempt it, and a checkpoint sweep over two DCP
+checkpoints of the model saved beside the data, its ranks started once and the weights swapped).
 
 1. A quiet pass: each recipe once on a server without the response cache; its per-sample results
    are the reference.
@@ -28,14 +29,14 @@ preemptible cloze and an urgent one that may preempt it).
    followed again with ``Last-Event-ID``) and ``disk`` (the response cache's filesystem filled to
    the last byte for eight seconds).
 3. The checks: every evaluation in the store reached a terminal state (else *lost*); every
-   succeeded one's samples equal the quiet pass's for its recipe (else *wrong*); no answer was
-   computed twice (the response cache counts the answers stored that it held already: each
-   evaluation's ``recomputed``) except those in flight at a kill or computed by two evaluations
-   running at once (else *wrong*, see :func:`computed_twice`); every evaluation's
-   events are numbered 1, 2, 3, ... and end in its final state, and every dropped-then-resumed
-   stream read exactly the stored events (else *lost*); after the server stops, no rank or runner
-   actor, rank process, placement group or ``rayeval-*`` temporary folder is left (else *left
-   behind*).
+   succeeded one's samples equal the quiet pass's for its recipe (a sweep's, per checkpoint)
+   (else *wrong*); no answer was computed twice (the response cache counts the answers stored
+   that it held already: each evaluation's ``recomputed``, a sweep's summed over its
+   checkpoints) except those in flight at a kill or computed by two evaluations running at once
+   (else *wrong*, see :func:`computed_twice`); every evaluation's events are numbered 1, 2, 3,
+   ... and end in its final state, and every dropped-then-resumed stream read exactly the stored
+   events (else *lost*); after the server stops, no rank or runner actor, rank process, placement
+   group or ``rayeval-*`` temporary folder is left (else *left behind*).
 
 Usage: ``python benchmarks/chaos.py [--minutes 10] [--short] [--seed 0] [--json out.json]
 [--rank-niceness N]`` (the server's ``--rank-niceness``, to measure the status reads with the
@@ -96,8 +97,9 @@ AFTER_RESTART_S = 30.0
 CACHE_TMPFS = "64m"
 
 
-def recipes(model_dir: str) -> dict[str, dict[str, Any]]:
-    """The evaluations the users pick from: name -> POST /evaluations body."""
+def recipes(model_dir: str, run_dir: Path) -> dict[str, dict[str, Any]]:
+    """The evaluations the users pick from: name -> POST /evaluations body (``run_dir``: the
+    sweep's checkpoints, :func:`make_checkpoints`)."""
     base = {
         "model_args": {"pretrained": model_dir, "dtype": "float32"},
         "bootstrap_iters": 0,
@@ -123,7 +125,25 @@ def recipes(model_dir: str) -> dict[str, dict[str, Any]]:
             "scheduling": {"preemptible": True, "priority": -1},
         },
         "urgent": {**base, "tasks": ["demo_mc"], "limit": 4, "scheduling": {"priority": 5}},
+        # The ranks start once and swap each checkpoint's weights in; its samples are per
+        # checkpoint (GET /evaluations/{id}/sweep links them).
+        "sweep": {
+            **base, "tasks": ["demo_mc"], "limit": 6,
+            "sweep": {"checkpoints": [str(run_dir / "step-*")]},
+        },
     }  # fmt: skip
+
+
+def make_checkpoints(model_dir: Path, run_dir: Path, count: int = 2) -> None:
+    """``count`` DCP checkpoints of the demo model with seeded noise, as a training run saves
+    them (``run_dir/step-100``, ...), for the sweep recipe."""
+    import torch
+    import transformers
+
+    from benchmarks.bench_sweep import save_checkpoints
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    save_checkpoints(model, run_dir, count)
 
 
 # ----------------------------------------------------------------------------- the service
@@ -143,6 +163,8 @@ class Service:
     notes: list[str] = field(default_factory=list)
     #: The server's --rank-niceness (None: its default).
     rank_niceness: int | None = None
+    #: Where the sweep's checkpoints are (another --model-root), if anywhere.
+    run_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -154,6 +176,8 @@ class Service:
         extra += ["--sse-heartbeat", "1"]
         if self.rank_niceness is not None:
             extra += ["--rank-niceness", str(self.rank_niceness)]
+        if self.run_dir is not None:
+            extra += ["--model-root", str(self.run_dir)]
         if self.database_url:
             extra += ["--database-url", self.database_url]
         self.server = start_server(
@@ -367,15 +391,22 @@ class Injector:
     log: list[str] = field(default_factory=list)
     #: (time.time() as it began, kind) of each fault injected.
     times: list[tuple[float, str]] = field(default_factory=list)
+    #: Faults aimed at one evaluation (a rank, a runner, a stream), by its recipe.
+    aimed: Counter[str] = field(default_factory=Counter)
+    _target: str = ""
 
     def inject(self, kind: str) -> bool:
         """One fault of ``kind``; False when it had no target (nothing running to break)."""
         began = time.time()
+        self._target = ""
         done = bool(getattr(self, f"_{kind}")())
         (self.faults if done else self.skipped)[kind] += 1
         if done:
             self.times.append((began, kind))
-        self.log.append(f"{time.strftime('%H:%M:%S')} {kind}{'' if done else ' (no target)'}")
+            if self._target:
+                self.aimed[self._target] += 1
+        aim = f" ({self._target})" if done and self._target else ""
+        self.log.append(f"{time.strftime('%H:%M:%S')} {kind}{aim}{'' if done else ' (no target)'}")
         print(f"chaos: {self.log[-1]}", flush=True)
         return done
 
@@ -402,9 +433,17 @@ class Injector:
         ranks = self._alive("ShardWorker")
         if not ranks:
             return False
+        rank = self.rng.choice(ranks)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.rng.choice(ranks)["Pid"], signal.SIGKILL)
+            os.kill(rank["Pid"], signal.SIGKILL)
+        # A rank's name starts with the evaluation that started its group (kept warm, it may
+        # be serving another by now).
+        self._aim(str(rank["Name"]).removeprefix("rayeval-").split("-r")[0])
         return True
+
+    def _aim(self, evaluation_id: str) -> None:
+        """Note the recipe of the evaluation a fault is aimed at."""
+        self._target = self.load.submitted.get(evaluation_id, ("", ""))[1]
 
     def _runner(self) -> bool:
         import ray
@@ -415,6 +454,7 @@ class Injector:
         evaluation_id, _ = self.rng.choice(running)
         with contextlib.suppress(ValueError):
             ray.kill(ray.get_actor(f"rayeval-runner-{evaluation_id}", namespace="rayeval"))
+            self._aim(evaluation_id)
             return True
         return False
 
@@ -450,6 +490,7 @@ class Injector:
         if not first:
             return False
         headers = {"Last-Event-ID": str(first[-1]["id"])}
+        self._aim(evaluation_id)
         read: list[dict[str, Any]] = list(first)
         self.streams.append((evaluation_id, read))
 
@@ -573,14 +614,28 @@ def wait_terminal(
 
 
 def samples(url: str, key: str, evaluation: dict[str, Any]) -> dict[str, list[Any]]:
-    """Per task, each document's (doc_id, filtered responses), in doc order."""
-    out = {}
-    for task, link in evaluation["links"]["samples"].items():
-        response = _get(url, link, key)
-        assert response is not None and response.status_code == 200, link
-        rows = [json.loads(line) for line in response.text.splitlines() if line.strip()]
-        out[task] = sorted((row["doc_id"], row["filtered_resps"]) for row in rows)
+    """Per task, each document's (doc_id, filtered responses), in doc order; a sweep's per
+    checkpoint and task (``label/task``; a checkpoint that did not succeed: ``label: status``,
+    no documents)."""
+    if not evaluation["request"].get("sweep"):
+        links = evaluation["links"]["samples"]
+        return {task: _sample_rows(url, key, link) for task, link in links.items()}
+    response = _get(url, f"/evaluations/{evaluation['id']}/sweep", key)
+    assert response is not None and response.status_code == 200, evaluation["id"]
+    out: dict[str, list[Any]] = {}
+    for record in response.json()["checkpoints"]:
+        if record["status"] != "succeeded":
+            out[f"{record['label']}: {record['status']}"] = []
+        for task, link in (record.get("links") or {}).get("samples", {}).items():
+            out[f"{record['label']}/{task}"] = _sample_rows(url, key, link)
     return out
+
+
+def _sample_rows(url: str, key: str, link: str) -> list[Any]:
+    response = _get(url, link, key)
+    assert response is not None and response.status_code == 200, link
+    rows = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+    return sorted((row["doc_id"], row["filtered_resps"]) for row in rows)
 
 
 def first_difference(ours: dict[str, list[Any]], reference: dict[str, list[Any]]) -> str:
@@ -626,8 +681,10 @@ def check(
     lost += [f"retry {i}: {s['status']} ({s['error']})" for i, s in retries.items()
              if s["status"] != "succeeded"]  # fmt: skip
     wrong = []
+    by_recipe: dict[str, Counter[str]] = {}
     for evaluation_id, state in finals.items():
         recipe = load.submitted.get(evaluation_id, (None, _recipe_of(state, load.bodies)))[1]
+        by_recipe.setdefault(str(recipe), Counter())[state["status"]] += 1
         if state["status"] != "succeeded" or recipe is None:
             continue
         difference = first_difference(samples(service.url, ADMIN, state), reference[recipe])
@@ -644,6 +701,7 @@ def check(
     return {
         "computed_twice": twice,
         "evaluations": dict(statuses),
+        "by_recipe": {recipe: dict(counts) for recipe, counts in sorted(by_recipe.items())},
         "failed": failed,
         "retried": len(retries),
         "retries_succeeded": sum(s["status"] == "succeeded" for s in retries.values()),
@@ -755,6 +813,7 @@ def _recipe_of(state: dict[str, Any], bodies: dict[str, dict[str, Any]]) -> str 
             list(state["request"]["tasks"]) == body["tasks"]
             and state["request"]["limit"] == body["limit"]
             and (state["request"].get("gen_kwargs") or {}) == body.get("gen_kwargs", {})
+            and bool(state["request"].get("sweep")) == ("sweep" in body)
         ):
             return name
     return None
@@ -872,6 +931,13 @@ def table(report: dict[str, Any]) -> str:
     away = report["status_reads_away_from_restarts"]
     checks = {
         "evaluations (by end state)": report["evaluations"],
+        "rank, runner and stream faults, by the recipe they hit": ", ".join(
+            f"{recipe} {n}" for recipe, n in sorted(report["aimed_by_recipe"].items())
+        ),
+        "by recipe (retries included)": ", ".join(
+            f"{recipe} {'/'.join(f'{n} {status}' for status, n in counts.items())}"
+            for recipe, counts in report["by_recipe"].items()
+        ),
         "failed by a fault, retried / retry succeeded": (
             f"{report['retried']} / {report['retries_succeeded']} "
             f"({report['retries_cached_requests']} requests from the cache)"
@@ -917,10 +983,12 @@ def main() -> int:
     from rayeval.service.demo import ensure_demo_assets
 
     assets = ensure_demo_assets()
-    bodies = recipes(str(assets.model_dir))
     with tempfile.TemporaryDirectory(prefix="chaos-") as root:
+        run_dir = Path(root) / "run"
+        make_checkpoints(assets.model_dir, run_dir)
+        bodies = recipes(str(assets.model_dir), run_dir)
         service = start_service(assets, Path(root))
-        service.rank_niceness = args.rank_niceness
+        service.rank_niceness, service.run_dir = args.rank_niceness, run_dir
         try:
             started = time.monotonic()
             quiet_reads: list[float] = []
@@ -946,6 +1014,7 @@ def main() -> int:
             if not there
         ],
         "faults": dict(injector.faults),
+        "aimed_by_recipe": dict(injector.aimed),
         "skipped": dict(injector.skipped),
         "rank_niceness": "server default" if args.rank_niceness is None else args.rank_niceness,
         "status_reads": percentiles(load.latencies) if load.latencies else {},

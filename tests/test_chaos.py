@@ -2,16 +2,17 @@
 
 One fault of each kind (a rank SIGKILLed, a runner actor killed, a worker node removed, the API
 server restarted, PostgreSQL restarted, an event stream dropped and resumed, the response cache's
-disk filled) while three users keep evaluations in flight; the soak itself checks that every
-evaluation ended, that each succeeded one's samples equal a quiet pass's, that every event was
-kept in order, that each evaluation a fault failed succeeds on a retry, and that nothing was left
-behind. Three to four and a half minutes on two shared cores (192 s measured at load average
-2-4, 264 s at 12).
+disk filled) while three users keep evaluations in flight (a checkpoint sweep among the recipes,
+checked per checkpoint); the soak itself checks that every evaluation ended, that each succeeded
+one's samples equal a quiet pass's, that every event was kept in order, that each evaluation a
+fault failed succeeds on a retry, and that nothing was left behind. Three to four and a half
+minutes on two shared cores (192 s measured at load average 2-4, 264 s at 12; 196 s with the sweep
+on a quiet machine).
 
 Also here, at one seam each, what the soak found: a killed runner's scratch folder is removed by
-the next runner on its node. Elsewhere: a full cache disk (``tests/test_response_cache.py``), a
-rank killed while loading (``tests/test_load_restart.py``), the ranks' priority
-(``tests/test_rank_priority.py``).
+the next runner on its node. Elsewhere: a full cache disk, and a sweep's cache opened on one
+(``tests/test_response_cache.py``), a rank killed while loading (``tests/test_load_restart.py``),
+the ranks' priority (``tests/test_rank_priority.py``).
 """
 
 from __future__ import annotations

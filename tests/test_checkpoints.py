@@ -669,6 +669,7 @@ def test_rest_sweep_matches_lm_eval_hf_per_checkpoint(
         (step, int(step.split("-")[1]), "succeeded") for step in STEPS
     ]
     assert len({c["fingerprint"] for c in sweep["checkpoints"]}) == 3
+    _assert_figures_add_up(evaluation, sweep["checkpoints"])
     for position, step in enumerate(STEPS):
         ours = swept[step]
         assert ours["results"]["config"]["model_args"]["checkpoint"] == resolved[position]
@@ -686,6 +687,16 @@ def test_rest_sweep_matches_lm_eval_hf_per_checkpoint(
     assert summary["kind"] == "rayeval-sweep" and len(summary["checkpoints"]) == 3
     assert compared.status_code == 422 and "checkpoint sweep" in compared.text
     assert missing.status_code == 404 and "/sweep" in missing.text
+
+
+def _assert_figures_add_up(evaluation: dict[str, Any], checkpoints: list[dict[str, Any]]) -> None:
+    """Each checkpoint has its own figures; the sweep's evaluation reports their sum."""
+    phases = {phase for c in checkpoints for phase in c["stats"]}
+    assert phases and all(c["stats"][p]["requests"] > 0 for c in checkpoints for p in phases)
+    for phase in phases:
+        for figure in ("requests", "cached", "recomputed", "micro_batches", "real_tokens"):
+            total = sum(c["stats"][phase][figure] for c in checkpoints)
+            assert evaluation["stats"][phase][figure] == total, (phase, figure)
 
 
 @pytest.mark.e2e

@@ -44,6 +44,8 @@ class CheckpointRecord:
         error: Why it was refused or failed.
         kind: ``weights`` (a checkpoint of the model) or ``adapter`` (a LoRA adapter applied
             to the sweep's model, as ``peft=``).
+        stats: The engine's figures per request type for this checkpoint (as a single
+            evaluation's ``stats``: requests, answers from the response cache, ...).
     """
 
     checkpoint: str
@@ -57,6 +59,7 @@ class CheckpointRecord:
     seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     kind: str = "weights"
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +111,22 @@ class SweepSummary:
         partial.write_text(json.dumps(self.to_json(), indent=2, default=str), encoding="utf-8")
         partial.replace(path)
         return path
+
+
+#: The figures of :attr:`CheckpointRecord.stats` that add up over checkpoints.
+_COUNTS = ("requests", "cached", "recomputed", "micro_batches", "real_tokens", "padded_tokens")
+
+
+def total_stats(records: list[CheckpointRecord]) -> dict[str, dict[str, Any]]:
+    """The sweep's figures per request type, summed over its checkpoints: the counts of
+    :data:`_COUNTS` and the seconds (what a sweep's evaluation reports as its ``stats``)."""
+    totals: dict[str, dict[str, Any]] = {}
+    for record in records:
+        for phase, figures in record.stats.items():
+            total = totals.setdefault(phase, {name: 0 for name in _COUNTS} | {"seconds": 0.0})
+            for name in (*_COUNTS, "seconds"):
+                total[name] += figures.get(name) or 0
+    return totals
 
 
 def read_summary(path: str | Path) -> SweepSummary:

@@ -79,13 +79,15 @@ def run_service_sweep(
         reports: Where its checkpoints, progress and warnings go.
 
     Returns:
-        The run's outputs: the sweep summary as the results file, no samples.
+        The run's outputs: the sweep summary as the results file, no samples, the figures
+        summed over its checkpoints.
 
     Raises:
         RayEvalError: a checkpoint that does not fit the model (a list: before any rank
             starts), or the engine failed; checkpoints that ended before were reported.
     """
     from rayeval.service.engine.sweep import run_sweep
+    from rayeval.service.engine.sweep_summary import total_stats
     from rayeval.service.engine.watch import WatchOptions, watch
 
     spec = config.sweep
@@ -119,7 +121,8 @@ def run_service_sweep(
             on_warning=reports.on_warning,
         )
     summary_json = json.dumps(summary.to_json(), indent=2, default=str)
-    return RunOutputs(results_json=summary_json, samples={}, stats={}, replicas=ReplicaReuse())
+    stats = total_stats(summary.checkpoints)
+    return RunOutputs(results_json=summary_json, samples={}, stats=stats, replicas=ReplicaReuse())
 
 
 def checkpoint_outputs(record: Any, output_dir: Path) -> CheckpointOutputs:
