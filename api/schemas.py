@@ -121,8 +121,10 @@ class EvaluationPublic(BaseModel):
     stats: dict[str, Any] | None = Field(
         None,
         description=(
-            "Per request type: requests, answers from the response cache, micro-batches, tokens/s "
-            "(when finished). A sweep's: its checkpoints' counts and seconds added up."
+            "Per request type (when finished): requests, answers from the response cache "
+            "(cached), answers computed twice (recomputed), micro-batches, those computed again "
+            "after their replica was lost (requeued), tokens/s. A sweep's: its checkpoints' "
+            "counts and seconds added up."
         ),
     )
     request: EvaluationConfig

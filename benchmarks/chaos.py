@@ -32,7 +32,8 @@ checkpoints of the model saved beside the data, its ranks started once and the w
    succeeded one's samples equal the quiet pass's for its recipe (a sweep's, per checkpoint)
    (else *wrong*); no answer was computed twice (the response cache counts the answers stored
    that it held already: each evaluation's ``recomputed``, a sweep's summed over its
-   checkpoints) except those in flight at a kill or computed by two evaluations running at once
+   checkpoints) except those in flight at a kill (the evaluation lost a replica then: its
+   ``requeued``) or computed by two evaluations running at once
    (else *wrong*, see :func:`computed_twice`); every evaluation's events are numbered 1, 2, 3,
    ... and end in its final state, and every dropped-then-resumed stream read exactly the stored
    events (else *lost*); after the server stops, no rank or runner actor, rank process, placement
@@ -715,16 +716,19 @@ def check(
 def computed_twice(finals: dict[str, dict[str, Any]], kills: list[float]) -> dict[str, Any]:
     """The answers the succeeded evaluations computed although the response cache held them
     already when they were stored (each one's figures' ``recomputed``), put down, per
-    evaluation, to a kill (rank, runner or node) while it ran: in flight at the kill; else to
-    another evaluation with a task in common running at the same time: each looked the answers
-    up before the other stored them; else *unexplained*: a finished micro-batch computed twice
-    (the soak counts each one as wrong)."""
+    evaluation, to a kill while it ran that cost it a replica (its figures' ``requeued``: what
+    that replica had in flight was computed again on another, and a streamed group's requests
+    that had finished and been stored with it); else to another evaluation with a task in
+    common running at the same time: each looked the answers up before the other stored them;
+    else *unexplained*: a finished micro-batch computed twice (the soak counts each one as
+    wrong)."""
     spans = {i: _span(state) for i, state in finals.items()}
     tasks = {i: set(state["request"]["tasks"]) for i, state in finals.items()}
     counts: Counter[str] = Counter()
     unexplained = []
     for evaluation_id, state in finals.items():
-        answers = sum(int(p.get("recomputed", 0)) for p in (state.get("stats") or {}).values())
+        figures = (state.get("stats") or {}).values()
+        answers = sum(int(p.get("recomputed", 0)) for p in figures)
         if not answers:
             continue
         begin, end = spans[evaluation_id]
@@ -732,7 +736,8 @@ def computed_twice(finals: dict[str, dict[str, Any]], kills: list[float]) -> dic
             other != evaluation_id and tasks[other] & tasks[evaluation_id] and b < end and begin < e
             for other, (b, e) in spans.items()
         )
-        if any(begin <= at <= end for at in kills):
+        lost_a_replica = any(int(p.get("requeued", 0)) for p in figures)
+        if lost_a_replica and any(begin <= at <= end for at in kills):
             counts["at_a_kill"] += answers
         elif at_once:
             counts["at_once"] += answers

@@ -148,7 +148,8 @@ def test_lost_replica_is_dropped_and_its_work_rerun(
     demo: Any, task_manager: Any, ray_session: None
 ) -> None:
     """Kill one FSDP rank mid-run: its replica is dropped at once (its peer waits in a
-    collective), the replica's batches rerun on the other one, and results stay exact."""
+    collective), the replica's batches rerun on the other one (the figures' ``requeued``), and
+    results stay exact."""
     import ray
 
     from rayeval.service.engine.lm import RayEvalLM
@@ -173,8 +174,11 @@ def test_lost_replica_is_dropped_and_its_work_rerun(
     )
     with lm:
         ours = evaluate(lm, task_manager, tasks, **run)
+        figures = [stats.report() for stats in lm.engine.stats.values()]
     assert killed, "the failure was never injected"
     assert_same_results(reference, ours)
+    # What the lost replica had in flight is counted where the figures show it.
+    assert sum(f["requeued"] for f in figures) > 0, figures
 
 
 @pytest.mark.e2e

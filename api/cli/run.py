@@ -210,9 +210,12 @@ def _print_statistics(output: Any, out: TextIO) -> None:
     """Per request type: work, cache answers, throughput, padding, replica use; then the ranks."""
     for phase, stats in output.stats.items():
         unit = "continuous-batching groups" if stats.get("batching") == "continuous" else ""
+        lost = (
+            f", {n} computed again after a replica was lost" if (n := stats.get("requeued")) else ""
+        )
         print(
             f"{phase}: {stats['requests']} requests computed in {stats['micro_batches']} "
-            f"{unit or 'micro-batches'} ({stats['cached']} answered from the cache), "
+            f"{unit or 'micro-batches'}{lost} ({stats['cached']} answered from the cache), "
             f"{stats['tokens_per_s']:,.0f} tokens/s, "
             f"real-token fraction {stats['real_token_fraction']:.3f}, replica utilisation "
             + ", ".join(f"r{r}={u:.0%}" for r, u in stats["replica_utilisation"].items()),

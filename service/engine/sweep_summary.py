@@ -114,7 +114,15 @@ class SweepSummary:
 
 
 #: The figures of :attr:`CheckpointRecord.stats` that add up over checkpoints.
-_COUNTS = ("requests", "cached", "recomputed", "micro_batches", "real_tokens", "padded_tokens")
+_COUNTS = (
+    "requests",
+    "cached",
+    "recomputed",
+    "requeued",
+    "micro_batches",
+    "real_tokens",
+    "padded_tokens",
+)
 
 
 def total_stats(records: list[CheckpointRecord]) -> dict[str, dict[str, Any]]:

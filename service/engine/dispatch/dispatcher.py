@@ -176,6 +176,9 @@ class Dispatcher:
         #: Per replica, when its oldest call in flight must have ended (or sent a piece).
         self._deadline: dict[int, float] = {}
         self._sizer = CallSizer()
+        #: Micro-batches given back to the queue because their replica was lost (computed again
+        #: on another; a streamed group's requests that had finished are computed twice).
+        self.requeued = 0
 
     def add(self, micro_batches: Sequence[MicroBatch]) -> int:
         """Queue more micro-batches of the same kind (a plan that arrives in parts), in steps of
@@ -404,6 +407,7 @@ class Dispatcher:
         lost = [step for flight in self._inflight.pop(index) for step in flight.steps]
         self._deadline.pop(index, None)
         self._pending.extendleft(reversed(lost))
+        self.requeued += sum(len(self._steps[step]) for step in lost)
         replica.kill()
         logger.warning(
             "replica %d lost (%s); re-queued %d batches on the others", index, exc, len(lost)
@@ -414,20 +418,6 @@ class Dispatcher:
                 f"killed for out-of-memory needs a smaller {config_field('batch_size')} or a "
                 f"larger {config_field('parallelism', 'shard_size')})."
             )
-
-
-def run_steps(
-    group: WorkerGroup,
-    micro_batches: Sequence[MicroBatch],
-    step_timeout_s: float,
-    on_step: Callable[[StepDone], None] | None = None,
-    depth: int = 2,
-    on_piece: Callable[[PieceDone], None] | None = None,
-) -> list[Any]:
-    """Compute every micro-batch on the group's replicas (:class:`Dispatcher`), in input order."""
-    if not micro_batches:
-        return []
-    return Dispatcher(group, micro_batches, step_timeout_s, depth).run(on_step, on_piece)
 
 
 def check_exactly_once(

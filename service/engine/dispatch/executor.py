@@ -27,7 +27,6 @@ from rayeval.service.engine.dispatch.dispatcher import (
     PieceDone,
     StepDone,
     check_exactly_once,
-    run_steps,
 )
 from rayeval.service.engine.dispatch.phases import PhaseStats, PhaseTracker, StartUp
 from rayeval.service.engine.parts.generate import PartDecoding, plan_generate_part
@@ -344,17 +343,13 @@ class Executor:
             if on_piece is not None:
                 on_piece(piece)
 
+        dispatcher = Dispatcher(self._group, micro_batches, self._timeouts.step_s)
         try:
-            results = run_steps(
-                self._group,
-                micro_batches,
-                self._timeouts.step_s,
-                on_step,
-                on_piece=on_streamed if on_piece is not None else None,
-            )
+            results = dispatcher.run(on_step, on_streamed if on_piece is not None else None)
         finally:
             tracker.close()
             self.stats[phase].recomputed += self._rewritten() - rewritten
+            self.stats[phase].requeued += dispatcher.requeued
         check_exactly_once(micro_batches, results)
         return results
 
@@ -508,6 +503,7 @@ class Executor:
             )
         finally:
             stats.recomputed += self._rewritten() - rewritten
+            stats.requeued += dispatcher.requeued
         stats.tokenised_by_actors += pool.tokenised
         stats.planned_by_actors += pool.planned
         return answers

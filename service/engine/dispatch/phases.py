@@ -36,6 +36,8 @@ class PhaseStats:
     #: Computed answers the response cache held already when they were stored: computed twice
     #: (in flight at a kill, or by another evaluation at the same time).
     recomputed: int = 0
+    #: Micro-batches computed again on another replica because theirs was lost mid-run.
+    requeued: int = 0
     micro_batches: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
@@ -73,6 +75,7 @@ class PhaseStats:
             "requests": self.requests,
             "cached": self.cached,
             "recomputed": self.recomputed,
+            "requeued": self.requeued,
             "micro_batches": self.micro_batches,
             "real_tokens": self.real_tokens,
             "padded_tokens": self.padded_tokens,
