@@ -149,6 +149,38 @@ def test_watch_writes_plain_lines_where_there_is_no_terminal(
     ]
 
 
+@pytest.mark.unit
+def test_a_progress_bar_redraws_seldom_where_there_is_no_terminal() -> None:
+    """A bar in a log or a pipe (``rayeval run`` as a Ray job, a runner's worker log): each
+    redraw is a line there, so it redraws every ``LINE_INTERVAL_S`` (and at the end), where on a
+    terminal it redraws in place as it moves."""
+    from collections import Counter
+
+    from rayeval.service.console import progress_on
+    from rayeval.service.engine.dispatch.phases import PhaseStats, PhaseTracker, StartUp
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    def frames(stream: io.StringIO) -> list[str]:
+        with progress_on(stream):
+            tracker = PhaseTracker(
+                "loglikelihood", PhaseStats(), Counter(), range(1), {}, StartUp(None, None),
+                None, disable_tqdm=False, expected=8,
+            )  # fmt: skip
+            for _ in range(8):
+                time.sleep(0.15)
+                tracker.expect(Counter(), answered=1)
+            tracker.close()
+        return [frame for frame in stream.getvalue().split("\r") if frame.strip()]
+
+    in_a_log, on_a_terminal = frames(io.StringIO()), frames(Terminal())
+    assert len(in_a_log) == 2, in_a_log  # the start and the end
+    assert "0/8" in in_a_log[0] and "8/8" in in_a_log[-1], in_a_log
+    assert len(on_a_terminal) >= 6, on_a_terminal
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

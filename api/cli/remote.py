@@ -31,6 +31,7 @@ from rayeval.api.cli.remote_sweeps import (
     with_sweep,
 )
 from rayeval.api.client import RayEvalClient, ServiceError
+from rayeval.service.console import LINE_INTERVAL_S, is_terminal
 from rayeval.service.result_files import write_lm_eval_files
 from rayeval.service.vocabulary.events import PhaseCounts
 from rayeval.service.vocabulary.lm_eval_options import LM_EVAL_HOST_FIELDS
@@ -254,7 +255,7 @@ def watch(client: RayEvalClient, evaluation_id: str, stream: Any = None) -> dict
     from tqdm import tqdm
 
     stream = stream or sys.stderr
-    if not _is_terminal(stream):  # a file or a pipe: no cursor movements, no redrawn bars
+    if not is_terminal(stream):  # a file or a pipe: no cursor movements, no redrawn bars
         return _watch_in_lines(client, evaluation_id, stream)
     bars: dict[str, Any] = {}
     status_bar = tqdm(total=0, bar_format="{desc}", position=0, file=stream)
@@ -288,15 +289,6 @@ def watch(client: RayEvalClient, evaluation_id: str, stream: Any = None) -> dict
         for bar in bars.values():
             bar.close()
         status_bar.close()
-
-
-#: Seconds between two lines of one request type's progress when it is not a terminal.
-LINE_INTERVAL_S = 10.0
-
-
-def _is_terminal(stream: Any) -> bool:
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
 
 
 def _watch_in_lines(client: RayEvalClient, evaluation_id: str, stream: Any) -> dict[str, Any]:

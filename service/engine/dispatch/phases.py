@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rayeval.service.console import progress_stream
+from rayeval.service.console import progress_stream, redraw_every_s
 from rayeval.service.engine.dispatch.dispatcher import PieceDone, StepDone
 from rayeval.service.vocabulary.events import Progress, RankMemory, ReplicaWork
 
@@ -146,13 +146,15 @@ class PhaseTracker:
         self._base_seconds = stats.seconds
         #: (requests done, when) at the last progress report.
         self._reported: tuple[int, float] | None = None
+        stream = progress_stream()
         self._bar = tqdm(
             initial=self.done,
             total=self.total,
             desc=f"rayeval {phase}",
             disable=disable_tqdm,
             unit="req",
-            file=progress_stream(),
+            file=stream,
+            mininterval=redraw_every_s(stream),  # in a log, each redraw is a line
         )
 
     def expect(self, requests_per_micro_batch: Counter[int], answered: int) -> None:
