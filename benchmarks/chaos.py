@@ -33,11 +33,11 @@ checkpoints of the model saved beside the data, its ranks started once and the w
    (else *wrong*); no answer was computed twice (the response cache counts the answers stored
    that it held already: each evaluation's ``recomputed``, a sweep's summed over its
    checkpoints) except those in flight at a kill (the evaluation lost a replica then: its
-   ``requeued``) or computed by two evaluations running at once
-   (else *wrong*, see :func:`computed_twice`); every evaluation's events are numbered 1, 2, 3,
-   ... and end in its final state, and every dropped-then-resumed stream read exactly the stored
-   events (else *lost*); after the server stops, no rank or runner actor, rank process, placement
-   group or ``rayeval-*`` temporary folder is left (else *left behind*).
+   ``requeued``) or computed by two evaluations running at once (else *wrong*, see
+   :func:`computed_twice`); every evaluation's events are numbered 1, 2, 3, ... and end in its
+   final state, and every dropped-then-resumed stream read exactly the stored events (else
+   *lost*); after the server stops, no rank or runner actor, rank process, placement group or
+   ``rayeval-*`` temporary folder is left (else *left behind*).
 
 Usage: ``python benchmarks/chaos.py [--minutes 10] [--short] [--seed 0] [--json out.json]
 [--rank-niceness N]`` (the server's ``--rank-niceness``, to measure the status reads with the
