@@ -10,11 +10,12 @@ checks that every micro-batch came back exactly once, and keeps the request type
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -329,7 +330,6 @@ class Executor:
         tracker = self._tracker(phase, requests_per_micro_batch, disable_tqdm, start, None, cached)
         self.stats[phase].micro_batches += len(micro_batches)
         assert self._group is not None
-        rewritten = self._rewritten()
 
         def on_step(step: StepDone) -> None:
             if on_piece is None:  # streamed groups reported their pieces already
@@ -345,17 +345,25 @@ class Executor:
 
         dispatcher = Dispatcher(self._group, micro_batches, self._timeouts.step_s)
         try:
-            results = dispatcher.run(on_step, on_streamed if on_piece is not None else None)
+            with self._computed_again(self.stats[phase], dispatcher):
+                results = dispatcher.run(on_step, on_streamed if on_piece is not None else None)
         finally:
             tracker.close()
-            self.stats[phase].recomputed += self._rewritten() - rewritten
-            self.stats[phase].requeued += dispatcher.requeued
         check_exactly_once(micro_batches, results)
         return results
 
-    def _rewritten(self) -> int:
-        """Answers the response cache was given that it held already, so far."""
-        return self._cache.rewritten if self._cache is not None else 0
+    @contextlib.contextmanager
+    def _computed_again(self, stats: PhaseStats, dispatcher: Dispatcher) -> Iterator[None]:
+        """Add to ``stats`` what ``dispatcher``'s run computed again, when it ends or fails:
+        answers the response cache held already when they were stored (``recomputed``), and
+        micro-batches of a lost replica computed on another (``requeued``)."""
+        rewritten = self._cache.rewritten if self._cache is not None else 0
+        try:
+            yield
+        finally:
+            if self._cache is not None:
+                stats.recomputed += self._cache.rewritten - rewritten
+            stats.requeued += dispatcher.requeued
 
     def _tracker(
         self,
@@ -496,14 +504,10 @@ class Executor:
         assert self._group is not None
         dispatcher = Dispatcher(self._group, [], self._timeouts.step_s, kind=kind)
         stats, streamed = self.stats[phase], kind is GenerateGroup
-        rewritten = self._rewritten()
-        try:
+        with self._computed_again(stats, dispatcher):
             answers = run_parts(
                 dispatcher, Planner(parts, plan), tracker, stats, total, streamed, on_part
             )
-        finally:
-            stats.recomputed += self._rewritten() - rewritten
-            stats.requeued += dispatcher.requeued
         stats.tokenised_by_actors += pool.tokenised
         stats.planned_by_actors += pool.planned
         return answers
