@@ -77,6 +77,7 @@ from benchmarks.service_harness import (
     stop_server,
     wait_ready,
 )
+from rayeval.service.result_files import parse_samples
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local throw-away cluster only
 for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -635,8 +636,7 @@ def samples(url: str, key: str, evaluation: dict[str, Any]) -> dict[str, list[An
 def _sample_rows(url: str, key: str, link: str) -> list[Any]:
     response = _get(url, link, key)
     assert response is not None and response.status_code == 200, link
-    rows = [json.loads(line) for line in response.text.splitlines() if line.strip()]
-    return sorted((row["doc_id"], row["filtered_resps"]) for row in rows)
+    return sorted((row["doc_id"], row["filtered_resps"]) for row in parse_samples(response.text))
 
 
 def first_difference(ours: dict[str, list[Any]], reference: dict[str, list[Any]]) -> str:
