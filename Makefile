@@ -8,7 +8,7 @@ DEMO_OUT ?= .rayeval/demo-results
 PORT     ?= 8000
 SERVICE_DIR ?= .rayeval/service
 
-.PHONY: install browser postgres run demo-cli test test-fast lint format bench gpu-check clean
+.PHONY: install browser postgres run demo-cli test test-avx2 test-fast lint format bench gpu-check clean
 
 install: $(STAMP)
 
@@ -55,9 +55,21 @@ postgres:
 	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
 	    else echo "PostgreSQL is missing and this is not root: its tests will be skipped"; fi; }
 
-# Every tier (unit, service, e2e: see tests/conftest.py), then the 25 slowest tests.
+# Every tier (unit, service, e2e: see tests/conftest.py), then the 25 slowest tests; on a CPU
+# with AVX-512, the parity tier again as an AVX2-only CPU computes it (test-avx2).
 test: install browser postgres
 	$(BIN)/python -m pytest -q -ra --durations=25
+	@if $(BIN)/python -c "import sys, torch; sys.exit(torch.backends.cpu.get_cpu_capability() != 'AVX512')"; \
+	then $(MAKE) --no-print-directory test-avx2; \
+	else echo "no AVX-512 here: the parity tier above ran on the AVX2 kernels themselves"; fi
+
+# The parity tier (tests held to lm-eval hf's answers, which move with the CPU's kernels) with
+# ATen's and oneDNN's kernels capped at AVX2: on an AVX-512 CPU this gives the answers of a CPU
+# with AVX2 alone (an AMD EPYC's bf16 and float32 failures reproduced value for value), where
+# lm-eval hf's own bf16 answers move with its batch size.
+AVX2_CAPS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+test-avx2: install
+	$(AVX2_CAPS) $(BIN)/python -m pytest -q -ra -m parity
 
 # The unit tier only: no Ray cluster, no server, no model evaluation (about 25 s on 2 cores).
 test-fast: install

@@ -53,6 +53,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How far lm-eval hf's own bf16/fp16 answers moved between its batch sizes on this machine,
+    and how far rayeval's were from them (tests.helpers.HfSpread), one line per check."""
+    from tests.helpers import SPREADS
+
+    if SPREADS:
+        import torch
+
+        capped = [f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+                  if k in os.environ]  # fmt: skip
+        kernels = f"ATen kernels {torch.backends.cpu.get_cpu_capability()}"
+        kernels += f", capped by {' '.join(capped)}" if capped else ""
+        terminalreporter.write_sep("-", f"lm-eval hf's spread and rayeval's distance ({kernels})")
+        for line in SPREADS:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
     """The bundled tiny Llama and demo tasks, built once per test session."""

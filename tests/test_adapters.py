@@ -4,7 +4,8 @@ A real LoRA is trained for a few steps on the demo Llama with the ``peft`` packa
 (:mod:`tests.lora_run`), so that it changes the answers; delta weights are seeded noise saved as
 a model folder. The reference is lm-eval's own ``hf`` backend with the same ``peft=``/``delta=``
 in the same dtype; rayeval must give its per-sample results at 1x1, 2x1 and 1x2 (FSDP), in
-float32 (|delta logprob| <= 1e-4) and bf16 (bit for bit), through the Python LM and (float32,
+float32 (|delta logprob| <= 1e-4) and bf16 (within lm-eval hf's own spread between its batch
+sizes on this machine: bit for bit where it does not move), through the Python LM and (float32,
 2x1) the CLI.
 Bad adapters are refused before any rank starts; the server holds adapter paths to its model
 roots; the response cache keys answers by the adapter's content. Sweeps over a LoRA run's
@@ -22,7 +23,14 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import assert_same_results, evaluate, read_outputs, run_lm_eval_cli
+from tests.helpers import (
+    HfSpread,
+    assert_same_results,
+    evaluate,
+    hf_spread,
+    read_outputs,
+    run_lm_eval_cli,
+)
 from tests.lora_run import corpus_texts, pad_vocabulary, train_lora
 
 RUN = {"num_fewshot": 1, "limit": 4, "bootstrap_iters": 0}
@@ -80,6 +88,19 @@ class References(dict):  # type: ignore[type-arg]
                              device="cpu", batch_size=4, **RUN)  # fmt: skip
         return self[key]
 
+    def spread(self, arg: str, dtype: str) -> HfSpread:
+        """lm-eval hf's answers with ``arg`` at several batch sizes (bf16's reference)."""
+        return hf_spread(self._demo.model_dir, self._task_manager, TASKS, dtype,
+                         {arg: str(self._paths[arg])}, **RUN)  # fmt: skip
+
+    def assert_matches(self, arg: str, dtype: str, ours: dict[str, Any], what: str) -> None:
+        """float32: lm-eval hf's per-sample results within the fidelity tolerance; bf16: within
+        lm-eval hf's own spread on this machine (bit for bit where it does not move)."""
+        if dtype == "float32":
+            assert_same_results(self[(arg, dtype)], ours)
+        else:
+            self.spread(arg, dtype).assert_holds(ours, what)
+
 
 @pytest.fixture(scope="module")
 def references(
@@ -99,6 +120,7 @@ LAYOUTS = [  # (R, G, dtype, model arg)
 
 
 @pytest.mark.e2e
+@pytest.mark.parity
 @pytest.mark.parametrize(
     ("replicas", "shard_size", "dtype", "arg"),
     LAYOUTS,
@@ -109,7 +131,8 @@ def test_adapter_matches_lm_eval_hf(
     references: References, task_manager: Any, ray_session: None,
 ) -> None:  # fmt: skip
     """Every request type per sample as lm-eval's hf backend with the same peft=/delta= (bf16
-    bit for bit); at G=2 each rank holds half the base, and the adapter changes the answers."""
+    within its own spread); at G=2 each rank holds half the base, and the adapter changes the
+    answers."""
     from rayeval.service.engine.lm import RayEvalLM
 
     path = {"peft": lora, "delta": delta}[arg]
@@ -120,8 +143,7 @@ def test_adapter_matches_lm_eval_hf(
         ours = evaluate(lm, task_manager, TASKS, **RUN)
         reports = lm.engine.load_reports
         assert lm.engine.shard_strategy.value == "fsdp"
-    exact = dtype != "float32"
-    assert_same_results(references[(arg, dtype)], ours, exact=exact)
+    references.assert_matches(arg, dtype, ours, f"rayeval {replicas}x{shard_size}")
     if shard_size == 2:  # each rank holds its half of the base (plus a whole, tiny adapter)
         total = sum(r.local_parameters for r in reports)
         assert max(r.local_parameters for r in reports) <= total / 2 * 1.05
@@ -181,6 +203,7 @@ TP_CASES = [  # (model arg, dtype): shard_strategy tp at 1x2
 
 
 @pytest.mark.e2e
+@pytest.mark.parity
 @pytest.mark.parametrize(("arg", "dtype"), TP_CASES, ids=[f"{a}-{d}" for a, d in TP_CASES])
 def test_adapter_under_tensor_parallelism_matches_lm_eval_hf(
     arg: str, dtype: str, demo: Any, lora: Path, lora_later: Path, delta: Path,
@@ -188,7 +211,7 @@ def test_adapter_under_tensor_parallelism_matches_lm_eval_hf(
 ) -> None:  # fmt: skip
     """``shard_strategy="tp"`` at 1x2: each rank holds its half of the base (and of a LoRA's B
     where a layer keeps its output columns), and every request type per sample is lm-eval hf's
-    with the same peft=/delta= (bf16 bit for bit); a swapped LoRA checkpoint too."""
+    with the same peft=/delta= (bf16 within its own spread); a swapped LoRA checkpoint too."""
     from rayeval.service.engine.lm import RayEvalLM
 
     path = {"peft": lora, "delta": delta}[arg]
@@ -203,7 +226,7 @@ def test_adapter_under_tensor_parallelism_matches_lm_eval_hf(
         if swap:
             lm.engine.swap_adapter(str(lora_later))
             swapped = evaluate(lm, task_manager, TASKS, **RUN)
-    assert_same_results(references[(arg, dtype)], ours, exact=dtype != "float32")
+    references.assert_matches(arg, dtype, ours, "rayeval 1x2 tp")
     if swap:
         assert_same_results(references[("later", "float32")], swapped)
     # each rank holds its half of the base, and of the adapter at most the whole
@@ -582,11 +605,12 @@ def _resized_args(case: str, grown: Path, padded: tuple[Path, Path], demo: Any) 
 RESIZED = [  # (case, R, G, dtype)
     ("grown", 1, 1, "float32"),
     ("grown", 1, 2, "float32"),
-    ("padded", 1, 2, "bfloat16"),  # bit for bit (the same shrink as float32, held to more)
+    ("padded", 1, 2, "bfloat16"),  # within lm-eval hf's spread (bit for bit where it is 0)
 ]  # bf16 with added tokens is not bit for bit: docs/architecture.md, "Not yet"
 
 
 @pytest.mark.e2e
+@pytest.mark.parity
 @pytest.mark.parametrize(
     ("case", "replicas", "shard_size", "dtype"),
     RESIZED,
@@ -604,11 +628,8 @@ def test_resized_vocabulary_matches_lm_eval_hf(
     from rayeval.service.engine.lm import RayEvalLM
 
     def reference(args: dict[str, str]) -> dict[str, Any]:
-        # bf16: lm-eval's unpadded answers (batches of one); its own bf16 answers moved with its
-        # batch size on these tokenizers (demo_mc/3 of the grown case: -7.21875 at 1, -7.25 at 4)
-        batch_size = 4 if dtype == "float32" else 1
         return evaluate("hf", task_manager, TASKS, model_args={**args, "dtype": dtype},
-                        device="cpu", batch_size=batch_size, **RUN)  # fmt: skip
+                        device="cpu", batch_size=4, **RUN)  # fmt: skip
 
     args = _resized_args(case, grown, padded, demo)
     swap = case == "grown" and shard_size == 2  # another checkpoint of the run, swapped in place
@@ -625,7 +646,12 @@ def test_resized_vocabulary_matches_lm_eval_hf(
                                steps=2, seed=1, added_tokens=ADDED_TOKENS)  # fmt: skip
             lm.engine.swap_adapter(str(later))
             swapped = evaluate(lm, task_manager, TASKS, **RUN)
-    assert_same_results(reference(args), ours, exact=dtype != "float32")
+    if dtype == "float32":
+        assert_same_results(reference(args), ours)
+    else:  # lm-eval's own bf16 answers move with its batch size on these tokenizers
+        model_dir, extra = args["pretrained"], {k: v for k, v in args.items() if k != "pretrained"}
+        spread = hf_spread(model_dir, task_manager, TASKS, dtype, extra, **RUN)
+        spread.assert_holds(ours, f"rayeval {replicas}x{shard_size} ({case})")
     if swap:
         assert_same_results(reference({**args, "peft": str(later)}), swapped)
     if case == "grown":  # the prompts are tokenised into added tokens (their rows are read)

@@ -6,9 +6,14 @@ or an expert) run the demo group (multiple choice, loglikelihood, rolling loglik
 generate_until tasks; continuous batching and shared prefixes on, as by default) at every layout
 under both strategies (the Qwen2-style model in fp16, and the bundled trained Llama in bf16, at
 1x1 and under TP). Each layout's
-per-sample results must equal lm-eval's own ``hf`` backend in the same dtype: bit for bit in bf16
-and fp16 (DESIGN invariant 1; lm-eval's own answers do not move with its batch size on this
-CPU), and in float32 within the fidelity tolerance and bit for bit against the one-rank layout.
+per-sample results are held to lm-eval's own ``hf`` backend in the same dtype. In bf16 and fp16,
+to lm-eval hf's own spread between batch sizes 1, 4 and 16 on this machine (tests.helpers.HfSpread;
+DESIGN invariant 1): bit for bit by every measure in which lm-eval hf does not move (on a CPU with
+AVX-512 its log-probs do not), never further than it moves in the others (with AVX2 alone they
+do). In float32, within the fidelity tolerance of lm-eval hf, bit for bit against the one-rank
+layout where the kernels are the same (two replicas each run whole batches) and within the same
+tolerance where they are not (FSDP gives each rank its own micro-batch, TP multiplies split
+matrices: on an AVX2-only CPU, MKL's float32 bits depend on a product's shape).
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import assert_same_results, evaluate, hf_reference
+from tests.helpers import assert_same_results, evaluate, hf_reference, hf_spread
 from tests.models import build_model
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.parity]
 
 RUN = {"num_fewshot": 1, "limit": 4, "bootstrap_iters": 0}
 #: name -> (replicas, shard size, strategy); ``auto`` takes tensor parallelism at G = 2.
@@ -64,8 +69,10 @@ def runs(models: dict[str, Path], task_manager: Any, ray_session: None) -> Any:
     def run(arch: str, dtype: str, layout: str) -> Any:
         key = (arch, dtype, layout)
         if key not in cache:
-            if layout == "hf":
+            if layout == "hf" and dtype == "float32":
                 cache[key] = hf_reference(models[arch], task_manager, ["demo"], dtype, **RUN)
+            elif layout == "hf":
+                cache[key] = hf_spread(models[arch], task_manager, ["demo"], dtype, **RUN)
             else:
                 replicas, shard_size, strategy = LAYOUTS[layout]
                 with RayEvalLM(
@@ -95,6 +102,6 @@ def test_layout_matches_lm_eval_hf(arch: str, dtype: str, layout: str, runs: Any
     assert {"demo_mc", "demo_rolling", "demo_gen_short", "demo_gen_long"} <= set(ours["samples"])
     if dtype == "float32":
         assert_same_results(reference, ours)
-        assert_same_results(runs(arch, dtype, "1x1")[0], ours, exact=True)
-    else:  # bf16 and fp16: bit for bit
-        assert_same_results(reference, ours, exact=True)
+        assert_same_results(runs(arch, dtype, "1x1")[0], ours, exact=layout == "2x1")
+    else:
+        reference.assert_holds(ours, f"rayeval {layout}")
