@@ -34,6 +34,7 @@ from tests.helpers import (
     HfSpread,
     assert_same_results,
     evaluate,
+    half_precision_parity,
     hf_reference,
     hf_spread,
     read_outputs,
@@ -93,9 +94,9 @@ LAYOUTS = [
 
 
 @pytest.mark.e2e
-@pytest.mark.parity
 @pytest.mark.parametrize(
-    ("shard_size", "strategy", "dtype"), LAYOUTS, ids=["1", "2-fsdp", "2-tp", "2-tp-bf16"]
+    ("shard_size", "strategy", "dtype"),
+    half_precision_parity(LAYOUTS, ["1", "2-fsdp", "2-tp", "2-tp-bf16"]),
 )
 def test_checkpoints_match_lm_eval_hf_on_merged_weights(
     shard_size: int, strategy: str, dtype: str, demo: Any, run_dir: Path,

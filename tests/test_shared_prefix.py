@@ -259,9 +259,10 @@ def test_matches_hf_and_feeds_fewer_tokens(wide_reference: Any, wide_1x1: Any) -
 def test_sharded_and_replicated_layouts(
     layout: tuple[int, int], strategy: str, demo: Any, shaped: Any, wide_1x1: Any, ray_session: None
 ) -> None:
-    """FSDP, TP and replicas are bit-identical to 1x1."""
+    """FSDP and replicas are bit-identical to 1x1 (the same micro-batches, the same kernels);
+    TP within the fidelity bound (its ranks multiply slices of each layer: other kernels)."""
     ours, _ = _ours(demo.model_dir, shaped, layout, WIDE, shard_strategy=strategy)
-    assert_same_results(wide_1x1[0], ours, exact=True)
+    assert_same_results(wide_1x1[0], ours, exact=strategy != "tp")
 
 
 @pytest.mark.e2e
