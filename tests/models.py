@@ -37,11 +37,34 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "tie_word_embeddings": False,
     },
+    # GPT-2: Conv1D projections (weights stored in x out), learned positions, tied head.
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 128,
+        "n_layer": 2,
+        "n_head": 4,
+        "tie_word_embeddings": True,
+    },
 }
 
 
-def build_model(arch: str, out_dir: Path, tokenizer_dir: Path) -> Path:
-    """Save a random ``arch`` model (:data:`SHAPES`) and the demo tokenizer in ``out_dir``."""
+def build_model(
+    arch: str,
+    out_dir: Path,
+    tokenizer_dir: Path,
+    extra_rows: int = 0,
+    generation: dict[str, Any] | None = None,
+) -> Path:
+    """Save a random ``arch`` model (:data:`SHAPES`) and the demo tokenizer in ``out_dir``.
+
+    Args:
+        arch: A key of :data:`SHAPES`.
+        out_dir: Where the model folder goes.
+        tokenizer_dir: The tokenizer's folder (the demo model's).
+        extra_rows: Embedding rows beyond the tokenizer's tokens (an odd count gives a
+            vocabulary that two ranks do not divide).
+        generation: Settings added to the model's ``generation_config.json``.
+    """
     import torch
     import transformers
 
@@ -49,7 +72,7 @@ def build_model(arch: str, out_dir: Path, tokenizer_dir: Path) -> Path:
     shape = dict(SHAPES[arch])
     config = transformers.AutoConfig.for_model(
         shape.pop("model_type"),
-        vocab_size=len(tokenizer),
+        vocab_size=len(tokenizer) + extra_rows,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -62,6 +85,9 @@ def build_model(arch: str, out_dir: Path, tokenizer_dir: Path) -> Path:
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.05)
+    if generation:
+        for key, value in generation.items():
+            setattr(model.generation_config, key, value)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -63,10 +63,11 @@ def _matches_gloo(rank: int, world: int, store: str, name: str) -> None:
 
 def _gathers_transformers_tensor_parallel(rank: int, world: int, store: str, name: str) -> None:
     """rayeval's exact TP styles gather through shared memory when it is set, and over the
-    process group otherwise: the same result."""
+    process group otherwise: the same result; pieces of unequal widths too (a vocabulary the
+    ranks do not divide), each rank's whole piece in rank order."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rayeval.actors.parallel.tp_exact import Gather
+    from rayeval.actors.parallel.tp_exact import Gather, shard_widths
 
     _join(rank, world, store)
     mesh = init_device_mesh("cpu", (world,))
@@ -79,6 +80,16 @@ def _gathers_transformers_tensor_parallel(rank: int, world: int, store: str, nam
     assert gather.shm._seq == 1
     expected = torch.cat([torch.arange(6.0).view(2, 3) + 10 * r for r in range(world)], dim=-1)
     assert torch.equal(over_gloo, expected) and torch.equal(over_shm, expected)
+
+    widths = shard_widths(2 * 339 - 1, world)  # 677 columns over two ranks
+    assert widths == (339, 338)
+    uneven = [torch.arange(3 * w, dtype=torch.float32).view(3, w) + 1000 * r
+              for r, w in enumerate(widths)]  # fmt: skip
+    expected = torch.cat(uneven, dim=-1)
+    assert torch.equal(gather(uneven[rank], mesh.get_group(), widths), expected)
+    shm, gather.shm = gather.shm, None
+    assert torch.equal(gather(uneven[rank], mesh.get_group(), widths), expected)  # over gloo
+    gather.shm = shm
     dist.barrier()
     dist.destroy_process_group()
     # The device mesh leaves a C++ thread that the interpreter's exit sometimes destroys while

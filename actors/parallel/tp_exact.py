@@ -15,6 +15,12 @@ for the slice, ~0.01% of a layer's outputs land one bf16 step apart (docs/perfor
 "Tensor parallelism that splits no sum"; ``benchmarks/bench_split_sums.py --sweep``). The head's
 gathered logits use the same gather.
 
+A dimension G does not divide (a vocabulary of 50,257 or 32,001; the head's rows) is split as
+DTensor's ``Shard`` splits it, ``ceil(n / G)`` rows to the first ranks and the rest to the last
+(:func:`shard_widths`), and gathered whole: each piece padded to the widest for the exchange and
+cut back after it, so every rank holds the same full logits, applies the same generation settings
+to them and takes the same stopping decision.
+
 Each rank still holds 1/G of every such weight (its output rows instead of its input columns). The
 cost is traffic: two all-gathers of ``rows x features / G`` per layer instead of one all-reduce of
 ``rows x hidden``.
@@ -92,6 +98,15 @@ def register(gather: Gather) -> None:
         ALL_PARALLEL_STYLES.register(name, _style(gather, gather_input, gather_output))
 
 
+def shard_widths(size: int, world: int) -> tuple[int, ...]:
+    """Each rank's part of a dimension of ``size`` that ``Shard`` splits over ``world`` ranks,
+    as DTensor splits it (``torch.chunk``'s rule): ``ceil(size / world)`` for the first ranks,
+    the rest to the last ones (a vocabulary of 677 over 2 ranks: 339 and 338; a rank may get
+    none)."""
+    step = -(-size // world)
+    return tuple(max(0, min(step, size - rank * step)) for rank in range(world))
+
+
 class Gather:
     """The ranks' activations concatenated along the last dimension, in rank order: through
     shared memory once :attr:`shm` is set (CPU ranks of one node), else over the process group
@@ -103,7 +118,28 @@ class Gather:
         #: or None.
         self.shm: Any = None
 
-    def __call__(self, tensor: Any, group: Any) -> Any:
+    def __call__(self, tensor: Any, group: Any, widths: tuple[int, ...] | None = None) -> Any:
+        """Every rank's ``tensor`` concatenated along the last dimension.
+
+        Args:
+            tensor: This rank's piece; the same shape on every rank but for its last dimension.
+            group: The replica's process group.
+            widths: Every rank's last-dimension size, where they differ (a dimension that the
+                ranks' count does not divide: :func:`shard_widths`); None where they are equal.
+                Each piece is padded to the widest for the exchange, which needs equal sizes,
+                and cut back after it.
+        """
+        if widths is None or len(set(widths)) == 1:
+            return self._gather_equal(tensor, group)
+        import torch
+        import torch.nn.functional as F
+
+        widest = max(widths)
+        gathered = self._gather_equal(F.pad(tensor, (0, widest - tensor.shape[-1])), group)
+        pieces = [gathered[..., r * widest : r * widest + w] for r, w in enumerate(widths)]
+        return torch.cat(pieces, dim=-1)
+
+    def _gather_equal(self, tensor: Any, group: Any) -> Any:
         import torch
         import torch.distributed as dist
 
@@ -134,12 +170,16 @@ class Split:
         group: The replica's process group.
         gather_input: The input arrives split on its last dim (a row-parallel layer's).
         gather_output: The output columns are gathered (else each rank keeps its own).
+        input_widths: Each rank's slice of the input features (:func:`shard_widths`).
+        output_widths: Each rank's output columns: its rows of the weight.
     """
 
     gather: Gather
     group: Any
     gather_input: bool
     gather_output: bool
+    input_widths: tuple[int, ...]
+    output_widths: tuple[int, ...]
 
     def whole_input(self) -> Any:
         """A function of the layer's input giving the whole input on every rank (gathered
@@ -149,7 +189,7 @@ class Split:
         def whole(x: Any) -> Any:
             if isinstance(x, DTensor):
                 return x.redistribute(placements=[Replicate()]).to_local()
-            return self.gather(x, self.group) if self.gather_input else x
+            return self.gather(x, self.group, self.input_widths) if self.gather_input else x
 
         return whole
 
@@ -165,7 +205,9 @@ class Split:
                 x = whole(x)
             bias = module.bias
             out = F.linear(x, _local(module.weight), None if bias is None else _local(bias))
-            return self.gather(out, self.group) if self.gather_output else out
+            if not self.gather_output:
+                return out
+            return self.gather(out, self.group, self.output_widths)
 
         return forward
 
@@ -199,7 +241,12 @@ def _style(gather: Gather, gather_input: bool, gather_output: bool) -> Any:
                     f"{type(module).__name__} is not a plain linear layer: rayeval's exact "
                     "tensor parallelism splits those only"
                 )
-            split = Split(gather, mesh.get_group(), gather_input, gather_output)
+            out_features, in_features = module.weight.shape  # the whole layer's
+            widths = (
+                shard_widths(in_features, mesh.size()),
+                shard_widths(out_features, mesh.size()),
+            )
+            split = Split(gather, mesh.get_group(), gather_input, gather_output, *widths)
             module.forward = split.forward_of(module)  # type: ignore[method-assign]
             module.rayeval_split = split  # type: ignore[assignment]
             return module
