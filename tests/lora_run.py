@@ -15,13 +15,15 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def train_lora(model_dir: Path, out: Path, corpus: list[str], steps: int = 8, seed: int = 0,
                rank: int = 8, lr: float = 5e-2, added_tokens: list[str] | None = None,
-               save_embedding_layers: bool | str = "auto") -> Path:  # fmt: skip
+               save_embedding_layers: bool | str = "auto",
+               targets: list[str] | None = None) -> Path:  # fmt: skip
     """Train a LoRA on ``corpus`` (causal LM loss) for ``steps`` steps; save it under ``out``.
 
     ``added_tokens``: tokens added to the tokenizer first, the base's embeddings resized for
     them (new rows drawn around the mean, as ``resize_token_embeddings`` draws them); the
     tokenizer is saved beside the adapter, and PEFT saves the resized embeddings and head with
-    it (``save_embedding_layers="auto"``) unless told not to.
+    it (``save_embedding_layers="auto"``) unless told not to. ``targets``: the layers adapted
+    (the Llama's attention and MLP projections unless given).
     """
     import torch
     import transformers
@@ -33,8 +35,8 @@ def train_lora(model_dir: Path, out: Path, corpus: list[str], steps: int = 8, se
     if added_tokens:
         tokenizer.add_tokens(added_tokens)
         base.resize_token_embeddings(len(tokenizer))
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=TARGETS,
-                        task_type="CAUSAL_LM")  # fmt: skip
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                        target_modules=targets or TARGETS, task_type="CAUSAL_LM")  # fmt: skip
     model = get_peft_model(base, config)
     optimiser = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()

@@ -27,6 +27,7 @@ from tests.helpers import (
     HfSpread,
     assert_same_results,
     evaluate,
+    half_precision_parity,
     hf_spread,
     read_outputs,
     run_lm_eval_cli,
@@ -120,11 +121,9 @@ LAYOUTS = [  # (R, G, dtype, model arg)
 
 
 @pytest.mark.e2e
-@pytest.mark.parity
 @pytest.mark.parametrize(
     ("replicas", "shard_size", "dtype", "arg"),
-    LAYOUTS,
-    ids=[f"{a}-{r}x{g}-{d}" for r, g, d, a in LAYOUTS],
+    half_precision_parity(LAYOUTS, [f"{a}-{r}x{g}-{d}" for r, g, d, a in LAYOUTS]),
 )
 def test_adapter_matches_lm_eval_hf(
     replicas: int, shard_size: int, dtype: str, arg: str, demo: Any, lora: Path, delta: Path,
@@ -203,8 +202,9 @@ TP_CASES = [  # (model arg, dtype): shard_strategy tp at 1x2
 
 
 @pytest.mark.e2e
-@pytest.mark.parity
-@pytest.mark.parametrize(("arg", "dtype"), TP_CASES, ids=[f"{a}-{d}" for a, d in TP_CASES])
+@pytest.mark.parametrize(
+    ("arg", "dtype"), half_precision_parity(TP_CASES, [f"{a}-{d}" for a, d in TP_CASES])
+)
 def test_adapter_under_tensor_parallelism_matches_lm_eval_hf(
     arg: str, dtype: str, demo: Any, lora: Path, lora_later: Path, delta: Path,
     references: References, task_manager: Any, ray_session: None,
@@ -267,6 +267,56 @@ def test_cli_peft_two_replicas_writes_what_lm_eval_writes(
         {"results": reference["results"], "samples": reference_samples},
         {"results": results["results"], "samples": samples},
     )
+
+
+@pytest.fixture(scope="module")
+def gpt2_lora(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A GPT-2-style model (Conv1D projections, a tied vocabulary of 769 rows) and a LoRA on
+    its attention and MLP layers, as PEFT targets them (``fan_in_fan_out``)."""
+    from rayeval.service.demo.make_data import DATA_DIR
+    from tests.models import build_model
+
+    root = tmp_path_factory.mktemp("gpt2")
+    base = build_model("gpt2", root / "base", demo.model_dir, extra_rows=1)
+    adapter = train_lora(base, root / "adapter", corpus_texts(DATA_DIR), steps=4,
+                         targets=["c_attn", "c_proj", "c_fc"])  # fmt: skip
+    return base, adapter
+
+
+GPT2_LAYOUTS = [(1, "float32"), (2, "float32"), (2, "bfloat16")]  # (G, dtype); auto: FSDP
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("shard_size", "dtype"),
+    half_precision_parity(GPT2_LAYOUTS, [f"1x{g}-{d}" for g, d in GPT2_LAYOUTS]),
+)
+def test_gpt2_lora_on_conv1d_layers_matches_lm_eval_hf(
+    shard_size: int, dtype: str, gpt2_lora: tuple[Path, Path], task_manager: Any,
+    ray_session: None,
+) -> None:  # fmt: skip
+    """A LoRA on GPT-2's Conv1D layers (weights stored in x out) is applied, not refused:
+    every request type per sample as lm-eval hf with the same peft= (bf16: within its own
+    spread), and the adapter changes the answers."""
+    from rayeval.service.engine.lm import RayEvalLM
+    from tests.helpers import hf_reference
+
+    base, adapter = gpt2_lora
+    with RayEvalLM(
+        pretrained=str(base), peft=str(adapter), dtype=dtype, shard_size=shard_size,
+        batch_size="auto", max_batch_tokens=256,
+    ) as lm:  # fmt: skip
+        ours = evaluate(lm, task_manager, TASKS, **RUN)
+    if dtype == "float32":
+        reference = hf_reference(
+            base, task_manager, TASKS, dtype, model_args={"peft": str(adapter)}, **RUN
+        )
+        assert_same_results(reference, ours)
+        plain = hf_reference(base, task_manager, TASKS, dtype, **RUN)
+        assert plain["results"] != reference["results"], "the LoRA changes no answer"
+    else:
+        spread = hf_spread(base, task_manager, TASKS, dtype, {"peft": str(adapter)}, **RUN)
+        spread.assert_holds(ours, f"rayeval 1x{shard_size}, GPT-2 LoRA")
 
 
 # ------------------------------------------------------------------ refusals, before any rank
@@ -610,11 +660,9 @@ RESIZED = [  # (case, R, G, dtype)
 
 
 @pytest.mark.e2e
-@pytest.mark.parity
 @pytest.mark.parametrize(
     ("case", "replicas", "shard_size", "dtype"),
-    RESIZED,
-    ids=[f"{c}-{r}x{g}-{d}" for c, r, g, d in RESIZED],
+    half_precision_parity(RESIZED, [f"{c}-{r}x{g}-{d}" for c, r, g, d in RESIZED]),
 )
 def test_resized_vocabulary_matches_lm_eval_hf(
     case: str, replicas: int, shard_size: int, dtype: str, demo: Any, grown: Path,

@@ -5,8 +5,9 @@
   ``adapter_model.safetensors``). Each rank applies it with PEFT's own
   ``PeftModel.from_pretrained``, unmerged, as lm-eval does, onto the model it has already
   loaded: whole (G = 1), FSDP2-sharded or tensor-parallel. PEFT wraps each target
-  ``nn.Linear`` in a LoRA layer whose ``base_layer`` is that same module object, so FSDP2 still
-  gathers and frees the base weight at each forward; the adapter's own matrices (``r x (in +
+  ``nn.Linear`` (or GPT-2's ``Conv1D``, with ``fan_in_fan_out``) in a LoRA layer whose
+  ``base_layer`` is that same module object, so FSDP2 still gathers and frees the base weight
+  at each forward; the adapter's own matrices (``r x (in +
   out)`` per layer: a fraction of a percent of the model) are whole on every FSDP rank. Under
   tensor parallelism a layer that keeps its output columns holds only its rows of ``lora_B``,
   and a layer whose input arrives split gathers it first
@@ -90,7 +91,6 @@ def adapter_problems(path: str, shell: Any, tokens: int | None = None) -> None:
     Raises:
         ConfigError: naming the field and what to do.
     """
-    from torch import nn
 
     from rayeval.actors.weights.vocabulary import (
         config_rows,
@@ -131,25 +131,43 @@ def adapter_problems(path: str, shell: Any, tokens: int | None = None) -> None:
             )
         name = key[: -len(suffix)].removeprefix("base_model.model.")
         module = modules.get(name)
-        if not isinstance(module, nn.Linear):
+        features = _features(module)
+        if features is None:
             raise ConfigError(
                 f"peft={path}: the adapter trains layer {name}, which pretrained's model "
                 f"({type(shell).__name__}) has not: name the base model the adapter was "
                 f"trained on in pretrained= (its adapter config says "
                 f"{config.get('base_model_name_or_path')!r})"
             )
+        in_features, out_features = features
         if suffix == ".lora_A.weight":
-            wanted = (shape[0], module.in_features)
+            wanted = (shape[0], in_features)
         else:  # a LoRA on the head of a resized vocabulary has its new row count
-            out = rows if module is head and rows is not None else module.out_features
+            out = rows if module is head and rows is not None else out_features
             wanted = (out, shape[1])
         if tuple(shape) != wanted:
             raise ConfigError(
                 f"peft={path}: tensor {key} has shape {tuple(shape)}, but layer {name} of "
-                f"pretrained's model is {module.in_features} -> {module.out_features}: the "
+                f"pretrained's model is {in_features} -> {out_features}: the "
                 "adapter was trained on another base; name that one in pretrained= (its "
                 f"adapter config says {config.get('base_model_name_or_path')!r})"
             )
+
+
+def _features(module: Any) -> tuple[int, int] | None:
+    """The input and output features of a layer LoRA adapts as a linear layer: ``nn.Linear``,
+    or transformers' ``Conv1D`` (GPT-2's projections: a linear layer whose weight is stored
+    transposed, ``in x out``, which PEFT adapts with ``fan_in_fan_out``); None for any other
+    module."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        in_features, out_features = module.weight.shape
+        return int(in_features), int(out_features)
+    return None
 
 
 def adapter_file(path: str) -> Path:
