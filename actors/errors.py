@@ -17,6 +17,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+#: A log record's ``extra`` that keeps it in the log file, off the console (``--verbose`` shows
+#: it there too): details behind a line the console already shows, such as a rank's traceback.
+LOG_FILE_ONLY = {"rayeval_log_file_only": True}
+
 #: Delimits a configuration field named inside a message (:func:`field`); separates its value.
 _MARK, _VALUE = "\x1f", "\x1e"
 _FIELD = re.compile(f"{_MARK}([^{_MARK}{_VALUE}]+)(?:{_VALUE}([^{_MARK}]*))?{_MARK}")

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -31,6 +33,7 @@ from rayeval.actors.batches import (
     RankOptions,
 )
 from rayeval.actors.errors import (
+    LOG_FILE_ONLY,
     EvaluationTimeoutError,
     ModelLoadError,
     RayEvalError,
@@ -486,15 +489,55 @@ def rank_failure(
     """The driver-side error for an exception raised inside a rank actor.
 
     A rayeval error keeps its own class and message (it already names the fix); anything else
-    becomes ``error`` naming what the rank was doing and the cause, with ``oom_hint`` (what to
-    lower) appended only when the cause was running out of memory (:func:`out_of_memory`): a
-    hint about memory under any other error would point the user away from the real cause.
+    becomes ``error`` naming what the rank was doing, the cause and the file and line of the
+    rank's code that raised it, with ``oom_hint`` (what to lower) appended only when the cause
+    was running out of memory (:func:`out_of_memory`): a hint about memory under any other error
+    would point the user away from the real cause. The rank's whole traceback goes to the log
+    file (and the console with ``--verbose``), since the raised error carries none of it.
     """
     cause = exc.cause
+    # Ray's text of it: the rank's task, pid, node and actor, then its traceback (the exception
+    # Ray raises on the driver may be a copy of the cause's class that holds nothing else).
+    text = str(exc)
+    logger.error("a rank failed while %s:\n%s", doing, text.rstrip(), extra=LOG_FILE_ONLY)
     if isinstance(cause, RayEvalError):
         return type(cause)(cause.marked_message)
     hint = oom_hint if out_of_memory(cause) else ""
-    return error(f"a rank failed while {doing}: {type(cause).__name__}: {cause}{hint}")
+    where = raised_at(text)
+    at = f" (at {where})" if where else ""
+    return error(f"a rank failed while {doing}: {type(cause).__name__}: {cause}{at}{hint}")
+
+
+def raised_at(traceback_str: str) -> str | None:
+    """Where a traceback's text says it raised: ``file:line in function`` of its innermost
+    frame, and of rayeval's own innermost frame where that is another one (``... from ...``);
+    files inside the project or ``site-packages`` are named from there. None when the text
+    names no frame."""
+    frames = _FRAME.findall(traceback_str)
+    if not frames:
+        return None
+    ours = [frame for frame in frames if _ours(frame[0])]
+    where = _frame_text(frames[-1])
+    if ours and ours[-1] != frames[-1]:
+        where += f", from {_frame_text(ours[-1])}"
+    return where
+
+
+def _ours(path: str) -> bool:
+    """A file of rayeval's own (not one of a virtual environment inside the checkout)."""
+    return path.startswith(_PROJECT) and "site-packages/" not in path[len(_PROJECT) :]
+
+
+def _frame_text(frame: tuple[str, str, str]) -> str:
+    path, line, function = frame
+    if _ours(path):
+        path = path[len(_PROJECT) :]
+    return f"{path.rsplit('site-packages/', 1)[-1]}:{line} in {function}"
+
+
+#: The folder holding rayeval's packages (the checkout, or site-packages/rayeval/).
+_PROJECT = str(Path(__file__).resolve().parents[1]) + "/"
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 
 def out_of_memory(cause: BaseException | None) -> bool:

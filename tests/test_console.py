@@ -37,6 +37,7 @@ HARMLESS = "`pretrained` model kwarg is not of type `str`"
 def test_console_keeps_rayeval_lines_and_logs_the_rest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from rayeval.actors.errors import LOG_FILE_ONLY
     from rayeval.api.cli.console import console
     from rayeval.service.console import progress_stream
 
@@ -50,6 +51,7 @@ def test_console_keeps_rayeval_lines_and_logs_the_rest(
         logging.getLogger("lm_eval.evaluator").warning("a library's warning")
         logging.getLogger("rayeval.service.engine.lm").info("rayeval's own line")
         logging.getLogger("rayeval.service.engine.lm").warning("rayeval's own warning")
+        logging.getLogger("rayeval.actors.group").error("a rank's traceback", extra=LOG_FILE_ONLY)
         warnings.warn("a Python warning from a library", UserWarning, stacklevel=1)
         subprocess.run(["echo", "a child process"], check=True, timeout=30)
         progress_stream().write("rayeval loglikelihood: 50%\n")
@@ -58,7 +60,9 @@ def test_console_keeps_rayeval_lines_and_logs_the_rest(
     assert logging.getLogger().handlers == root_handlers
     assert shown.log_file is not None and shown.log_file.parent == tmp_path / "logs"
     log = shown.log_file.read_text()
-    for line in ("a library's print", "a library's warning", "a Python warning", "a child process"):
+    kept = ("a library's print", "a library's warning", "a Python warning", "a child process",
+            "a rank's traceback")  # fmt: skip
+    for line in kept:
         assert line in log, line
         assert line not in out.getvalue() + err.getvalue(), line
     assert out.getvalue() == "lm-eval's table\n"

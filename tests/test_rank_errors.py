@@ -67,3 +67,45 @@ def test_a_rank_error_keeps_its_field_marks_for_each_door() -> None:
     assert str(failure) == "too long: raise --shard_size"
     assert render(failure, Door.REST) == "too long: raise parallelism.shard_size"
     assert render(failure, Door.PYTHON) == "too long: raise shard_size="
+
+
+def _raise_in_a_rank() -> None:
+    torch.ones(3).split([1, 1])  # raised under torch's own Python code
+
+
+def test_the_message_names_where_the_rank_raised_and_the_log_holds_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The console's one line names torch's frame and rayeval's (here: this test file, in the
+    checkout); the log holds the whole traceback, which the raised error cannot carry. The
+    error is Ray's driver-side copy of the cause (``as_instanceof_cause``), as ``ray.get``
+    raises it: it has no attributes of its own but the cause."""
+    import traceback
+
+    try:
+        _raise_in_a_rank()
+    except RuntimeError as cause:
+        text = traceback.format_exc()
+        exc = RayTaskError("step", text, cause).as_instanceof_cause()
+    with caplog.at_level("ERROR", logger="rayeval.actors.group"):
+        message = str(rank_failure(exc, RayEvalError, "computing a batch", HINT))
+    assert message.startswith("a rank failed while computing a batch: RuntimeError: ")
+    line = _raise_in_a_rank.__code__.co_firstlineno + 1
+    assert " (at torch/_tensor.py:" in message, message
+    assert f", from tests/test_rank_errors.py:{line} in _raise_in_a_rank)" in message, message
+    assert HINT not in message
+    (record,) = caplog.records
+    logged = record.getMessage()
+    assert logged.startswith("a rank failed while computing a batch:")
+    assert f'test_rank_errors.py", line {line}, in _raise_in_a_rank' in logged, logged
+    assert text.rstrip().splitlines()[-1] in logged  # the exception's own line
+
+
+def test_raised_at_reads_the_innermost_frame() -> None:
+    from rayeval.actors.group import raised_at
+
+    text = (
+        'Traceback (most recent call last):\n  File "/x/site-packages/torch/f.py", line 7, in g\nE'
+    )
+    assert raised_at(text) == "torch/f.py:7 in g"
+    assert raised_at("no frames here") is None

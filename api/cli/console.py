@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from rayeval.actors.errors import LOG_FILE_ONLY
 from rayeval.service.console import progress_on
 
 #: The format of every log line in the log file, and on the console with ``--verbose``.
@@ -174,6 +175,9 @@ def _console_handlers(out: TextIO, err: TextIO) -> list[logging.StreamHandler[Te
 
 
 def _is_rayeval(record: logging.LogRecord) -> bool:
+    """rayeval's own lines, less the details kept for the log file (``LOG_FILE_ONLY``)."""
+    if any(getattr(record, key, False) for key in LOG_FILE_ONLY):
+        return False
     return record.name == "rayeval" or record.name.startswith("rayeval.")
 
 
