@@ -131,3 +131,25 @@ def test_a_cache_opened_on_a_full_disk_is_left_out(tmp_path: Path) -> None:
     reopened = ResponseCache(cache_file(prefix), "model")  # room again: nothing was lost
     assert reopened.get_many([["a", 1], ["a", 49]]) == {0: 1.0, 1: 49.0}
     reopened.close()
+
+
+@pytest.mark.unit
+def test_another_torch_transformers_or_lm_eval_version_is_another_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answers cached under other versions of the packages that compute them are not served:
+    the model's fingerprint names the installed versions (the one seam: the version lookup)."""
+    from rayeval.service.engine import response_cache
+
+    args = {"pretrained": "org/model", "dtype": "bfloat16"}
+    installed = response_cache.model_fingerprint(args)
+    assert response_cache.model_fingerprint(args) == installed
+    real = response_cache._version
+    for package in ("torch", "transformers", "lm_eval"):
+
+        def other(name: str, changed: str = package) -> str | None:
+            return "0.0.1" if name == changed else real(name)
+
+        monkeypatch.setattr(response_cache, "_version", other)
+        assert response_cache.model_fingerprint(args) != installed, package
+        monkeypatch.undo()

@@ -12,7 +12,8 @@ pickles (CVE-2024-35515). This cache keys each answer by
   its DCP ``.metadata`` and the same of each shard file, so two steps of one run never share
   answers; delta weights (``delta=``) are described as a model is; a LoRA adapter (``peft=``) by
   the content hash of its ``adapter_config.json`` and weight files alone, not its path, so two
-  adapters never share answers and one adapter copied elsewhere does; and
+  adapters never share answers and one adapter copied elsewhere does; and the installed
+  versions of torch, transformers and lm-eval (their kernels and code change answers); and
 - the exact request as the model sees it: token ids (and the window length) for a score, context
   tokens plus every generation setting for a generation. Sampled generations are never cached.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -92,8 +94,21 @@ def model_fingerprint(model_args: Mapping[str, Any]) -> str:
         "model_args": args,
         "files": files,
         "answers_version": ANSWERS_VERSION,
+        "versions": {name: _version(name) for name in _ANSWERING_PACKAGES},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+#: The packages whose version changes an answer's bits.
+_ANSWERING_PACKAGES = ("torch", "transformers", "lm_eval")
+
+
+def _version(package: str) -> str | None:
+    """The installed version of ``package`` (None: not installed), without importing it."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def score_key(context: Sequence[int], continuation: Sequence[int], max_length: int) -> Any:
