@@ -28,6 +28,7 @@ from tests.helpers import (
     assert_same_results,
     evaluate,
     half_precision_parity,
+    hf_reference,
     hf_spread,
     read_outputs,
     run_lm_eval_cli,
@@ -299,7 +300,6 @@ def test_gpt2_lora_on_conv1d_layers_matches_lm_eval_hf(
     every request type per sample as lm-eval hf with the same peft= (bf16: within its own
     spread), and the adapter changes the answers."""
     from rayeval.service.engine.lm import RayEvalLM
-    from tests.helpers import hf_reference
 
     base, adapter = gpt2_lora
     with RayEvalLM(
