@@ -8,11 +8,11 @@ gloo gathers them). Both are within the same bound of FSDP at 1x2, and not held 
 splits no sum, but the matrix library multiplies a slice of a layer's columns with kernels of its
 own choosing (bit-identical on one AVX-512 CPU and under the AVX2 caps; 1e-7 apart on another
 AVX-512 CPU).
-A vocabulary G does not divide (an embedding one row larger than the tokenizer, tied, with a
-generation config of a repetition penalty, an n-gram ban and two end ids) is split unevenly and
-gathered whole, in float32 and bf16. A model whose heads G does not divide falls back to FSDP
-under ``auto`` (still matching lm-eval), and ``tp`` is refused before anything starts, naming the
-reason.
+A vocabulary G does not divide (an embedding one row larger than the tokenizer, with a generation
+config of a repetition penalty, an n-gram ban and two end ids) is split unevenly and gathered
+whole: a Qwen2-style model (tied) in float32 and bf16, a Qwen3-MoE-style one (untied) in float32.
+A model whose heads G does not divide falls back to FSDP under ``auto`` (still matching lm-eval),
+and ``tp`` is refused before anything starts, naming the reason.
 """
 
 from __future__ import annotations
@@ -22,7 +22,13 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import assert_same_results, evaluate, hf_reference, hf_spread
+from tests.helpers import (
+    assert_same_results,
+    evaluate,
+    half_precision_parity,
+    hf_reference,
+    hf_spread,
+)
 from tests.models import build_model
 
 pytestmark = pytest.mark.e2e
@@ -97,15 +103,30 @@ ODD_GENERATION = {"repetition_penalty": 1.05, "no_repeat_ngram_size": 3, "eos_to
 
 
 @pytest.fixture(scope="module")
-def odd_vocabulary(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Qwen2-style model (tied embeddings) with 769 rows: 385 and 384 at G = 2."""
-    out = tmp_path_factory.mktemp("odd_vocabulary") / "qwen2"
-    return build_model("qwen2", out, demo.model_dir, extra_rows=1, generation=ODD_GENERATION)
+def odd_vocabulary(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Models with 769 rows, one more than the tokenizer (385 and 384 at G = 2), and a
+    generation config: Qwen2-style (tied embeddings) and Qwen3-MoE-style (untied, 8 experts);
+    built on first use."""
+    root = tmp_path_factory.mktemp("odd_vocabulary")
+    built: dict[str, Path] = {}
+
+    def model(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = build_model(arch, root / arch, demo.model_dir, extra_rows=1,
+                                      generation=ODD_GENERATION)  # fmt: skip
+        return built[arch]
+
+    return model
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.parity)])
+ODD_CASES = [("qwen2", "float32"), ("qwen2", "bfloat16"), ("qwen3_moe", "float32")]
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype"), half_precision_parity(ODD_CASES, ["-".join(c) for c in ODD_CASES])
+)
 def test_a_vocabulary_g_does_not_divide_is_gathered_whole(
-    dtype: str, odd_vocabulary: Path, task_manager: Any, ray_session: None
+    arch: str, dtype: str, odd_vocabulary: Any, task_manager: Any, ray_session: None
 ) -> None:
     """The default strategy at 1x2 (tp) on every request type: the head's uneven rows are
     gathered into the whole vocabulary's logits on both ranks, which apply the same generation
@@ -113,17 +134,18 @@ def test_a_vocabulary_g_does_not_divide_is_gathered_whole(
     from rayeval.actors.layout import ShardStrategy
     from rayeval.service.engine.lm import RayEvalLM
 
+    model_dir = odd_vocabulary(arch)
     with RayEvalLM(
-        pretrained=str(odd_vocabulary), shard_size=2, dtype=dtype, max_batch_tokens=256
+        pretrained=str(model_dir), shard_size=2, dtype=dtype, max_batch_tokens=256
     ) as lm:
         ours = evaluate(lm, task_manager, ["demo"], **RUN)
         assert lm.engine.shard_strategy is ShardStrategy.TP
     assert {"demo_mc", "demo_rolling", "demo_gen_short", "demo_gen_long"} <= set(ours["samples"])
     if dtype == "float32":
-        assert_same_results(hf_reference(odd_vocabulary, task_manager, ["demo"], **RUN), ours)
+        assert_same_results(hf_reference(model_dir, task_manager, ["demo"], **RUN), ours)
     else:
-        spread = hf_spread(odd_vocabulary, task_manager, ["demo"], dtype, **RUN)
-        spread.assert_holds(ours, "rayeval 1x2 tp, a vocabulary of 769")
+        spread = hf_spread(model_dir, task_manager, ["demo"], dtype, **RUN)
+        spread.assert_holds(ours, f"rayeval 1x2 tp, {arch} with a vocabulary of 769")
 
 
 def _odd_heads_llama(out_dir: Path, demo_dir: Path) -> Path:
