@@ -204,7 +204,8 @@ def _atoms(value: Any, where: str) -> Iterator[tuple[str, Any]]:
 
 
 def _paired_atoms(a: dict[str, Any], b: dict[str, Any]) -> Iterator[tuple[str, Any, Any]]:
-    """Each response's atoms (log-prob, flag, generation) side by side, sample by sample."""
+    """Each response's atoms (log-prob, flag, generation) side by side, sample by sample, once
+    the two have the same tasks, doc ids, prompts and response shapes (asserted)."""
     assert set(a["samples"]) == set(b["samples"]), "different task sets"
     for task, samples in a["samples"].items():
         others = {s["doc_id"]: s for s in b["samples"][task]}
@@ -291,50 +292,40 @@ def assert_same_results(
     reference: dict[str, Any], ours: dict[str, Any], exact: bool = False
 ) -> None:
     """Per-sample responses and every metric agree (``exact``: bit-identical responses)."""
-    assert set(reference["samples"]) == set(ours["samples"]), "different task sets"
     compared = 0
-    for task, ref_samples in reference["samples"].items():
-        ref_by_doc = {s["doc_id"]: s for s in ref_samples}
-        our_by_doc = {s["doc_id"]: s for s in ours["samples"][task]}
-        assert ref_by_doc.keys() == our_by_doc.keys(), f"{task}: different doc ids"
-        for doc_id, ref in ref_by_doc.items():
-            ours_sample = our_by_doc[doc_id]
-            assert ref["arguments"] == ours_sample["arguments"], f"{task}/{doc_id}: prompts differ"
-            _assert_same_response(ref["resps"], ours_sample["resps"], f"{task}/{doc_id}", exact)
-            compared += 1
+    for where, ref, other in _paired_atoms(reference, ours):
+        _assert_same_atom(ref, other, where, exact)
+        compared += 1
     assert compared > 0
-    for section in ("results", "groups"):
-        for name, metrics in reference.get(section, {}).items():
-            for key, value in metrics.items():
-                other = ours[section][name][key]
-                if isinstance(value, float) and not exact:
-                    assert math.isclose(value, other, rel_tol=1e-5, abs_tol=1e-6), (
-                        f"{section}/{name}/{key}: {value} != {other}"
-                    )
-                else:
-                    assert value == other, f"{section}/{name}/{key}: {value!r} != {other!r}"
-
-
-def _assert_same_response(ref: Any, ours: Any, where: str, exact: bool) -> None:
-    if isinstance(ref, (list, tuple)):
-        assert isinstance(ours, (list, tuple)) and len(ref) == len(ours), (
-            f"{where}: {ref} vs {ours}"
-        )
-        for a, b in zip(ref, ours, strict=True):
-            _assert_same_response(a, b, where, exact)
-    elif isinstance(ref, str) and isinstance(ours, str) and ref != ours and not exact:
-        # lm-eval's samples JSONL stores log-probs as strings: compare them as numbers.
-        tolerance = logprob_tolerance(float(ref))
-        assert abs(float(ref) - float(ours)) <= tolerance, f"{where}: {ref!r} != {ours!r}"
-    elif isinstance(ref, (bool, str)):
-        assert ref == ours, f"{where}: {ref!r} != {ours!r}"
-    elif isinstance(ref, float):
-        if exact:
-            assert ref == ours, f"{where}: {ref} != {ours}"
+    for key, value, other in _paired_metrics(reference, ours):
+        if isinstance(value, float) and not exact:
+            assert math.isclose(value, other, rel_tol=1e-5, abs_tol=1e-6), (
+                f"{key}: {value} != {other}"
+            )
         else:
-            assert abs(ref - ours) <= logprob_tolerance(ref), f"{where}: logprob {ref} vs {ours}"
+            assert value == other, f"{key}: {value!r} != {other!r}"
+
+
+def _assert_same_atom(ref: Any, ours: Any, where: str, exact: bool) -> None:
+    """One log-prob, flag or generation of a response, as :func:`assert_same_results` holds it."""
+    # lm-eval's samples JSONL stores log-probs as strings: compare them as numbers.
+    number = _number(ref) if isinstance(ref, str) and ref != ours and not exact else None
+    if number is not None:
+        other = _number(ours)
+        assert other is not None, f"{where}: {ref!r} != {ours!r}"
+        assert abs(number - other) <= logprob_tolerance(number), f"{where}: {ref!r} != {ours!r}"
+    elif isinstance(ref, float) and not exact:
+        assert abs(ref - ours) <= logprob_tolerance(ref), f"{where}: logprob {ref} vs {ours}"
     else:
         assert ref == ours, f"{where}: {ref!r} != {ours!r}"
+
+
+def _number(text: str) -> float | None:
+    """``text`` as a number (a log-prob in lm-eval's samples JSONL), or None (a generation)."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def logprob_tolerance(value: float) -> float:

@@ -91,7 +91,6 @@ def adapter_problems(path: str, shell: Any, tokens: int | None = None) -> None:
     Raises:
         ConfigError: naming the field and what to do.
     """
-
     from rayeval.actors.weights.vocabulary import (
         config_rows,
         resize_problems,
