@@ -153,3 +153,80 @@ def test_another_torch_transformers_or_lm_eval_version_is_another_model(
         monkeypatch.setattr(response_cache, "_version", other)
         assert response_cache.model_fingerprint(args) != installed, package
         monkeypatch.undo()
+
+
+@pytest.mark.unit
+def test_another_device_kind_strategy_or_machine_is_another_site(tmp_path: Path) -> None:
+    """Answers are keyed by where they were computed: the device kind and the strategy for
+    every dtype, the kernels' machine for half precision only; one rank, replicas and FSDP at
+    any G (all settled as FSDP) share."""
+    import torch
+
+    from rayeval.actors.layout import DeviceKind, ShardStrategy
+    from rayeval.service.engine.response_cache import AnswerSite, answer_site, answers_fingerprint
+
+    cpu, cuda = DeviceKind.CPU, DeviceKind.CUDA
+    fsdp, tp = ShardStrategy.FSDP, ShardStrategy.TP
+    base = AnswerSite(cpu, fsdp, "cpu:AVX2")
+    others = [AnswerSite(cuda, fsdp, "cpu:AVX2"), AnswerSite(cpu, tp, "cpu:AVX2")]
+    others.append(AnswerSite(cpu, fsdp, "cpu:AVX512"))
+    fingerprint = answers_fingerprint("model", base)
+    assert answers_fingerprint("model", AnswerSite(cpu, fsdp, "cpu:AVX2")) == fingerprint
+    for other in others:
+        assert answers_fingerprint("model", other) != fingerprint, other
+    assert answers_fingerprint("other-model", base) != fingerprint
+
+    here = f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+    assert answer_site(cpu, tp, torch.bfloat16) == AnswerSite(cpu, tp, here)
+    assert answer_site(cpu, fsdp, torch.float16).kernels == here
+    assert answer_site(cpu, fsdp, torch.float32) == AnswerSite(cpu, fsdp)  # no machine
+    with pytest.raises(ValueError, match="settled shard strategy"):
+        AnswerSite(cpu, ShardStrategy.AUTO)
+
+    path = cache_file(str(tmp_path / "cache"))
+    one_rank = ResponseCache(path, "model", base)
+    one_rank.put_many([(["score", 1], (-1.5, True))])
+    settled: list[AnswerSite] = []
+    tensor_parallel = ResponseCache(path, "model", lambda: settled.append(others[1]) or others[1])
+    assert settled == []  # settled when the first key is made, not before
+    assert tensor_parallel.get_many([["score", 1]]) == {}
+    assert tensor_parallel.site == others[1] and len(settled) == 1
+    assert ResponseCache(path, "model", base).get_many([["score", 1]]) == {0: (-1.5, True)}
+    for cache in (one_rank, tensor_parallel):
+        cache.close()
+
+
+@pytest.mark.service
+def test_bf16_answers_of_one_rank_are_not_served_to_tensor_parallelism(
+    tmp_path: Path, demo: Any, task_manager: Any, ray_session: None
+) -> None:
+    """bf16 at 1x1, then 1x2 with tp on the same --use_cache: tensor parallelism computes every
+    answer itself (its kernels move a bf16 answer); 1x1 again is served whole from the cache."""
+    from rayeval.actors.layout import ShardStrategy
+    from rayeval.service.engine.lm import RayEvalLM
+    from rayeval.service.vocabulary.events import RequestType
+    from tests.helpers import evaluate
+
+    prefix = str(tmp_path / "answers")
+
+    def run(shard_size: int, strategy: str) -> Any:
+        with RayEvalLM(
+            str(demo.model_dir),
+            shard_size=shard_size,
+            shard_strategy=strategy,
+            dtype="bfloat16",
+            use_cache=prefix,
+        ) as lm:
+            evaluate(lm, task_manager, ["demo_mc"], limit=4, bootstrap_iters=0)
+            site = lm.engine._cache.site
+            assert site is not None and site.strategy is lm.engine.shard_strategy
+            return lm.engine.stats[RequestType.LOGLIKELIHOOD], site
+
+    first, one_rank = run(1, "auto")
+    assert first.cached == 0 and first.requests > 0
+    assert one_rank.strategy is ShardStrategy.FSDP and one_rank.kernels is not None
+    tensor_parallel, tp_site = run(2, "tp")
+    assert tp_site.strategy is ShardStrategy.TP
+    assert tensor_parallel.cached == 0 and tensor_parallel.requests == first.requests
+    again, _ = run(1, "auto")
+    assert again.cached == first.requests and again.recomputed == 0

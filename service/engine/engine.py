@@ -52,7 +52,7 @@ from rayeval.service.engine.plan.encoder import (
     model_spec,
     rolling_windows,
 )
-from rayeval.service.engine.response_cache import open_cache
+from rayeval.service.engine.response_cache import answer_site, open_cache
 from rayeval.service.engine.stages import Stages
 from rayeval.service.private_apis import check_private_apis
 from rayeval.service.vocabulary.config import DEFAULT_SEED, EngineConfig, HostOptions
@@ -129,10 +129,16 @@ class Engine:
         if config.checkpoint:  # refused here, before any rank starts
             model_shell.check_checkpoint(config.checkpoint, self.encoder.model, config.pretrained)
         model_shell.check_adapters(config, self.encoder.model, self.encoder.tokenizer)
-        self._cache = open_cache(host.lm_eval.get("use_cache"), config.model_args)
         cpus = embedded_cpus(config.layout(DeviceKind.CPU))
         self.connection = connect(host.address, embedded_cpus=cpus)
         self.layout = config.layout(pick_device(config.device))
+        # Answers are keyed by where they are computed: known once the strategy is settled
+        # (at once, unless ranks that start on demand must be placed to settle ``auto``).
+        self._cache = open_cache(
+            host.lm_eval.get("use_cache"),
+            config.model_args,
+            lambda: answer_site(self.layout.device, self.shard_strategy, self.dtype),
+        )
         self.name = host.name or f"rayeval-{uuid.uuid4().hex[:8]}"
         #: Score inputs that share a prefix are packed into token-tree rows.
         self.share_prefixes = config.share_prefixes and model_shell.packing_supported(

@@ -13,16 +13,27 @@ pickles (CVE-2024-35515). This cache keys each answer by
   answers; delta weights (``delta=``) are described as a model is; a LoRA adapter (``peft=``) by
   the content hash of its ``adapter_config.json`` and weight files alone, not its path, so two
   adapters never share answers and one adapter copied elsewhere does; and the installed
-  versions of torch, transformers and lm-eval (their kernels and code change answers); and
+  versions of torch, transformers and lm-eval (their kernels and code change answers);
+- where the answers were computed (:class:`AnswerSite`), as far as the conformance matrix shows
+  it to change them: the device kind (cpu or cuda) for every dtype; the settled sharding
+  strategy for every dtype, so tensor parallelism (whose kernels split sums: a bf16 answer
+  moves) never shares with FSDP, while one rank, replicas and FSDP at any G (bit-identical to
+  one rank in every dtype, DESIGN invariant 2) share; and, for half precision only, the
+  kernels' machine (ATen's CPU capability, or the GPU models), since a bf16 answer moves with
+  the kernel. float32 answers from another machine of the same kind stay within the fidelity
+  bound, so a cluster's shared cache keeps them; its answers under tensor parallelism are
+  within the bound too, but are keyed apart all the same: one rule for every dtype, and each
+  layout's rerun reproduces its own answers bit for bit; and
 - the exact request as the model sees it: token ids (and the window length) for a score, context
   tokens plus every generation setting for a generation. Sampled generations are never cached.
 
 It stores plain JSON in SQLite (one file, ``<use_cache>_rayeval.sqlite``, lm-eval's
 ``<use_cache>_rank<N>.db`` naming), one transaction per finished step, so an interrupted run keeps
-everything computed before the interruption. Answers do not depend on the layout, so any
-layout reads what any other wrote. It also records which models (fingerprints) were evaluated
-to the end with which settings (:meth:`ResponseCache.mark_evaluated`), so that a watch over a
-training run skips the checkpoints it has already evaluated.
+everything computed before the interruption. Answers do not depend on R, G or the batch size,
+so a layout reads what any other with the same site wrote. It also records which models
+(fingerprints) were evaluated to the end with which settings
+(:meth:`ResponseCache.mark_evaluated`), so that a watch over a training run skips the
+checkpoints it has already evaluated.
 """
 
 from __future__ import annotations
@@ -36,10 +47,15 @@ import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rayeval.actors.layout import DeviceKind, ShardStrategy
+
 if TYPE_CHECKING:
+    import torch
+
     from rayeval.service.vocabulary.config import EvaluationConfig
 
 logger = logging.getLogger(__name__)
@@ -111,6 +127,71 @@ def _version(package: str) -> str | None:
         return None
 
 
+@dataclass(frozen=True)
+class AnswerSite:
+    """Where answers are computed, as far as it changes their bits (see the module docstring).
+
+    Args:
+        device: The ranks' device kind.
+        strategy: The settled sharding strategy (FSDP for one rank and for replicas, which
+            shard nothing: their answers are FSDP's at any G).
+        kernels: For half precision, the machine whose kernels computed them (ATen's CPU
+            capability, or the GPU models); None for float32, whose answers every machine of
+            the device kind gives within the fidelity bound.
+    """
+
+    device: DeviceKind
+    strategy: ShardStrategy
+    kernels: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy is ShardStrategy.AUTO:  # a bug, not a user's setting: name the fix
+            raise ValueError(
+                "an answer site needs the settled shard strategy, not auto: "
+                "take Engine.shard_strategy, which settles it"
+            )
+
+
+#: The dtypes whose answers move with the kernel (keyed by :attr:`AnswerSite.kernels`).
+_HALF_PRECISION = ("bfloat16", "float16")
+
+
+def answer_site(device: DeviceKind, strategy: ShardStrategy, dtype: torch.dtype) -> AnswerSite:
+    """The site of answers computed in ``dtype`` by ``strategy`` on ``device`` ranks.
+
+    The kernels are this process's view: ATen's CPU capability here (the ranks of one CPU
+    cluster are taken to share the driver's), or every GPU model the Ray cluster reports
+    (its ``accelerator_type:`` resources; this process's GPU where it reports none). Must be
+    called after Ray is connected.
+    """
+    if str(dtype).removeprefix("torch.") not in _HALF_PRECISION:
+        return AnswerSite(device, strategy)
+    return AnswerSite(device, strategy, _kernels(device))
+
+
+def _kernels(device: DeviceKind) -> str:
+    """Which kernels compute on ``device`` ranks (see :func:`answer_site`)."""
+    import torch
+
+    if device is DeviceKind.CPU:
+        return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+    import ray
+
+    prefix = "accelerator_type:"
+    models = sorted(k.removeprefix(prefix) for k in ray.cluster_resources() if k.startswith(prefix))
+    if not models and torch.cuda.is_available():
+        models = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+    return "cuda:" + (",".join(models) or "unknown")
+
+
+def answers_fingerprint(model: str, site: AnswerSite | None) -> str:
+    """What an answer is keyed by beside its request: the model's fingerprint
+    (:func:`model_fingerprint`) and where the answer was computed (None: not named, for a
+    cache that stores no model's answers, as a sweep's)."""
+    payload = [model, None if site is None else asdict(site)]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
 def score_key(context: Sequence[int], continuation: Sequence[int], max_length: int) -> Any:
     """The request part of a score's key (the model sees these tokens, cut to ``max_length``)."""
     return ["score", max_length, list(context), list(continuation)]
@@ -134,12 +215,25 @@ class ResponseCache:
     Args:
         path: The SQLite file (created with its folder if missing).
         fingerprint: :func:`model_fingerprint` of the model whose answers these are.
+        site: Where they are computed (:func:`answer_site`), or a call that says so, made once,
+            when the first key is needed (the engine's strategy may be settled only when its
+            ranks are placed). None: not named (a sweep's cache records evaluated models only).
     """
 
-    def __init__(self, path: Path, fingerprint: str) -> None:
+    def __init__(
+        self,
+        path: Path,
+        fingerprint: str,
+        site: AnswerSite | Callable[[], AnswerSite] | None = None,
+    ) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._fingerprint = fingerprint
+        self._site = site
+        #: :func:`answers_fingerprint`, once the site is known (keys are made on a planning
+        #: thread and on the driver's: the first one settles it, under ``_site_lock``).
+        self._answers: str | None = None
+        self._site_lock = threading.Lock()
         self._db = sqlite3.connect(str(path), timeout=60, check_same_thread=False)
         with self._db:
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -166,9 +260,19 @@ class ResponseCache:
         """The fingerprint of the model whose answers are read and stored."""
         return self._fingerprint
 
+    @property
+    def site(self) -> AnswerSite | None:
+        """Where the answers read and stored are computed (settled by this call if it was
+        given as a call); None where the cache was given none."""
+        self._answers_fingerprint()
+        return self._site if isinstance(self._site, AnswerSite) else None
+
     def use_model(self, model_args: Mapping[str, Any]) -> None:
-        """Read and store the answers of another model (a sweep's next checkpoint) from now on."""
-        self._fingerprint = model_fingerprint(model_args)
+        """Read and store the answers of another model (a sweep's next checkpoint) from now on,
+        computed where this one's are."""
+        with self._site_lock:
+            self._fingerprint = model_fingerprint(model_args)
+            self._answers = None
 
     def mark_evaluated(self, fingerprint: str, settings: str) -> None:
         """Record that the model of ``fingerprint`` was evaluated to the end with ``settings``
@@ -313,8 +417,17 @@ class ResponseCache:
     def _key(self, request: Any) -> str:
         if isinstance(request, Digest):
             return request
-        text = json.dumps([self._fingerprint, request], sort_keys=True, default=str)
+        text = json.dumps([self._answers_fingerprint(), request], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def _answers_fingerprint(self) -> str:
+        """:func:`answers_fingerprint` of this model and site (the site settled on first use)."""
+        with self._site_lock:
+            if self._answers is None:
+                if callable(self._site):
+                    self._site = self._site()
+                self._answers = answers_fingerprint(self._fingerprint, self._site)
+            return self._answers
 
 
 def _disk_full(error: sqlite3.OperationalError) -> bool:
@@ -374,20 +487,28 @@ def settings_digest(config: EvaluationConfig) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def open_cache(use_cache: str | None, model_args: Mapping[str, Any] | None) -> ResponseCache | None:
-    """The cache for ``--use_cache PREFIX`` and this model (None: no model yet, as for a sweep,
-    which names each checkpoint's fingerprint itself), or None without ``use_cache`` or where
-    the cache cannot be opened for lack of room (SQLite must create its shared-memory index to
-    read a WAL database: on a full disk that is "disk I/O error")."""
+def open_cache(
+    use_cache: str | None,
+    model_args: Mapping[str, Any] | None,
+    site: AnswerSite | Callable[[], AnswerSite] | None = None,
+) -> ResponseCache | None:
+    """The cache for ``--use_cache PREFIX`` and this model computed at ``site`` (see
+    :class:`ResponseCache`; None: no model yet, as for a sweep, which names each checkpoint's
+    fingerprint itself), or None without ``use_cache`` or where the cache cannot be opened for
+    lack of room (SQLite must create its shared-memory index to read a WAL database: on a full
+    disk that is "disk I/O error")."""
     if not use_cache:
         return None
     path = cache_file(os.path.expanduser(use_cache))
+    fingerprint = model_fingerprint(model_args) if model_args is not None else ""
     try:
-        cache = ResponseCache(path, model_fingerprint(model_args) if model_args is not None else "")
+        cache = ResponseCache(path, fingerprint, site)
     except sqlite3.OperationalError as error:
         if not _disk_full(error):
             raise
         logger.warning("response cache %s: cannot open it (%s); evaluating without it", path, error)
         return None
-    logger.info("response cache: %s (keyed by model fingerprint and request)", cache.path)
+    logger.info(
+        "response cache: %s (keyed by model fingerprint, device, strategy and request)", cache.path
+    )
     return cache
