@@ -17,15 +17,16 @@ import math
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LOGPROB_TOL = 1e-4
-#: lm-eval hf's batch sizes whose answers bound rayeval's in bf16 and fp16: a request alone (MKL
-#: and oneDNN take other kernels for 1-3 rows) and two full batches.
-SPREAD_BATCH_SIZES = (1, 4, 16)
+from rayeval.service.parity import (
+    SPREAD_BATCH_SIZES,
+    Spread,
+    logprob_tolerance,
+    paired_atoms,
+    paired_metrics,
+)
 
 
 def evaluate(model: Any, task_manager: Any, tasks: list[str], **kwargs: Any) -> dict[str, Any]:
@@ -59,84 +60,24 @@ def hf_reference(
     )
 
 
-@dataclass(frozen=True)
-class Distance:
-    """How far two evaluations' per-sample results and metrics are apart, measure by measure:
-    the largest log-prob difference of any request, the number of requests whose ``is_greedy``
-    or generation differs, and each metric's difference."""
-
-    logprob: float = 0.0
-    greedy: int = 0
-    generations: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def measures(self) -> dict[str, float]:
-        """Every measure by name: ``logprob``, ``is_greedy``, ``generations``, ``metric:NAME``."""
-        named = {"logprob": self.logprob, "is_greedy": self.greedy, "generations": self.generations}
-        return named | {f"metric:{key}": value for key, value in self.metrics.items()}
-
-    @classmethod
-    def between(cls, a: dict[str, Any], b: dict[str, Any]) -> Distance:
-        """The distance between two evaluations of the same samples (prompts checked equal),
-        as ``simple_evaluate`` returns them (log-probs as floats, flags as bools)."""
-        logprob, greedy, generations = 0.0, 0, 0
-        for where, x, y in _paired_atoms(a, b):
-            if isinstance(x, bool):
-                greedy += x != y
-            elif isinstance(x, float):
-                logprob = max(logprob, abs(x - y))
-            elif isinstance(x, str):
-                generations += x != y
-            else:
-                assert x == y, f"{where}: {x!r} != {y!r}"
-        metrics = {}
-        for key, x, y in _paired_metrics(a, b):
-            if isinstance(x, float) and isinstance(y, float):
-                metrics[key] = 0.0 if x == y or (math.isnan(x) and math.isnan(y)) else abs(x - y)
-            else:
-                assert x == y, f"{key}: {x!r} != {y!r}"
-        return cls(logprob, greedy, generations, metrics)
-
-
-@dataclass(frozen=True)
-class HfSpread:
-    """lm-eval hf's own answers on one model and samples at several batch sizes, and how far
-    they are apart (the largest distance between two of them, per measure)."""
-
-    label: str
-    batch_sizes: tuple[int, ...]
-    runs: tuple[dict[str, Any], ...]
-
-    def spread(self) -> dict[str, float]:
-        """Per measure, the most any two batch sizes' answers differ."""
-        spread: dict[str, float] = {}
-        for i, a in enumerate(self.runs):
-            for b in self.runs[i + 1 :]:
-                for name, value in Distance.between(a, b).measures().items():
-                    spread[name] = max(spread.get(name, 0.0), value)
-        return spread
+class HfSpread(Spread):
+    """:class:`~rayeval.service.parity.Spread` with the tests' assertion."""
 
     def assert_holds(self, ours: dict[str, Any], what: str) -> None:
         """``ours`` is no further from lm-eval hf, by any measure, than lm-eval hf is from itself
-        between its batch sizes: per measure, its distance to the nearest of lm-eval hf's runs is
-        at most their spread, so where that spread is zero it is bit for bit. The figures go to
-        the session's summary (:data:`SPREADS`) and the test's output."""
-        spread = self.spread()
-        distances = [Distance.between(run, ours).measures() for run in self.runs]
-        nearest = {name: min(d[name] for d in distances) for name in spread}
-        beyond = {
-            name: f"{value} > {spread[name]}"
-            for name, value in nearest.items()
-            if value > spread[name]
-        }
+        between its batch sizes (:meth:`Spread.judge`). The figures go to the session's summary
+        (:data:`SPREADS`) and the test's output."""
+        judgement = self.judge(ours)
         line = (
             f"{self.label}, {what}: lm-eval hf's spread over batch sizes {self.batch_sizes} "
-            f"{_figures(spread)}; rayeval's distance to the nearest {_figures(nearest)}"
+            f"{judgement.figures('spread')}; rayeval's distance to the nearest "
+            f"{judgement.figures('nearest')}"
         )
         SPREADS.append(line)
         print(line)
-        assert not beyond, (
-            f"{what} is further from lm-eval hf than lm-eval hf is from itself: {beyond}"
+        assert judgement.holds, (
+            f"{what} is further from lm-eval hf than lm-eval hf is from itself: "
+            f"{judgement.beyond} (at {', '.join(judgement.where[:8])})"
         )
 
 
@@ -170,7 +111,7 @@ def hf_spread(
         )
         extra = "".join(f",{k}" for k in sorted(model_args or {}))
         label = f"{Path(model_dir).name}{extra} {dtype}"
-        _SPREAD_CACHE[key] = HfSpread(label, SPREAD_BATCH_SIZES, runs)
+        _SPREAD_CACHE[key] = HfSpread(label, dtype, SPREAD_BATCH_SIZES, runs)
     return _SPREAD_CACHE[key]
 
 
@@ -185,49 +126,6 @@ def half_precision_parity(cases: list[tuple[Any, ...]], ids: list[str]) -> list[
         pytest.param(*case, id=name, marks=[pytest.mark.parity] if half & set(case) else [])
         for case, name in zip(cases, ids, strict=True)
     ]
-
-
-def _figures(measures: dict[str, float]) -> str:
-    metrics = [v for k, v in measures.items() if k.startswith("metric:")]
-    return (
-        f"(logprob {measures['logprob']:g}, is_greedy {measures['is_greedy']:g}, "
-        f"generations {measures['generations']:g}, metrics {max(metrics, default=0.0):g})"
-    )
-
-
-def _atoms(value: Any, where: str) -> Iterator[tuple[str, Any]]:
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _atoms(item, f"{where}[{i}]")
-    else:
-        yield where, value
-
-
-def _paired_atoms(a: dict[str, Any], b: dict[str, Any]) -> Iterator[tuple[str, Any, Any]]:
-    """Each response's atoms (log-prob, flag, generation) side by side, sample by sample, once
-    the two have the same tasks, doc ids, prompts and response shapes (asserted)."""
-    assert set(a["samples"]) == set(b["samples"]), "different task sets"
-    for task, samples in a["samples"].items():
-        others = {s["doc_id"]: s for s in b["samples"][task]}
-        assert {s["doc_id"] for s in samples} == others.keys(), f"{task}: different doc ids"
-        for sample in samples:
-            other = others[sample["doc_id"]]
-            where = f"{task}/{sample['doc_id']}"
-            assert sample["arguments"] == other["arguments"], f"{where}: prompts differ"
-            x, y = list(_atoms(sample["resps"], where)), list(_atoms(other["resps"], where))
-            assert [w for w, _ in x] == [w for w, _ in y], (
-                f"{where}: {sample['resps']} vs {other['resps']}"
-            )
-            for (w, u), (_, v) in zip(x, y, strict=True):
-                assert type(u) is type(v), f"{w}: {u!r} vs {v!r}"
-                yield w, u, v
-
-
-def _paired_metrics(a: dict[str, Any], b: dict[str, Any]) -> Iterator[tuple[str, Any, Any]]:
-    for section in ("results", "groups"):
-        for name, metrics in a.get(section, {}).items():
-            for key, value in metrics.items():
-                yield f"{section}/{name}/{key}", value, b[section][name][key]
 
 
 def demo_cli_args(demo: Any) -> list[str]:
@@ -293,11 +191,11 @@ def assert_same_results(
 ) -> None:
     """Per-sample responses and every metric agree (``exact``: bit-identical responses)."""
     compared = 0
-    for where, ref, other in _paired_atoms(reference, ours):
+    for where, ref, other in paired_atoms(reference, ours):
         _assert_same_atom(ref, other, where, exact)
         compared += 1
     assert compared > 0
-    for key, value, other in _paired_metrics(reference, ours):
+    for key, value, other in paired_metrics(reference, ours):
         if isinstance(value, float) and not exact:
             assert math.isclose(value, other, rel_tol=1e-5, abs_tol=1e-6), (
                 f"{key}: {value} != {other}"
@@ -326,17 +224,6 @@ def _number(text: str) -> float | None:
         return float(text)
     except ValueError:
         return None
-
-
-def logprob_tolerance(value: float) -> float:
-    """How far a float32 log-prob may be from lm-eval hf's (DESIGN invariant 1): 1e-4, or two
-    float32 ulps of the value where that is more (past 1024 in magnitude, as whole-document
-    rolling sums are: one ulp of 2180 is 2.4e-4)."""
-    import numpy as np
-
-    if abs(value) <= 1024:
-        return LOGPROB_TOL
-    return max(LOGPROB_TOL, 2 * float(np.spacing(np.float32(abs(value)))))
 
 
 def gated_tasks_dir(tasks_dir: Path, out: Path, gate: str) -> Path:

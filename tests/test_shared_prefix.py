@@ -20,7 +20,8 @@ import pytest
 from rayeval.actors.batches import ModelSpec
 from rayeval.actors.layout import DeviceKind, RankCoord
 from rayeval.service.engine.plan.planner import TokenBudget, plan_score
-from tests.helpers import LOGPROB_TOL, assert_same_results, evaluate
+from rayeval.service.parity import LOGPROB_TOL
+from tests.helpers import assert_same_results, evaluate
 
 TASKS = ["shaped_hellaswag", "shaped_arc", "shaped_mmlu"]
 LIMIT = 5
