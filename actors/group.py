@@ -43,6 +43,7 @@ from rayeval.actors.parallel.strategies import settle, strategy
 from rayeval.actors.placement import Placement, reserve
 from rayeval.actors.process import rank_environment
 from rayeval.actors.protocol import InputTokens, LoadReport, NodeInfo, RankSite, SwapReport
+from rayeval.actors.rank_death import death_report
 
 logger = logging.getLogger(__name__)
 
@@ -288,16 +289,17 @@ class WorkerGroup:
             try:
                 return self._wait_loaded()
             except ray.exceptions.RayActorError as died:
+                report = death_report(died)
                 if not self._restarts_left:
                     raise ModelLoadError(
                         f"a rank died while loading the model, after its ranks were started "
-                        f"again: {died}"
+                        f"again: {report}"
                     ) from None
                 self._restarts_left -= 1
                 logger.warning(
                     "%s: a rank died while loading the model (%s); starting its ranks again",
                     self.name,
-                    str(died).splitlines()[0],
+                    report,
                 )
                 self._start_again()
 
@@ -464,7 +466,7 @@ def _get_or_raise(
     except ray.exceptions.RayActorError as exc:
         if died:
             raise
-        raise error(f"a rank died while {doing}: {exc}") from None
+        raise error(f"a rank died while {doing}: {death_report(exc)}") from None
 
 
 def _names_freed(names: Sequence[str], timeout_s: float) -> bool:

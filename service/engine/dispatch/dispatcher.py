@@ -40,6 +40,7 @@ from rayeval.actors.errors import (
 )
 from rayeval.actors.errors import field as config_field
 from rayeval.actors.group import Replica, WorkerGroup, rank_failure
+from rayeval.actors.rank_death import death_report
 from rayeval.service.engine.dispatch import heap
 
 logger = logging.getLogger(__name__)
@@ -408,13 +409,16 @@ class Dispatcher:
         self._deadline.pop(index, None)
         self._pending.extendleft(reversed(lost))
         self.requeued += sum(len(self._steps[step]) for step in lost)
+        # Which rank, how it ended and its last lines (read before its replica is killed: a
+        # peer's kill would not change the dead rank's own log).
+        report = death_report(exc)
         replica.kill()
         logger.warning(
-            "replica %d lost (%s); re-queued %d batches on the others", index, exc, len(lost)
+            "replica %d lost: %s; re-queued %d batches on the others", index, report, len(lost)
         )
         if not self._alive:
             raise WorkerLostError(
-                f"every replica was lost (last: {exc}). Check node health and memory (a rank "
+                f"every replica was lost (last: {report}). Check node health and memory (a rank "
                 f"killed for out-of-memory needs a smaller {config_field('batch_size')} or a "
                 f"larger {config_field('parallelism', 'shard_size')})."
             )
