@@ -74,6 +74,10 @@ class RayEvalError(Exception):
     command line does, :attr:`marked_message` keeps the marks for a door to word them.
     """
 
+    #: The traceback of what raised it where that is not this process's own (a rank's, as Ray
+    #: wrote it), for the log file and REST's events; None: the exception's own traceback.
+    traceback: str | None = None
+
     @property
     def marked_message(self) -> str:
         """The message with its :func:`field` marks (to fold into another error's message)."""

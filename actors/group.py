@@ -503,11 +503,14 @@ def rank_failure(
     text = str(exc)
     logger.error("a rank failed while %s:\n%s", doing, text.rstrip(), extra=LOG_FILE_ONLY)
     if isinstance(cause, RayEvalError):
-        return type(cause)(cause.marked_message)
-    hint = oom_hint if out_of_memory(cause) else ""
-    where = raised_at(text)
-    at = f" (at {where})" if where else ""
-    return error(f"a rank failed while {doing}: {type(cause).__name__}: {cause}{at}{hint}")
+        failure = type(cause)(cause.marked_message)
+    else:
+        hint = oom_hint if out_of_memory(cause) else ""
+        where = raised_at(text)
+        at = f" (at {where})" if where else ""
+        failure = error(f"a rank failed while {doing}: {type(cause).__name__}: {cause}{at}{hint}")
+    failure.traceback = text
+    return failure
 
 
 def raised_at(traceback_str: str) -> str | None:

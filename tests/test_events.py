@@ -98,6 +98,10 @@ CASES: list[tuple[BaseModel, set[str]]] = [
     ),
     (StateEvent(status=EvaluationStatus.FAILED, error="boom"), {"status", "error"}),
     (
+        StateEvent(status=EvaluationStatus.FAILED, error="boom", traceback="Traceback ..."),
+        {"status", "error", "traceback"},
+    ),
+    (
         ProgressEvent.of_phase(REPORT, STORED),
         PROGRESS_KEYS | {"updated_at", "overall_done", "overall_total"},
     ),

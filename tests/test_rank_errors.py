@@ -88,7 +88,9 @@ def test_the_message_names_where_the_rank_raised_and_the_log_holds_its_traceback
         text = traceback.format_exc()
         exc = RayTaskError("step", text, cause).as_instanceof_cause()
     with caplog.at_level("ERROR", logger="rayeval.actors.group"):
-        message = str(rank_failure(exc, RayEvalError, "computing a batch", HINT))
+        failure = rank_failure(exc, RayEvalError, "computing a batch", HINT)
+    message = str(failure)
+    assert failure.traceback == str(exc)  # for REST's failed state event
     assert message.startswith("a rank failed while computing a batch: RuntimeError: ")
     line = _raise_in_a_rank.__code__.co_firstlineno + 1
     assert " (at torch/_tensor.py:" in message, message

@@ -838,23 +838,17 @@ def test_killed_runner_then_retry_computes_only_the_rest(
     )
 
 
-@pytest.mark.service
-def test_a_stalled_evaluation_fails_naming_where_and_is_released(
-    demo: Any, ray_session: None, tmp_path: Path
-) -> None:
-    """lm-eval stuck after the last batch (here: a metric aggregation that never returns) is
-    noticed by the progress watchdog, not left holding its ranks."""
+def _task_aggregated_by(tasks: Path, name: str, aggregation: str) -> None:
+    """A multiple-choice task ``name`` in ``tasks`` whose ``acc`` is aggregated by
+    ``aggregation`` (the body of ``def aggregate(items):`` in the folder's utils.py)."""
     import yaml
 
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "utils.py").write_text(
-        "import time\n\n\ndef stall(items):\n    time.sleep(3600)\n    return 0.0\n"
-    )
     from rayeval.service.demo import DATA_DIR
 
+    tasks.mkdir(exist_ok=True)
+    (tasks / "utils.py").write_text(f"import time\n\n\ndef aggregate(items):\n{aggregation}\n")
     config = {
-        "task": "stall_mc",
+        "task": name,
         "dataset_path": "json",
         "dataset_kwargs": {"data_files": {"test": str(DATA_DIR / "mc_test.jsonl")}},
         "test_split": "test",
@@ -862,10 +856,20 @@ def test_a_stalled_evaluation_fails_naming_where_and_is_released(
         "doc_to_text": "{{question}}",
         "doc_to_choice": "{{choices}}",
         "doc_to_target": "{{answer}}",
-        "metric_list": [{"metric": "acc", "aggregation": "STALL", "higher_is_better": True}],
+        "metric_list": [{"metric": "acc", "aggregation": "AGG", "higher_is_better": True}],
     }
-    text = yaml.safe_dump(config).replace("STALL", "!function utils.stall")
-    (tasks / "stall_mc.yaml").write_text(text)
+    text = yaml.safe_dump(config).replace("AGG", "!function utils.aggregate")
+    (tasks / f"{name}.yaml").write_text(text)
+
+
+@pytest.mark.service
+def test_a_stalled_evaluation_fails_naming_where_and_is_released(
+    demo: Any, ray_session: None, tmp_path: Path
+) -> None:
+    """lm-eval stuck after the last batch (here: a metric aggregation that never returns) is
+    noticed by the progress watchdog, not left holding its ranks."""
+    tasks = tmp_path / "tasks"
+    _task_aggregated_by(tasks, "stall_mc", "    time.sleep(3600)\n    return 0.0")
     settings = make_settings(tmp_path / "data", tasks, stall_timeout_s=3.0)
     settings = settings.model_copy(update={"model_roots": [str(demo.model_dir.parent)]})
     stalled_server = ServerThread(settings)
@@ -882,6 +886,37 @@ def test_a_stalled_evaluation_fails_naming_where_and_is_released(
         assert leftovers_after(evaluation["id"]) == ([], [])
     finally:
         stalled_server.stop()
+
+
+@pytest.mark.service
+def test_a_failed_evaluation_s_error_names_the_cause_and_its_event_the_traceback(
+    demo: Any, ray_session: None, tmp_path: Path
+) -> None:
+    """An exception inside the run (here: a task's metric aggregation) fails the evaluation:
+    REST's ``error`` names it, and the stream's failed state event carries the traceback, down
+    to the line of the task's own code that raised."""
+    tasks = tmp_path / "tasks"
+    _task_aggregated_by(tasks, "boom_mc", "    raise ValueError('boom in the aggregation')")
+    settings = make_settings(tmp_path / "data", tasks)
+    settings = settings.model_copy(update={"model_roots": [str(demo.model_dir.parent)]})
+    failing_server = ServerThread(settings)
+    failing_server.start()
+    try:
+        with failing_server.client() as c:
+            payload = body(demo, tasks=["boom_mc"], limit=2)
+            payload["parallelism"] = {"num_replicas": 1}
+            evaluation = submit(c, payload)
+            final = wait_for(c, evaluation["id"], finished, 180)
+        assert final["status"] == "failed", final
+        assert "ValueError: boom in the aggregation" in final["error"], final["error"]
+        events = read_events(failing_server.url, f"/evaluations/{evaluation['id']}/events")
+        (state,) = [e["data"] for e in events if e["data"].get("status") == "failed"]
+        assert state["error"] == final["error"]
+        assert state["traceback"].startswith("Traceback (most recent call last):"), state
+        assert 'utils.py", line 5, in aggregate' in state["traceback"], state["traceback"]
+        assert leftovers_after(evaluation["id"]) == ([], [])
+    finally:
+        failing_server.stop()
 
 
 @pytest.mark.service

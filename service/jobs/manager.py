@@ -376,7 +376,7 @@ class EvaluationManager:
         if isinstance(digested.ended, RunnerSucceeded):
             self._succeed(record, digested.ended.outputs)
         elif digested.ended is not None:
-            self._fail(record.id, digested.ended.error)
+            self._fail(record.id, digested.ended.error, digested.ended.traceback)
 
     def _succeed(self, record: EvaluationRecord, outputs: RunOutputs) -> None:
         events = task_results(outputs.results_json)
@@ -397,11 +397,13 @@ class EvaluationManager:
             return
         self._kept.keep(Kept(owner, replica_key(record.config), dict(record.resources)), handle)
 
-    def _fail(self, evaluation_id: str, error: str) -> None:
+    def _fail(self, evaluation_id: str, error: str, traceback: str | None = None) -> None:
         with self._lock:
             if self._followed[evaluation_id].cancelling:
                 return
-            failed = self._store.transition(evaluation_id, EvaluationStatus.FAILED, error=error)
+            failed = self._store.transition(
+                evaluation_id, EvaluationStatus.FAILED, error=error, traceback=traceback
+            )
         if failed:
             logger.warning("evaluation %s failed: %s", evaluation_id, error)
         self._release_later(evaluation_id)

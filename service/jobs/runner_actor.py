@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -185,11 +186,13 @@ class EvaluationRunner:
         except RayEvalError as exc:
             kind = type(exc).__name__
             # Read over REST: the fields it names are a body's fields.
-            self._emit(evaluation_id, RunnerFailed, error=render(exc, Door.REST), kind=kind)
+            self._emit(evaluation_id, RunnerFailed, error=render(exc, Door.REST), kind=kind,
+                       traceback=exc.traceback or traceback.format_exc())  # fmt: skip
         except Exception as exc:  # lm-eval raises plain exceptions for bad task/model setups
             logger.exception("evaluation %s failed", evaluation_id)
             kind = type(exc).__name__
-            self._emit(evaluation_id, RunnerFailed, error=explain(exc), kind=kind)
+            self._emit(evaluation_id, RunnerFailed, error=explain(exc), kind=kind,
+                       traceback=traceback.format_exc())  # fmt: skip
         else:
             self._emit(evaluation_id, RunnerSucceeded, outputs=outputs)
         finally:

@@ -131,12 +131,14 @@ class EvaluationStore:
         only_from: Iterable[EvaluationStatus] | None = None,
         error: str | None = None,
         events: Sequence[NewEvent] = (),
+        traceback: str | None = None,
     ) -> bool:
         """Move an evaluation to ``to`` if the state machine allows it; append ``events`` + state.
 
         Args:
             only_from: Narrow the allowed source states further (default: every state that may
                 move to ``to``).
+            traceback: On failure, where the error was raised (the state event carries it).
 
         Returns:
             True if this call made the change; False if the evaluation was in another state.
@@ -152,7 +154,8 @@ class EvaluationStore:
         with self._transaction(evaluation_id) as session:
             if not _update_if(session, evaluation_id, expect, **values):
                 return False
-            _append_events(session, evaluation_id, [*events, StateEvent(status=to, error=error)])
+            state = StateEvent(status=to, error=error, traceback=traceback)
+            _append_events(session, evaluation_id, [*events, state])
             return True
 
     def requeue(self, evaluation_id: str, preempted: PreemptedEvent) -> bool:

@@ -287,6 +287,9 @@ class RunnerFailed(_RunnerEvent):
     type: Literal[RunnerEventKind.FAILED] = RunnerEventKind.FAILED
     error: str
     kind: str = Field(description="The error's class name.")
+    traceback: str | None = Field(
+        default=None, description="Where it was raised: the rank's traceback for a rank's error."
+    )
 
 
 class RunnerStage(_RunnerEvent):
@@ -381,6 +384,18 @@ class StateEvent(_StreamEvent):
     KIND: ClassVar[EventKind] = EventKind.STATE
     status: EvaluationStatus
     error: str | None = None
+    traceback: str | None = Field(
+        default=None,
+        description="On failure, the traceback of what raised the error (a rank's for an error "
+        "inside a rank); absent where there is none (the watchdog's verdicts).",
+    )
+
+    def dump(self) -> dict[str, Any]:
+        """The JSON-able form; without a traceback, the form written before tracebacks existed."""
+        data = super().dump()
+        if self.traceback is None:
+            del data["traceback"]
+        return data
 
 
 class ProgressEvent(PhaseReport, _StreamEvent):
