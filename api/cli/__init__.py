@@ -15,9 +15,11 @@
   (checkpoints, on a server) and ``status --watch ID`` (one evaluation's progress bars).
 - ``rayeval compare A B`` (:mod:`.compare`): a paired comparison of two evaluations' result
   directories, or of two evaluations on a server.
+- ``rayeval parity`` (:mod:`.parity`): lm-eval hf at several batch sizes and rayeval at the
+  layouts a team plans to use, on a sample of its own model and tasks, with a verdict per layout.
 
-``run`` and ``serve --demo`` keep the console for rayeval's own lines and send the rest to a log
-file (:mod:`.console`; ``--verbose`` shows everything).
+``run``, ``parity`` and ``serve --demo`` keep the console for rayeval's own lines and send the
+rest to a log file (:mod:`.console`; ``--verbose`` shows everything).
 
 Every flag takes both spellings (``--model_args``, ``--model-args``), and an unknown flag is
 refused under its command's usage naming the nearest one (:mod:`.parsing`).
@@ -33,12 +35,12 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``rayeval`` parser: ``run``, ``watch``, ``serve``, ``submit``, ``status``, ``results``,
-    ``cancel``, ``compare``.
+    ``cancel``, ``compare``, ``parity``.
 
     Returns:
         The parser; ``args.command`` names the command given.
     """
-    from rayeval.api.cli import compare, remote, run, serve, sweep, users
+    from rayeval.api.cli import compare, parity, remote, run, serve, sweep, users
     from rayeval.api.cli.parsing import SPELLINGS_NOTE, Parser, leaves
 
     parser = Parser(
@@ -52,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(subparsers)
     remote.add_parsers(subparsers)
     compare.add_parser(subparsers)
+    parity.add_parser(subparsers)
     users.add_parser(subparsers)
     for command in leaves(parser):
         command.epilog = (
@@ -70,11 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status.
     """
     args = build_parser().parse_args(argv)
-    from rayeval.api.cli import compare, remote, run, serve, sweep, users
+    from rayeval.api.cli import compare, parity, remote, run, serve, sweep, users
     from rayeval.api.cli.console import basic_logging
 
-    if args.command == "run":  # these two set up their console themselves
+    if args.command == "run":  # these three set up their console themselves
         return run.command(args)
+    if args.command == "parity":
+        return parity.command(args)
     if args.command == "serve":
         return serve.command(args)
     basic_logging()
