@@ -8,7 +8,7 @@ DEMO_OUT ?= .rayeval/demo-results
 PORT     ?= 8000
 SERVICE_DIR ?= .rayeval/service
 
-.PHONY: install browser postgres run demo-cli test test-avx2 test-fast lint format bench gpu-check clean
+.PHONY: install browser postgres run demo-cli test test-avx2 test-fast conformance lint format bench gpu-check clean
 
 install: $(STAMP)
 
@@ -74,6 +74,16 @@ test-avx2: install
 # The unit tier only: no Ray cluster, no server, no model evaluation (about 25 s on 2 cores).
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m unit
+
+# The conformance matrix (tests/conformance.py): every architecture the installed transformers
+# gives a tensor-parallel plan and a causal-LM class, plus GPT-2 and GPT-NeoX, as a tiny random
+# model with hostile shapes drawn by SEED, against lm-eval hf at 1x1, 2x1, 1x2 (auto), 1x2 fsdp
+# and 1x2 tp in float32 and bf16; writes docs/conformance.md. About 2.5 minutes per architecture
+# on 2 cores (5 hours for all); CONFORMANCE_ARGS="--only llama qwen2" or "--sample 10" runs
+# fewer, "--resume" goes on from .rayeval/conformance/cells.jsonl.
+SEED ?= 0
+conformance: install
+	$(BIN)/python -m tests.conformance --seed $(SEED) $(CONFORMANCE_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
