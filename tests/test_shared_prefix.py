@@ -21,7 +21,7 @@ from rayeval.actors.batches import ModelSpec
 from rayeval.actors.layout import DeviceKind, RankCoord
 from rayeval.service.engine.plan.planner import TokenBudget, plan_score
 from rayeval.service.parity import LOGPROB_TOL
-from tests.helpers import assert_same_results, evaluate
+from tests.helpers import assert_same_results, evaluate, hf_spread
 
 TASKS = ["shaped_hellaswag", "shaped_arc", "shaped_mmlu"]
 LIMIT = 5
@@ -297,3 +297,25 @@ def test_share_prefixes_flag_reaches_the_config(value: str, demo: Any) -> None:
     assert config.share_prefixes is (value == "true")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--share_prefixes", "maybe"])
+
+
+@pytest.mark.e2e
+@pytest.mark.parity  # bf16: `make test-avx2` runs it again with the kernels capped
+def test_bf16_scores_are_not_packed(demo: Any, ray_session: None) -> None:
+    """In bf16 a packed row would change lm-eval hf's bits: attention rounds by the width it runs
+    over (on an AVX-512 CPU, bf16 sdpa's first 12 queries get other bits at 16+ keys than at
+    12-15), and the three demo_mc questions packed into one 34-token row moved doc 0's four
+    log-probs and one of doc 1's by a bf16 step (-0.5586 -> -0.5312, -0.3633 -> -0.3457), while
+    lm-eval hf at batch sizes 1, 4 and 16 agreed bit for bit. Half precision scores plain rows."""
+    from lm_eval.tasks import TaskManager
+
+    from rayeval.service.engine.lm import RayEvalLM
+
+    task_manager = TaskManager(include_defaults=False, include_path=str(demo.tasks_dir))
+    tasks = ["demo_mc", "demo_gen_short"]
+    run = {"limit": 3, "gen_kwargs": "max_gen_toks=5", "bootstrap_iters": 0}
+    with RayEvalLM(pretrained=str(demo.model_dir), dtype="bfloat16") as lm:
+        assert not lm.engine.share_prefixes  # asked for (the default), not applied in bf16
+        ours = evaluate(lm, task_manager, tasks, **run)
+    spread = hf_spread(demo.model_dir, task_manager, tasks, "bfloat16", **run)
+    spread.assert_holds(ours, "rayeval 1x1, bf16, share_prefixes on")

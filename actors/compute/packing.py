@@ -12,7 +12,10 @@ already accepts:
   input, so rotary (Llama, Qwen2) and learned (GPT-2) positions are the ones lm-eval uses.
 
 Then each token's hidden states are those of the same token in the unpacked input; only the order
-of floating-point sums inside attention changes (fp32: far below lm-eval's 1e-4 tolerance).
+of floating-point sums inside attention changes (fp32: far below lm-eval's 1e-4 tolerance). In
+bf16 and fp16 that order is enough to move a bit (attention rounds by the width it runs over), so
+the driver packs float32 models only
+(``rayeval.service.engine.plan.model_shell.packing_supported``).
 
 transformers passes a 4D mask through unchanged (``masking_utils._preprocess_mask_arguments``);
 ``sdpa`` takes it as a boolean mask, ``eager`` adds it to the scores, so it gets 0 / -inf-like

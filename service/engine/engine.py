@@ -142,7 +142,7 @@ class Engine:
         self.name = host.name or f"rayeval-{uuid.uuid4().hex[:8]}"
         #: Score inputs that share a prefix are packed into token-tree rows.
         self.share_prefixes = config.share_prefixes and model_shell.packing_supported(
-            self.encoder.model, model_args
+            self.encoder.model, model_args, self.dtype
         )
         logger.info("starting %s on %s (%s)", self.name, self.layout.describe(), self.connection)
         torch_seed = config.seeds[2]

@@ -145,7 +145,10 @@ class EngineConfig(_Frozen):
         description="Feed the model the tokens that loglikelihood requests share (a question's "
         "context before its choices, common few-shot examples) once per micro-batch, with "
         "results equal to scoring each request alone; false: one row per distinct input, as "
-        "lm-eval. Models that cannot take a custom attention mask always use one row per input.",
+        "lm-eval. Applies in float32 only: in bf16 and fp16 attention rounds by the width of "
+        "the row it runs over, so a packed row would not give lm-eval hf's bits, and every input "
+        "gets a row of its own. Models that cannot take a custom attention mask always use one "
+        "row per input.",
     )
     continuous_batching: bool = Field(
         default=True,

@@ -128,8 +128,30 @@ def static_generation_reason(config: EngineConfig, shell: Any, encoder: Any) -> 
     return None
 
 
-def packing_supported(shell: Any, model_args: dict[str, Any]) -> bool:
-    """Whether the ranks' model scores packed rows exactly (else: one row per input)."""
+#: The one dtype whose packed rows give lm-eval hf's answers (see :func:`packing_supported`).
+PACKABLE_DTYPE = "float32"
+
+
+def packing_supported(shell: Any, model_args: dict[str, Any], dtype: Any) -> bool:
+    """Whether the ranks' model, computing in ``dtype``, scores packed rows with lm-eval hf's
+    answers (else: one row per input).
+
+    Only in float32. A packed row feeds a shared prefix to attention at the row's width, not at
+    the width of lm-eval hf's padded row, and attention kernels round by width: on an AVX-512
+    CPU (torch 2.13), bf16 ``scaled_dot_product_attention`` gives other bits for the first 12
+    queries of a causal sequence of 16 or more keys than of one of 12-15, with no mask and with
+    one alike (float32: 2e-7, far inside the fidelity bound). In bf16 and fp16 the product owes
+    lm-eval hf's bits wherever lm-eval hf's own batch sizes agree, and a packed row's width is
+    not one that lm-eval hf's batching would give the request. ``dtype``: a ``torch.dtype``.
+    """
+    if str(dtype).removeprefix("torch.") != PACKABLE_DTYPE:
+        logger.info(
+            "shared prefixes are computed once per request (not packed): the model computes in "
+            "%s, where attention over a packed row's width rounds otherwise than over lm-eval "
+            "hf's row (packing is exact in float32 only)",
+            str(dtype).removeprefix("torch."),
+        )
+        return False
     implementation = model_args.get("attn_implementation") or getattr(
         shell.config, "_attn_implementation", None
     )
