@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +83,17 @@ class Shape:
     tied: bool
     generation: dict[str, Any]
     lora: bool
+    #: Why the heads drawn were not built (the architecture refused them), if they were not.
+    note: str = ""
 
     def describe(self) -> str:
         tied = "tied" if self.tied else "untied"
         gen = ",".join(sorted(self.generation)) or "none"
+        lora = ", LoRA" if self.lora else ""
+        note = f" ({self.note})" if self.note else ""
         return (
-            f"heads {self.heads}/{self.kv_heads} kv x {self.head_dim}, vocabulary "
-            f"{VOCAB}+{self.extra_rows}, {tied}, generation: {gen}"
-            + (", LoRA" if self.lora else "")
+            f"heads {self.heads}/{self.kv_heads} kv x {self.head_dim}{note}, vocabulary "
+            f"{VOCAB}+{self.extra_rows}, {tied}, generation: {gen}{lora}"
         )
 
 
@@ -183,6 +186,24 @@ def config_overrides(shape: Shape, defaults: dict[str, Any]) -> dict[str, Any]:
         "linear_num_value_heads": 4,
         "linear_key_head_dim": 16,
         "linear_value_head_dim": 16,
+        "linear_head_dim": 16,
+        "linear_num_heads": 4,
+        "mamba_d_ssm": 2 * hidden,
+        "attn_layer_indices": [1, 3],
+        "layer_group_size": 2,
+        "num_kv_shared_layers": 0,
+        # other spellings of the same sizes
+        "num_experts_per_token": 2,
+        "num_expert_group": 1,
+        "unpadded_vocab_size": VOCAB + shape.extra_rows,
+        "swa_num_attention_heads": shape.heads,
+        "swa_num_key_value_heads": shape.kv_heads,
+        "swa_head_dim": shape.head_dim,
+        # sparse-attention indexers
+        "index_num_heads": 2,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_layers": [1],
         # GPT-2 and GPT-NeoX spellings
         "n_embd": hidden,
         "n_layer": 2,
@@ -193,7 +214,50 @@ def config_overrides(shape: Shape, defaults: dict[str, Any]) -> dict[str, Any]:
     }
     if "qk_rope_head_dim" in defaults:  # latent attention: RoPE runs on the rope part alone
         wanted["head_dim"] = wanted["qk_rope_head_dim"]
+    wanted |= _per_layer_lists(defaults, wanted["num_hidden_layers"])
     return {key: value for key, value in wanted.items() if key in defaults}
+
+
+def _per_layer_lists(defaults: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The config's lists of one entry per layer (layer types, MLP types, limits), cut to
+    ``layers``: kinds (strings) cycled so that each kind the default has still occurs, in the
+    order the default has them; numbers cut to the first ``layers``."""
+    count = defaults.get("num_hidden_layers")
+    cut = {}
+    for key, value in defaults.items():
+        if not (isinstance(value, list) and count and len(value) == count):
+            continue
+        if all(isinstance(item, str) for item in value):
+            kinds = list(dict.fromkeys(value))
+            cut[key] = [kinds[i % len(kinds)] for i in range(layers)]
+        else:
+            cut[key] = value[:layers]
+    return cut
+
+
+def build_drawn(model_type: str, seed: int, out_dir: Path, tokenizer_dir: Path) -> Shape:
+    """Build ``model_type``'s drawn model in ``out_dir``; where the architecture refuses the
+    heads drawn (DiffLlama wants an even number of key/value heads), the same draw with 4
+    heads and 2 key/value heads, the refusal noted in the shape.
+
+    Raises:
+        Exception: the drawn model cannot be built (the first error).
+    """
+    shape = draw_shape(model_type, seed)
+    try:
+        build(shape, out_dir, tokenizer_dir)
+        return shape
+    except Exception as exc:
+        if (shape.heads, shape.kv_heads) == (4, 2):
+            raise
+        first = exc
+    note = f"drawn {shape.heads}/{shape.kv_heads}: {_last_line(first)[:80]}"
+    tame = replace(shape, heads=4, kv_heads=2, note=note)
+    try:
+        build(tame, out_dir, tokenizer_dir)
+    except Exception:
+        raise first from None
+    return tame
 
 
 def build(shape: Shape, out_dir: Path, tokenizer_dir: Path) -> Path:
@@ -375,13 +439,12 @@ def run_architecture(
     from rayeval.service.parity import SPREAD_BATCH_SIZES, Spread
     from tests.helpers import hf_reference
 
-    shape = draw_shape(model_type, seed)
     model_dir = root / f"{model_type}-{seed}"
     try:
-        build(shape, model_dir, tokenizer_dir)
+        shape = build_drawn(model_type, seed, model_dir, tokenizer_dir)
     except Exception as exc:  # the generator's gap, not rayeval's
-        yield Cell(model_type, "-", "-", "not built", _last_line(exc), shape=shape.describe(),
-                   seed=seed)  # fmt: skip
+        yield Cell(model_type, "-", "-", "not built", _last_line(exc),
+                   shape=draw_shape(model_type, seed).describe(), seed=seed)  # fmt: skip
         return
     adapter = None
     if shape.lora:
@@ -405,8 +468,8 @@ def run_architecture(
         spread = Spread(model_type, dtype, SPREAD_BATCH_SIZES, runs)
         auto_at_2 = ""
         for layout in layouts or list(LAYOUTS):
-            if layout == "1x2 tp" and auto_at_2 == "tp":
-                continue  # the default strategy's cell is this one
+            if auto_at_2 and layout == f"1x2 {auto_at_2}":
+                continue  # the default strategy's cell (1x2) is this one
             cell = run_cell(shape, model_dir, adapter, spread, layout, task_manager)
             if layout == "1x2":
                 auto_at_2 = cell.strategy
@@ -473,26 +536,14 @@ def write_markdown(cells: list[Cell], path: Path, seed: int, elapsed_s: float) -
         "✓: within the bound (per measure no further from lm-eval hf than lm-eval hf is from",
         "itself between batch sizes 1, 4 and 16; in float32 also every log-prob within 1e-4 or two",
         "ulps); R: refused before any rank was placed (reason below); ✗: crashed or differs;",
-        "= 1x2: tp is what auto picked, so that cell is the 1x2 one; blank: not run.",
+        "= 1x2: the strategy auto picked at 1x2, so that cell is the 1x2 one; blank: not run.",
         "",
         "| architecture | shape drawn | "
         + " | ".join(f"{lay} {DTYPE_NAMES[d]}" for lay, d in columns)
         + " |",
         "|---|---|" + "---|" * len(columns),
     ]
-    for arch in archs:
-        row = by_arch.get(arch, {})
-        shape = next((c.shape for c in cells if c.model_type == arch), "")
-        marks = []
-        for layout, dtype in columns:
-            cell = row.get((layout, dtype))
-            if cell is None and layout == "1x2 tp" and row.get(("1x2", dtype)):
-                marks.append("= 1x2" if row[("1x2", dtype)].strategy == "tp" else "")
-            else:
-                marks.append(SYMBOLS.get(cell.outcome, cell.outcome) if cell else "")
-        if arch in gaps and not row:
-            marks = [gaps[arch][0].outcome] + [""] * (len(columns) - 1)
-        lines.append(f"| {arch} | {shape} | " + " | ".join(marks) + " |")
+    lines += _table_rows(archs, cells, by_arch, gaps, columns)
     lines += ["", "## Refusals", ""]
     refusals: dict[str, list[str]] = {}
     for cell in cells:
@@ -519,6 +570,32 @@ def write_markdown(cells: list[Cell], path: Path, seed: int, elapsed_s: float) -
         for c in gaps[arch]
     ] or ["None."]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _table_rows(
+    archs: list[str],
+    cells: list[Cell],
+    by_arch: dict[str, dict[tuple[str, str], Cell]],
+    gaps: dict[str, list[Cell]],
+    columns: list[tuple[str, str]],
+) -> list[str]:
+    """The matrix's rows: one per architecture, a mark per (layout, dtype)."""
+    lines = []
+    for arch in archs:
+        row = by_arch.get(arch, {})
+        shape = next((c.shape for c in cells if c.model_type == arch), "")
+        marks = []
+        for layout, dtype in columns:
+            cell = row.get((layout, dtype))
+            auto = row.get(("1x2", dtype))
+            if cell is None and auto is not None and layout == f"1x2 {auto.strategy}":
+                marks.append("= 1x2")
+            else:
+                marks.append(SYMBOLS.get(cell.outcome, cell.outcome) if cell else "")
+        if arch in gaps and not row:
+            marks = [gaps[arch][0].outcome] + [""] * (len(columns) - 1)
+        lines.append(f"| {arch} | {shape} | " + " | ".join(marks) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -565,9 +642,8 @@ def _probe(chosen: list[str], seed: int, root: Path, tokenizer_dir: Path) -> int
     """Build each architecture's drawn model and say which the generator cannot build."""
     failed = 0
     for model_type in chosen:
-        shape = draw_shape(model_type, seed)
         try:
-            build(shape, root / model_type, tokenizer_dir)
+            shape = build_drawn(model_type, seed, root / model_type, tokenizer_dir)
             print(f"ok   {model_type:28s} {shape.describe()}")
         except Exception as exc:  # the probe reports every failure
             failed += 1
