@@ -37,6 +37,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "tie_word_embeddings": False,
     },
+    # GPT-NeoX: fused query-key-value rows, partial rotary, untied head (embed_out).
+    "gpt_neox": {
+        "model_type": "gpt_neox",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "rotary_pct": 0.5,
+        "tie_word_embeddings": False,
+    },
     # GPT-2: Conv1D projections (weights stored in x out), learned positions, tied head.
     "gpt2": {
         "model_type": "gpt2",

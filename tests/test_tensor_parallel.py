@@ -105,8 +105,8 @@ ODD_GENERATION = {"repetition_penalty": 1.05, "no_repeat_ngram_size": 3, "eos_to
 @pytest.fixture(scope="module")
 def odd_vocabulary(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Models with 769 rows, one more than the tokenizer (385 and 384 at G = 2), and a
-    generation config: Qwen2-style (tied embeddings) and Qwen3-MoE-style (untied, 8 experts);
-    built on first use."""
+    generation config: Qwen2-style (tied embeddings), Qwen3-MoE-style (untied, 8 experts) and
+    GPT-NeoX-style (fused query-key-value, untied ``embed_out``); built on first use."""
     root = tmp_path_factory.mktemp("odd_vocabulary")
     built: dict[str, Path] = {}
 
@@ -119,7 +119,12 @@ def odd_vocabulary(demo: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return model
 
 
-ODD_CASES = [("qwen2", "float32"), ("qwen2", "bfloat16"), ("qwen3_moe", "float32")]
+ODD_CASES = [
+    ("qwen2", "float32"),
+    ("qwen2", "bfloat16"),
+    ("qwen3_moe", "float32"),
+    ("gpt_neox", "float32"),
+]
 
 
 @pytest.mark.parametrize(
