@@ -14,6 +14,7 @@ the lines, never a wait.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -117,7 +118,8 @@ def _read_output(pid: int, ip: str, timeout_s: float) -> tuple[list[str], list[s
     try:
         lines, markers, path = ray.get(ref, timeout=timeout_s)
     except Exception as exc:  # any failure to read only loses the lines, never the report
-        ray.cancel(ref, force=True)
+        with contextlib.suppress(Exception):
+            ray.cancel(ref, force=True)
         logger.debug("could not read the output of pid %d on %s: %s", pid, ip, exc)
         return [], [], f"its output could not be read on {ip}: {type(exc).__name__}"
     return lines, markers, path or f"no log file of pid {pid} on {ip}"
@@ -139,7 +141,7 @@ def _tail_of_worker_logs(pid: int, count: int) -> tuple[list[str], list[str], st
             text = file.read().decode(errors="replace")
         lines = [line.rstrip() for line in text.splitlines()]
         markers += [line for line in lines if _MARKER.search(line)]
-        lines = [line for line in lines if line.strip() and not _NOISE.match(line)]
+        lines = [line for line in lines if line.strip() and not _NOISE.search(line)]
         if lines:
             return lines[-count:], markers, path
     return [], markers, ""
