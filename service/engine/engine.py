@@ -158,7 +158,7 @@ class Engine:
             created=created,
             shell=self.encoder.model,
             static_only=model_shell.static_generation_reason(
-                config, self.encoder.model, self.encoder
+                config, self.encoder.model, self.encoder, self.dtype
             ),
         )
         self._replicas = replicas

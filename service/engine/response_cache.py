@@ -81,8 +81,9 @@ _HEAD_BYTES = 1 << 20
 #: Part of every model fingerprint: raised when rayeval computes some answers differently, so
 #: that answers cached before never answer for the new code. 2: generation_config.json applies
 #: under every strategy (FSDP at G > 1 ignored it), tensor parallelism splits no sum. 3: scores in
-#: bf16 and fp16 never come from packed shared-prefix rows.
-ANSWERS_VERSION = 3
+#: bf16 and fp16 never come from packed shared-prefix rows. 4: nor bf16 and fp16 generations from
+#: continuous batching.
+ANSWERS_VERSION = 4
 
 
 def cache_file(use_cache: str) -> Path:

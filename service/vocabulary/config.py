@@ -153,7 +153,9 @@ class EngineConfig(_Frozen):
     continuous_batching: bool = Field(
         default=True,
         description="Generate with continuous batching: a row leaves as soon as it stops and the "
-        "next request takes its slot, with lm-eval hf's greedy answers. Settings it cannot "
+        "next request takes its slot, with lm-eval hf's greedy answers. In float32 only: in "
+        "bf16 and fp16 attention over the slots' cache rounds otherwise than over lm-eval hf's "
+        "batch, so those generate in static batches, as lm-eval. Settings it cannot "
         "reproduce exactly (beams, repetition penalties, an explicit max_length, thinking "
         "tokens, architectures not checked) fall back to static batches, as lm-eval.",
     )

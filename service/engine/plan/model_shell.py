@@ -115,21 +115,38 @@ def adapter_vocab_size(config: EngineConfig, shell: Any, tokenizer: Any) -> int 
     return rows
 
 
-def static_generation_reason(config: EngineConfig, shell: Any, encoder: Any) -> str | None:
+#: The one dtype in which packed rows and continuous batching give lm-eval hf's answers (see
+#: :func:`packing_supported`, :func:`static_generation_reason`).
+EXACT_DTYPE = "float32"
+
+
+def static_generation_reason(
+    config: EngineConfig, shell: Any, encoder: Any, dtype: Any
+) -> str | None:
     """Why this evaluation generates in static batches only (None: continuous batching may run,
-    request settings permitting)."""
+    request settings permitting).
+
+    Continuous batching runs in float32 only (``dtype``: the model's ``torch.dtype``). Its decode
+    steps run attention over the slots' cache, whose width and rows are not those of lm-eval
+    hf's batch, and in bf16 and fp16 attention rounds by width (see :func:`packing_supported`):
+    the conformance matrix found a GPT-2-style model whose bf16 greedy generation moved under
+    continuous batching (the demo group's generation tasks sharing slots) where lm-eval hf's
+    batch sizes 1, 4 and 16 agreed and rayeval's static batches gave lm-eval hf's tokens.
+    """
     if not config.continuous_batching:
         return "continuous_batching is off"
+    if str(dtype).removeprefix("torch.") != EXACT_DTYPE:
+        return (
+            f"the model computes in {str(dtype).removeprefix('torch.')}: continuous batching "
+            "runs in float32 only (in bf16 and fp16 attention over the slots' cache rounds "
+            "otherwise than over lm-eval hf's batch)"
+        )
     shape = ModelShape(shell.config)
     if not shape.profile.continuous:
         return f"continuous batching is not checked for {shape.model_type!r} models"
     if encoder.think_end_token is not None:
         return "think_end_token is set (lm-eval cuts stop strings after the thinking part)"
     return None
-
-
-#: The one dtype whose packed rows give lm-eval hf's answers (see :func:`packing_supported`).
-PACKABLE_DTYPE = "float32"
 
 
 def packing_supported(shell: Any, model_args: dict[str, Any], dtype: Any) -> bool:
@@ -144,7 +161,7 @@ def packing_supported(shell: Any, model_args: dict[str, Any], dtype: Any) -> boo
     lm-eval hf's bits wherever lm-eval hf's own batch sizes agree, and a packed row's width is
     not one that lm-eval hf's batching would give the request. ``dtype``: a ``torch.dtype``.
     """
-    if str(dtype).removeprefix("torch.") != PACKABLE_DTYPE:
+    if str(dtype).removeprefix("torch.") != EXACT_DTYPE:
         logger.info(
             "shared prefixes are computed once per request (not packed): the model computes in "
             "%s, where attention over a packed row's width rounds otherwise than over lm-eval "
