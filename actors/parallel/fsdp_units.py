@@ -101,6 +101,10 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[nn.Parame
     copy-out with the next collective on a GPU stream — on a CPU that is one unit of memory more
     for nothing.
     """
+    # Nothing is trained: FSDP then checks no dtype, and a unit may mix the model's bf16 weights
+    # with those it keeps in float32 (``_keep_in_fp32_modules``: a Mamba mixer's A_log and D),
+    # all-gathered together as bytes, as one rank holds them.
+    model.requires_grad_(False)
     blocks = decoder_blocks(model)
     origins: dict[str, tuple[nn.Parameter, int]] = {}
     if mesh.device_type == "cpu" and blocks:
