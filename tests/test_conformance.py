@@ -93,8 +93,8 @@ FOUND = [
     # generation (demo_gen_long/2) moved where lm-eval hf at batch sizes 1, 4 and 16 agreed:
     # half precision now generates in static batches.
     ("gpt2", 0, "1x1", "bfloat16", "a bf16 generation moved by continuous batching"),
-    # A hybrid Mamba model keeps A_log and D in float32: FSDP refused a unit of mixed dtypes
-    # ("FSDP expects uniform original parameter dtype"); nothing is trained, so it checks none.
+    # NemotronH keeps its MoE router weight in float32: FSDP refused a unit of mixed dtypes
+    # ("FSDP expects uniform original parameter dtype"); nothing is trained: those are frozen.
     ("nemotron_h", 611516, "1x2 fsdp", "bfloat16", "FSDP crashed on float32 Mamba weights"),
 ]
 

@@ -101,10 +101,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[nn.Parame
     copy-out with the next collective on a GPU stream — on a CPU that is one unit of memory more
     for nothing.
     """
-    # Nothing is trained: FSDP then checks no dtype, and a unit may mix the model's bf16 weights
-    # with those it keeps in float32 (``_keep_in_fp32_modules``: a Mamba mixer's A_log and D),
-    # all-gathered together as bytes, as one rank holds them.
-    model.requires_grad_(False)
     blocks = decoder_blocks(model)
     origins: dict[str, tuple[nn.Parameter, int]] = {}
     if mesh.device_type == "cpu" and blocks:
@@ -120,16 +116,51 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> dict[str, tuple[nn.Parame
                 "chunk by chunk" if head.by_chunks else "as one weight (chunked is not exact here)",
             )
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        _shard_unit(block, mesh)
     for part in vocabulary_units(model):
-        fully_shard(part, mesh=mesh, reshard_after_forward=True)
+        _shard_unit(part, mesh)
     for unit in embedding_units(model):
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        _shard_unit(unit if len(unit) > 1 else unit[0], mesh)
+    _shard_unit(model, mesh)
     root = cast(FSDPModule, model)
     if mesh.device_type == "cpu" and hasattr(root, "_set_unshard_async_op"):
         root._set_unshard_async_op(True)
     return origins
+
+
+def _shard_unit(module: nn.Module | list[nn.Module], mesh: DeviceMesh) -> None:
+    """``fully_shard`` one unit, whose parameters may mix dtypes.
+
+    A model may keep some weights in float32 beside its bf16 ones (a NemotronH router's
+    weight): FSDP all-gathers a unit's mixed dtypes as bytes, but refuses a unit whose
+    *trainable* parameters do not share one dtype ("FSDP expects uniform original parameter
+    dtype"). Nothing is trained, so the unit's parameters of another dtype than most of its
+    elements are frozen; the others keep ``requires_grad`` as loaded, since torch's matmul
+    rounds a non-contiguous 3-D input otherwise when the weight requires grad (see
+    :mod:`rayeval.actors.parallel.vocab_chunks`), and lm-eval hf's weights require it.
+    """
+    modules = module if isinstance(module, list) else [module]
+    params = [p for m in modules for p in _unit_parameters(m)]
+    sizes: dict[torch.dtype, int] = {}
+    for param in params:
+        sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    if len(sizes) > 1:
+        main = max(sizes, key=lambda dtype: sizes[dtype])
+        for param in params:
+            if param.dtype != main:
+                param.requires_grad_(False)
+        others = ", ".join(sorted(str(dtype) for dtype in sizes if dtype != main))
+        logger.info("an FSDP unit holds %s weights beside its %s ones: frozen", others, main)
+    fully_shard(module, mesh=mesh, reshard_after_forward=True)
+
+
+def _unit_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``fully_shard(module)`` takes: those of no FSDP unit inside it."""
+    found = list(module.parameters(recurse=False))
+    for child in module.children():
+        if not isinstance(child, FSDPModule):
+            found += _unit_parameters(child)
+    return found
 
 
 def _all_ranks_agree(value: bool, mesh: DeviceMesh) -> bool:
