@@ -17,8 +17,12 @@ per-architecture knowledge that a config does not say:
 - **continuous batching**: whether rayeval's continuous-batching engine
   (:mod:`rayeval.actors.compute.continuous`) was checked against ``generate`` for the architecture
   (its cache is transformers' plain dynamic cache, its forward takes position ids and a 2D mask);
-- **tensor parallelism**: the dimensions a TP plan splits over the ranks (each must be divisible
-  by G); whether transformers has a plan for the architecture at all is the config class's
+- **tensor parallelism**: whether rayeval's exact rewrite of transformers' TP plan was checked
+  against lm-eval hf for the architecture (the tests, or a ``1x2 tp`` cell of the conformance
+  matrix exact in float32 and bf16: ``docs/conformance.md``). A plan alone is not enough: the
+  matrix found one (HRM's, whose attention is gated) that ran and answered wrongly. Then the
+  dimensions a TP plan splits over the ranks (each must be divisible by G); whether
+  transformers has a plan for the architecture at all is the config class's
   ``base_model_tp_plan``.
 
 A new architecture quirk is one :class:`ModelProfile` entry in :data:`PROFILES`.
@@ -42,6 +46,7 @@ class ModelProfile:
         plain_embeddings: Its input embedding module is a plain lookup (no scaling): a large
             vocabulary may be cut into row chunks.
         continuous: The continuous-batching engine gives ``generate``'s tokens for it.
+        tensor_parallel: Tensor parallelism (``tp``) was checked to give lm-eval hf's answers.
         block_classes: Class names of its decoder blocks, where ``_no_split_modules`` is missing.
     """
 
@@ -49,6 +54,7 @@ class ModelProfile:
     packable: bool = False
     plain_embeddings: bool = True
     continuous: bool = False
+    tensor_parallel: bool = False
     block_classes: tuple[str, ...] = ()
 
 
@@ -61,12 +67,14 @@ KV_MEMORY_SHARE = 0.6
 PROFILES: dict[str, ModelProfile] = {
     profile.model_type: profile
     for profile in (
-        ModelProfile("llama", packable=True, continuous=True),
+        ModelProfile("llama", packable=True, continuous=True, tensor_parallel=True),
         ModelProfile("mistral", packable=True, continuous=True),
-        ModelProfile("qwen2", packable=True, continuous=True),
+        ModelProfile("qwen2", packable=True, continuous=True, tensor_parallel=True),
         ModelProfile("qwen3", packable=True, continuous=True),
         ModelProfile("gpt2", packable=True, continuous=True),
-        ModelProfile("qwen3_moe", packable=True, continuous=True),
+        ModelProfile("qwen3_moe", packable=True, continuous=True, tensor_parallel=True),
+        ModelProfile("gpt_neox", tensor_parallel=True),
+        ModelProfile("mixtral", tensor_parallel=True),
         ModelProfile("gemma", plain_embeddings=False),
         ModelProfile("gemma2", plain_embeddings=False),
         ModelProfile("gemma3_text", plain_embeddings=False),

@@ -9,6 +9,8 @@ checked end to end in tests/test_dtype_layouts.py and tests/test_tensor_parallel
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from rayeval.actors.layout import ShardStrategy
@@ -75,3 +77,26 @@ def test_llama_plan_is_exact_after_the_rewrite() -> None:
     )
     assert model_obstacles(config, 2)[ShardStrategy.TP] == []
     assert settle("auto", 2, model_obstacles(config, 2), []) is ShardStrategy.TP
+
+
+def test_tp_is_refused_on_an_architecture_it_was_not_checked_on(monkeypatch: Any) -> None:
+    """A plan that runs is not enough: HRM's ran and answered wrongly (docs/conformance.md).
+    tp is for the architectures checked against lm-eval hf; auto picks FSDP for the others, and
+    RAYEVAL_UNCHECKED_TP=1 (the conformance matrix) tries it anyway."""
+    import transformers
+
+    from rayeval.actors.parallel.tensor_parallel import UNCHECKED_ENV
+
+    config = transformers.AutoConfig.for_model(
+        "phi3", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=1, vocab_size=100,
+    )  # fmt: skip
+    monkeypatch.delenv(UNCHECKED_ENV, raising=False)
+    obstacles = model_obstacles(config, 2)
+    (reason,) = obstacles[ShardStrategy.TP]
+    assert "not checked against lm-eval hf for the phi3 architecture" in reason, reason
+    assert settle("auto", 2, obstacles, []) is ShardStrategy.FSDP
+    with pytest.raises(Exception, match=r"docs/conformance\.md"):
+        settle("tp", 2, obstacles, [])
+    monkeypatch.setenv(UNCHECKED_ENV, "1")
+    assert model_obstacles(config, 2)[ShardStrategy.TP] == []

@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Set (to anything) to let ``tp`` shard an architecture it was not checked on (the conformance
+#: matrix sets it to try every one); read on the driver, where the strategy is settled.
+UNCHECKED_ENV = "RAYEVAL_UNCHECKED_TP"
+
 
 class TensorParallel:
     """The ``tp`` strategy (see the module docstring)."""
@@ -48,8 +52,9 @@ class TensorParallel:
         self._gather = tp_exact.Gather()
 
     def model_obstacles(self, shape: ModelShape, shard_size: int) -> list[str]:
-        """No TP plan for the architecture, one that splits sums rayeval cannot keep whole, or
-        a head count (or MLP width) G does not divide."""
+        """No TP plan for the architecture, one that splits sums rayeval cannot keep whole, an
+        architecture it was not checked on (:attr:`ModelProfile.tensor_parallel`), or a head
+        count (or MLP width) G does not divide."""
         if shape.has_tp_plan is False:
             return [
                 f"transformers has no tensor-parallel plan for the {shape.model_type} architecture"
@@ -59,6 +64,12 @@ class TensorParallel:
             return [
                 f"transformers' tensor-parallel plan for {shape.model_type} adds partial sums "
                 f"over the ranks ({', '.join(inexact)}): its results would depend on shard_size"
+            ]
+        if not shape.profile.tensor_parallel and not os.environ.get(UNCHECKED_ENV):
+            return [
+                f"tensor parallelism is not checked against lm-eval hf for the {shape.model_type} "
+                f"architecture (docs/conformance.md lists those it is; {UNCHECKED_ENV}=1 tries "
+                "it anyway: check the answers with `rayeval parity` first)"
             ]
         dims = shape.tp_dimensions()
         if "num_attention_heads" not in dims:

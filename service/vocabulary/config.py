@@ -90,8 +90,8 @@ class Parallelism(_Frozen):
         default=ShardStrategy.AUTO,
         description="How a replica of G > 1 ranks shards the model: fsdp (FSDP2: any model, "
         "bit-identical for every G, slow to generate), tp (tensor parallelism: fast generation; "
-        "needs a TP plan, heads divisible by G, a replica on one node), or auto (tp where it can "
-        "work, else fsdp).",
+        "needs a TP plan, an architecture it was checked on (docs/conformance.md), heads divisible "
+        "by G, a replica on one node), or auto (tp where it can work, else fsdp).",
     )
     cpus_per_rank: int = Field(
         default=1,
