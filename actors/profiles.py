@@ -113,8 +113,13 @@ class ModelShape:
         self.profile = PROFILES.get(self.model_type, ModelProfile(self.model_type))
 
     def attribute(self, name: str) -> Any:
-        """A config attribute (None when absent)."""
-        return getattr(self._config, name, None)
+        """A config attribute (None when absent, or when it differs by layer: transformers'
+        per-layer configs, Gemma 4's ``head_dim``, raise ``AmbiguousGlobalPerLayerAttributeError``,
+        a ``RuntimeError``, on a global read)."""
+        try:
+            return getattr(self._config, name, None)
+        except RuntimeError:
+            return None
 
     def tp_dimensions(self) -> dict[str, int]:
         """The dimensions a TP plan splits over the ranks, by their config names."""

@@ -95,7 +95,10 @@ FOUND = [
     ("gpt2", 0, "1x1", "bfloat16", "a bf16 generation moved by continuous batching"),
     # NemotronH keeps its MoE router weight in float32: FSDP refused a unit of mixed dtypes
     # ("FSDP expects uniform original parameter dtype"); nothing is trained: those are frozen.
-    ("nemotron_h", 611516, "1x2 fsdp", "bfloat16", "FSDP crashed on float32 Mamba weights"),
+    ("nemotron_h", 611516, "1x2 fsdp", "bfloat16", "FSDP crashed on a float32 router weight"),
+    # Gemma 4's config raises (a RuntimeError) on a global read of its per-layer head_dim, which
+    # a rank made sizing its KV cache: every layout crashed while loading.
+    ("gemma4_unified_text", 0, "1x1", "float32", "a rank crashed reading head_dim"),
 ]
 
 
