@@ -558,7 +558,15 @@ def write_markdown(cells: list[Cell], path: Path, seed: int, elapsed_s: float) -
                 f"{cell.model_type} {cell.layout} {cell.dtype}"
             )
     lines += [f"- {reason} ({'; '.join(where)})" for reason, where in refusals.items()] or ["None."]
-    lines += ["", "## Failures", ""]
+    lines += [
+        "",
+        "## Failures",
+        "",
+        "Cells the matrix found failing and that were fixed are kept as tests (`FOUND` in",
+        "`tests/test_conformance.py`). A failure below is open unless it is a tp cell of an",
+        "architecture tp is not checked on (refused by rayeval itself, see above).",
+        "",
+    ]
     failures = [c for c in cells if c.failed]
     lines += [
         f"- {c.model_type} {c.layout} {c.dtype} (seed {c.seed}): {c.outcome}: {c.detail}"
