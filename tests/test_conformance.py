@@ -36,9 +36,6 @@ def _seed() -> int:
 def test_drawn_cells_are_exact_or_refused(
     demo: Any, task_manager: Any, ray_session: None, tmp_path: Path
 ) -> None:
-    from rayeval.service.parity import SPREAD_BATCH_SIZES, Spread
-    from tests.helpers import hf_reference
-
     seed = _seed()
     rng = random.Random(seed)
     rerun = f"CONFORMANCE_SEED={seed} .venv/bin/python -m pytest tests/test_conformance.py"
@@ -57,24 +54,11 @@ def test_drawn_cells_are_exact_or_refused(
         except Exception as exc:  # the generator's gap: named, and another architecture drawn
             SPREADS.append(f"conformance seed {seed}: {model_type} not built: {exc}"[:300])
             continue
-        model_args = {"peft": str(adapter)} if adapter else {}
         try:
-            runs = tuple(
-                hf_reference(
-                    model_dir,
-                    task_manager,
-                    conformance.TASKS,
-                    dtype,
-                    size,
-                    model_args,
-                    **conformance.RUN,
-                )
-                for size in SPREAD_BATCH_SIZES
-            )
+            spread = _hf_spread(model_type, model_dir, adapter, dtype, task_manager)
         except Exception as exc:  # lm-eval hf's gap: nothing to hold rayeval to
             SPREADS.append(f"conformance seed {seed}: {model_type} {dtype}: hf fails: {exc}"[:300])
             continue
-        spread = Spread(model_type, dtype, SPREAD_BATCH_SIZES, runs)
         cell = conformance.run_cell(shape, model_dir, adapter, spread, layout, task_manager)
         line = (
             f"conformance seed {seed}: {model_type} {layout} {dtype} ({shape.describe()}): "
@@ -110,12 +94,21 @@ def test_cells_the_matrix_found_hold(
     demo: Any, task_manager: Any, ray_session: None, tmp_path: Path,
 ) -> None:  # fmt: skip
     """Each cell the matrix once found failing (``was``) is exact now."""
-    from rayeval.service.parity import SPREAD_BATCH_SIZES, Spread
-    from tests.helpers import hf_reference
-
     model_dir = tmp_path / model_type
     shape = conformance.build_drawn(model_type, seed, model_dir, demo.model_dir)
     adapter = conformance.train_adapter(shape, model_dir) if shape.lora else None
+    spread = _hf_spread(model_type, model_dir, adapter, dtype, task_manager)
+    cell = conformance.run_cell(shape, model_dir, adapter, spread, layout, task_manager)
+    assert cell.outcome == "exact", f"was: {was}; now {cell.outcome}: {cell.detail}"
+
+
+def _hf_spread(
+    model_type: str, model_dir: Path, adapter: Path | None, dtype: str, task_manager: Any
+) -> Any:
+    """lm-eval hf's runs on the cell's model (with its adapter) at the spread's batch sizes."""
+    from rayeval.service.parity import SPREAD_BATCH_SIZES, Spread
+    from tests.helpers import hf_reference
+
     model_args = {"peft": str(adapter)} if adapter else {}
     runs = tuple(
         hf_reference(
@@ -123,6 +116,4 @@ def test_cells_the_matrix_found_hold(
         )
         for size in SPREAD_BATCH_SIZES
     )
-    spread = Spread(model_type, dtype, SPREAD_BATCH_SIZES, runs)
-    cell = conformance.run_cell(shape, model_dir, adapter, spread, layout, task_manager)
-    assert cell.outcome == "exact", f"was: {was}; now {cell.outcome}: {cell.detail}"
+    return Spread(model_type, dtype, SPREAD_BATCH_SIZES, runs)
