@@ -105,13 +105,18 @@ class Judgement:
         return not self.beyond
 
     def figures(self, which: str) -> str:
-        """``spread`` or ``nearest`` as one short line."""
-        measures = self.spread if which == "spread" else self.nearest
-        metrics = [v for k, v in measures.items() if k.startswith("metric:")]
-        return (
-            f"(logprob {measures['logprob']:g}, is_greedy {measures['is_greedy']:g}, "
-            f"generations {measures['generations']:g}, metrics {max(metrics, default=0.0):g})"
-        )
+        """``spread`` or ``nearest`` as one short line, in parentheses."""
+        return f"({figures(self.spread if which == 'spread' else self.nearest)})"
+
+
+def figures(measures: dict[str, float]) -> str:
+    """Measures as one line: the largest log-prob difference, the is_greedy flags and
+    generations that differ, the largest metric difference."""
+    metrics = [value for name, value in measures.items() if name.startswith("metric:")]
+    return (
+        f"logprob {measures.get('logprob', 0.0):g}, is_greedy {measures.get('is_greedy', 0):g}, "
+        f"generations {measures.get('generations', 0):g}, metrics {max(metrics, default=0.0):g}"
+    )
 
 
 @dataclass(frozen=True)

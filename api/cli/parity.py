@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from rayeval.service.parity import figures
+
 #: ``--layouts``' syntax, said in its help and in every refusal of a bad value.
 LAYOUT_SYNTAX = (
     "RxG[:STRATEGY], comma-separated: R replicas of G ranks each, STRATEGY how a replica of G > 1 "
@@ -343,20 +345,10 @@ def _heading(config: Any, device: str) -> str:
     )
 
 
-def _figures(measures: dict[str, float]) -> str:
-    """Per measure: the largest log-prob difference, the is_greedy flags and generations that
-    differ, the largest metric difference."""
-    metrics = [value for name, value in measures.items() if name.startswith("metric:")]
-    return (
-        f"logprob {measures.get('logprob', 0.0):g}, is_greedy {measures.get('is_greedy', 0):g}, "
-        f"generations {measures.get('generations', 0):g}, metrics {max(metrics, default=0.0):g}"
-    )
-
-
 def _spread_lines(spread: Any) -> str:
     measures = spread.spread()
     sizes = ", ".join(map(str, spread.batch_sizes))
-    lines = [f"lm-eval hf at batch sizes {sizes}: spread ({_figures(measures)})"]
+    lines = [f"lm-eval hf at batch sizes {sizes}: spread ({figures(measures)})"]
     moved = {name: value for name, value in measures.items() if value and ":" in name}
     lines += [
         f"  {name.removeprefix('metric:')} moved by {value:g}" for name, value in moved.items()
@@ -382,7 +374,7 @@ def _layout_lines(check: Any) -> str:
     where = judged.where
     differing = ", ".join(where[:10]) + (f" and {len(where) - 10} more" if len(where) > 10 else "")
     lines = [
-        f"{head}: distance to the nearest lm-eval hf run ({_figures(judged.nearest)})",
+        f"{head}: distance to the nearest lm-eval hf run ({figures(judged.nearest)})",
         f"  samples whose is_greedy or generation differs: {differing or 'none'}",
     ]
     if judged.holds:
