@@ -83,6 +83,13 @@ FOUND = [
     # Gemma 4's config raises (a RuntimeError) on a global read of its per-layer head_dim, which
     # a rank made sizing its KV cache: every layout crashed while loading.
     ("gemma4_unified_text", 0, "1x1", "float32", "a rank crashed reading head_dim"),
+    # A sharded rank built its model with from_config, which computes non-persistent buffers in
+    # the model's dtype: GPT-J's sinusoidal positions came out in bf16 precision, where
+    # from_pretrained (lm-eval hf, and a whole rank) computes them in float32.
+    ("gptj", 0, "1x2 fsdp", "bfloat16", "a bf16 step from the rotary buffer of sharded ranks"),
+    # For peft= with another vocabulary length, sharded ranks set the config's vocab_size, but
+    # Inkling 2 sizes its head by unpadded_vocab_size: one row more than lm-eval's resized head.
+    ("inkling2_text", 0, "1x2 fsdp", "float32", "log-probs 0.43 off: a head row too many"),
 ]
 
 

@@ -42,7 +42,7 @@ from rayeval.actors.weights.hf_files import (
     resolve_dtype,
 )
 from rayeval.actors.weights.sources import fill, open_source
-from rayeval.actors.weights.vocabulary import resize_config, resize_whole
+from rayeval.actors.weights.vocabulary import resize_whole
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,6 @@ def load_model(spec: ModelSpec, device: torch.device, mesh: DeviceMesh | None) -
     """
     config = load_config(spec)
     dtype = resolve_dtype(spec.dtype, config)
-    if spec.vocab_size is not None:  # built with the resized row count (sharded ranks)
-        resize_config(config, spec.vocab_size)
     if spec.checkpoint is not None:
         model = _load_checkpoint(spec, config, dtype, mesh, device)
     elif mesh is None:
@@ -224,7 +222,34 @@ def _meta_model(
     # init_empty_weights re-creates every registered parameter on meta, which unties a tied head
     # from the embeddings (lm_head.weight is no longer wte.weight): tie them again.
     model.tie_weights()
+    _compute_buffers_as_loaded(model)
+    if spec.vocab_size is not None:  # resized as lm-eval resizes it, on meta (nothing to copy)
+        resize_whole(model, spec.vocab_size)
     return model
+
+
+def _compute_buffers_as_loaded(model: nn.Module) -> None:
+    """Give the non-persistent buffers the values ``from_pretrained`` gives them.
+
+    ``from_config`` computes them in ``__init__``, under the default dtype set to the model's;
+    ``from_pretrained`` builds them on meta and computes them afterwards with the model's
+    ``_init_weights``, under the process's default dtype (float32). The two differ where a
+    buffer's arithmetic follows the default dtype: GPT-J's sinusoidal positions, whose inverse
+    frequencies come out in bf16 from ``__init__`` in a bf16 model, moved its log-probs by a bf16
+    step at G = 2 (the conformance matrix's gptj 1x2 bf16 cell). Here, as in ``from_pretrained``,
+    everything else is marked loaded and only the rest is initialised (on meta parameters the
+    initialisers write nothing).
+    """
+    from transformers import initialization
+
+    computed = {id(buffer) for _, buffer in model.named_non_persistent_buffers()}  # type: ignore[operator]
+    for module in model.modules():
+        module._is_hf_initialized = False  # type: ignore[assignment]
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in computed:
+            tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    with torch.no_grad(), initialization.guard_torch_init_functions():
+        model.initialize_weights()  # type: ignore[operator]
 
 
 def _aliases(model: nn.Module) -> dict[str, list[str]]:

@@ -14,12 +14,15 @@ adapter. Two cases reach it:
   such adapters are evaluated (:func:`resize_problems`): without saved matrices lm-eval's
   answers depend on its random draw.
 
-Every layout does the same: a whole model is resized by transformers' own
-``resize_token_embeddings`` (:func:`resize_whole`); a sharded one is built with the new row
-count (:func:`resize_config`) and reads the base's rows it holds, all of which exist when
-shrinking. Then the matrices an adapter saved overwrite the rows each rank holds
-(:func:`fill_saved_matrices`), by the region machinery of :mod:`rayeval.actors.weights.sources`
-(whole tensors, FSDP2's dim-0 shards, vocabulary chunks alike).
+Every layout does the same: the model is resized by transformers' own
+``resize_token_embeddings`` (:func:`resize_whole`), a whole one after loading, a sharded one on
+the meta device before it is cut into shards, whose ranks then read the base's rows they hold
+(all of which exist when shrinking). Setting the config's ``vocab_size`` instead is not the
+same: a model may size its head from another field (Inkling 2's ``unpadded_vocab_size``), which
+then kept a row more than lm-eval's resized head and moved every log-prob. Then the matrices
+an adapter saved overwrite the rows each rank holds (:func:`fill_saved_matrices`), by the region
+machinery of :mod:`rayeval.actors.weights.sources` (whole tensors, FSDP2's dim-0 shards,
+vocabulary chunks alike).
 """
 
 from __future__ import annotations
@@ -116,20 +119,10 @@ def resize_problems(
         )
 
 
-def resize_config(config: Any, rows: int) -> None:
-    """Give ``config`` (a model's, before the model is built) ``rows`` vocabulary rows, as
-    ``resize_token_embeddings`` leaves it; a pad id past the rows is dropped, as the resized
-    embedding drops its ``padding_idx``."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    text.vocab_size = rows
-    pad = getattr(text, "pad_token_id", None)
-    if isinstance(pad, int) and pad >= rows:
-        text.pad_token_id = None
-
-
 def resize_whole(model: Any, rows: int) -> None:
-    """Resize a whole model's vocabulary matrices with transformers' own
-    ``resize_token_embeddings``, as lm-eval does (the first ``min(old, rows)`` rows kept).
+    """Resize a model's vocabulary matrices (whole, or on the meta device before sharding) with
+    transformers' own ``resize_token_embeddings``, as lm-eval does (the first ``min(old, rows)``
+    rows kept).
     Added rows are left as ``_init_weights`` draws them (not lm-eval's mean-centred draw):
     :func:`fill_saved_matrices` overwrites them (:func:`resize_problems` saw to it)."""
     model.resize_token_embeddings(rows, mean_resizing=False)
