@@ -8,9 +8,9 @@ DEMO_OUT ?= .rayeval/demo-results
 PORT     ?= 8000
 SERVICE_DIR ?= .rayeval/service
 
-.PHONY: install browser postgres run demo-cli test test-avx2 test-fast conformance lint format bench gpu-check clean
+.PHONY: install sandbox browser postgres run demo-cli test test-avx2 test-fast conformance lint format bench gpu-check clean
 
-install: $(STAMP)
+install: $(STAMP) sandbox
 
 # torch 2.13.0 goes in first: it is the CPU build on local disk, and an open range would pull a
 # multi-GB CUDA build. Everything else is then installed around it.
@@ -38,6 +38,14 @@ demo-cli: install
 	    --include_path $(DEMO_DIR)/tasks --tasks demo \
 	    --num_replicas 2 --shard_size 1 --device cpu --batch_size auto \
 	    --output_path $(DEMO_OUT) --log_samples
+
+# Debian's bubblewrap: every candidate of a code task (humaneval, mbpp) runs in a bwrap sandbox,
+# and a server with --allow-code-execution refuses to start without it (so do its tests: skipped).
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	    if [ "$$(id -u)" = 0 ]; then \
+	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	    else echo "bubblewrap is missing and this is not root: code tasks cannot run (apt-get install bubblewrap)"; fi; }
 
 # Debian's chromium for the dashboard's browser test (Playwright drives it; no browser download).
 browser:
