@@ -157,6 +157,10 @@ class TrustedHosts:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    if settings.allow_code_execution:  # fail closed: no sandbox, no server that runs code
+        from rayeval.service.sandbox.bwrap import check_available
+
+        await asyncio.to_thread(check_available)
     connection = await asyncio.to_thread(
         connect,
         settings.ray_address,
@@ -182,6 +186,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                 model_roots=tuple(settings.model_roots),
                 allow_hub_models=settings.allow_hub_models,
                 allow_remote_code=settings.allow_remote_code,
+                allow_code_execution=settings.allow_code_execution,
                 trackers=settings.trackers.names,
             ),
             response_cache=settings.response_cache_prefix,

@@ -58,6 +58,13 @@ class Settings(BaseSettings):
         description="Whether requests may set trust_remote_code, which runs the model "
         "repository's Python on the cluster as the server's user.",
     )
+    allow_code_execution: bool = Field(
+        False,
+        description="Whether evaluations may use tasks that run model-written code to score it "
+        "(humaneval, mbpp: unsafe_code in their config); each candidate then runs in a "
+        "bubblewrap sandbox (Debian's bubblewrap package), and nowhere else. Off: such tasks "
+        "are refused at submission.",
+    )
     allowed_hosts: list[str] = Field(
         default_factory=list,
         description="Host headers accepted without an API token, besides the loopback names and "

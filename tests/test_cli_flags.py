@@ -302,6 +302,22 @@ def test_batch_size_defaults_to_auto_as_over_rest(tmp_path: Path) -> None:
     assert config_from_args(_parse("run", *base, "--config", str(yaml_file)))[0].batch_size == 8
 
 
+def test_confirmed_code_runs_in_the_sandbox_and_outside_it_only_with_a_second_flag() -> None:
+    from rayeval.actors.errors import ConfigError
+    from rayeval.api.cli.evaluation_flags import config_from_args
+    from rayeval.service.vocabulary.config import CodeExecution
+
+    base = ["--model_args", "pretrained=/m", "--tasks", "t"]
+    assert config_from_args(_parse("run", *base))[1].code_execution is CodeExecution.OFF
+    confirmed = [*base, "--confirm_run_unsafe_code"]
+    host = config_from_args(_parse("run", *confirmed))[1]
+    assert host.code_execution is CodeExecution.SANDBOX
+    unsandboxed = [*confirmed, "--run_unsafe_code_unsandboxed"]
+    assert config_from_args(_parse("run", *unsandboxed))[1].code_execution is CodeExecution.HOST
+    with pytest.raises(ConfigError, match="needs --confirm_run_unsafe_code"):
+        config_from_args(_parse("run", *base, "--run_unsafe_code_unsandboxed"))
+
+
 # ------------------------------------------------------------ a layout this machine can hold
 def _config(**parallelism: Any) -> Any:
     from rayeval.service.vocabulary.config import EvaluationConfig

@@ -12,12 +12,17 @@ from __future__ import annotations
 import argparse
 import enum
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rayeval.service.vocabulary.config import CodeExecution
 
 #: Title of the argument group that holds rayeval's own flags in ``run`` and ``submit``.
 GROUP_TITLE = "rayeval layout, batching and timeouts"
 #: ``rayeval run``'s flags of the host and the console, not of the evaluation.
-HOST_FLAGS = frozenset({"address", "mlflow_tracking_uri", "verbose", "oversubscribe"})
+HOST_FLAGS = frozenset(
+    {"address", "mlflow_tracking_uri", "verbose", "oversubscribe", "run_unsafe_code_unsandboxed"}
+)
 #: ``--device``'s help in ``run``, ``watch`` and ``submit`` (lm-eval's offers ``mps``).
 DEVICE_HELP = (
     "what each rank holds: auto (GPUs where the cluster has some, else CPU slots; the default), "
@@ -106,6 +111,13 @@ def add_ray_flags(parser: argparse._ActionsContainer) -> None:
         default=None,
         help="Ray cluster address, e.g. auto or ray://HOST:10001 (also --ray-address; default: "
         "$RAY_ADDRESS, else a Ray embedded in this process, sized to this machine)",
+    )
+    parser.add_argument(
+        "--run_unsafe_code_unsandboxed",
+        action="store_true",
+        help="with --confirm_run_unsafe_code: run model-written code as lm-eval does, in this "
+        "machine's processes with its network, files and environment, instead of in a "
+        "bubblewrap sandbox (a warning says so). Without it, such code runs in the sandbox only",
     )
     parser.add_argument(
         "--oversubscribe",
@@ -229,8 +241,26 @@ def config_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         address=args.address,
         lm_eval={name: getattr(cfg, name) for name in LM_EVAL_HOST_FIELDS},
         trackers=Trackers(mlflow_tracking_uri=mlflow_uri),
+        code_execution=_code_execution(cfg.confirm_run_unsafe_code, args),
     )
     return config, host
+
+
+def _code_execution(confirmed: bool, args: argparse.Namespace) -> CodeExecution:
+    """``--confirm_run_unsafe_code`` runs model-written code in the sandbox; outside it only
+    with the second flag, ``--run_unsafe_code_unsandboxed``."""
+    from rayeval.actors.errors import ConfigError
+    from rayeval.service.vocabulary.config import CodeExecution
+
+    unsandboxed = getattr(args, "run_unsafe_code_unsandboxed", False)
+    if unsandboxed and not confirmed:
+        raise ConfigError(
+            "--run_unsafe_code_unsandboxed needs --confirm_run_unsafe_code (it says where "
+            "confirmed code runs)"
+        )
+    if not confirmed:
+        return CodeExecution.OFF
+    return CodeExecution.HOST if unsandboxed else CodeExecution.SANDBOX
 
 
 def _lm_eval_config(given: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

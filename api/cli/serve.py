@@ -117,7 +117,10 @@ def _prepare_demo(args: argparse.Namespace, overrides: dict[str, Any], out: Any)
 
     print("rayeval demo: the bundled tiny model and tasks (built once if missing)", file=out)
     assets = ensure_demo_assets(Path(args.demo_dir) if args.demo_dir else None)
-    overrides["include_paths"] = [*(args.include_paths or []), str(assets.tasks_dir)]
+    # demo_code runs model-written code: refused (naming the setting) unless the server runs
+    # with --allow-code-execution, then in the sandbox.
+    tasks = [str(assets.tasks_dir), str(assets.code_tasks_dir)]
+    overrides["include_paths"] = [*(args.include_paths or []), *tasks]
     overrides["model_roots"] = [*(args.model_roots or []), str(assets.model_dir)]
     return str(assets.model_dir)
 

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     assets = ensure_demo_assets(args.root)
     print(f"model_dir: {assets.model_dir}")
     print(f"tasks_dir: {assets.tasks_dir}")
+    print(f"code_tasks_dir: {assets.code_tasks_dir}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from lm_eval.tasks import TaskManager
 
 from rayeval.actors.errors import ConfigError, RayEvalError
 from rayeval.actors.protocol import RankSite
+from rayeval.service.engine.code_execution import code_execution, current_record
 from rayeval.service.engine.dispatch.warm import KeptReplicas
 from rayeval.service.engine.experiments import ExperimentLog, written_files
 from rayeval.service.engine.lm import RayEvalLM
@@ -132,14 +133,16 @@ def run_evaluation(
         )
     cfg = config.evaluator_config(host)
     task_manager = resolve_tasks(cfg)
-    # A URL (s3://...) is checked now, staged locally for lm-eval's tracker, copied at the end.
-    target = OutputTarget(cfg.output_path) if cfg.output_path else None
-    try:
-        reports = (on_progress, on_warning, on_stage)
-        return _evaluate(config, host, cfg, task_manager, target, reports, replicas)
-    finally:
-        if target is not None:
-            target.close()
+    with code_execution(host.code_execution, cfg, task_manager):
+        # A URL (s3://...) is checked now, staged locally for lm-eval's tracker, copied at the
+        # end.
+        target = OutputTarget(cfg.output_path) if cfg.output_path else None
+        try:
+            reports = (on_progress, on_warning, on_stage)
+            return _evaluate(config, host, cfg, task_manager, target, reports, replicas)
+        finally:
+            if target is not None:
+                target.close()
 
 
 def _evaluate(
@@ -234,6 +237,8 @@ def evaluate_on(
         return None
     if request_warnings:
         results["request_warnings"] = request_warnings
+    if current_record():  # where the model-written code ran: the sandbox, its limits
+        results["code_execution"] = current_record()
     # Record the run as lm-eval's HF backend would, so downstream tools see the same header.
     results["config"]["model"] = cfg.model
     tracker.general_config_tracker.model_source = cfg.model

@@ -37,7 +37,7 @@ from rayeval.service.jobs.failures import explain
 from rayeval.service.jobs.ray_resources import group_name, runner_name
 from rayeval.service.jobs.sweep_runner import SweepReports, run_service_sweep
 from rayeval.service.trackers import Trackers
-from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
+from rayeval.service.vocabulary.config import CodeExecution, EvaluationConfig, HostOptions
 from rayeval.service.vocabulary.doors import Door, render
 from rayeval.service.vocabulary.events import (
     CheckpointOutputs,
@@ -222,6 +222,9 @@ class EvaluationRunner:
             lm_eval={"use_cache": self._response_cache} if self._response_cache else {},
             trackers=replace(self._trackers, evaluation_id=evaluation_id),
             rank_niceness=self._rank_niceness,
+            # Submission refused code tasks unless the operator allows code execution; what
+            # was accepted runs its code in the sandbox, never in the server's processes.
+            code_execution=CodeExecution.SANDBOX,
         )
         if config.sweep is not None:
             reports = SweepReports(

@@ -20,6 +20,10 @@ import threading
 import time
 from collections.abc import Sequence
 from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from rayeval.actors.errors import ConfigError
 from rayeval.service.vocabulary.errors import ServiceNotReadyError
@@ -49,6 +53,7 @@ class _BuiltinIndex:
         self._state = IndexState.NOT_STARTED
         self._names: frozenset[str] = frozenset()
         self._collections: frozenset[str] = frozenset()
+        self.unsafe: dict[str, str] = {}
         self._error = ""
 
     @property
@@ -102,6 +107,7 @@ class _BuiltinIndex:
             scanned = json.loads(done.stdout)
             self._names = frozenset(scanned["names"])
             self._collections = frozenset(scanned["collections"])
+            self.unsafe = dict(scanned["unsafe"])
             self._state = IndexState.READY
             logger.info(
                 "lm-eval task index ready: %d names in %.1fs",
@@ -130,7 +136,7 @@ class TaskCatalog:
 
     def __init__(self, include_paths: Sequence[str] = ()) -> None:
         self.include_paths = tuple(str(p) for p in include_paths)
-        self._local, self._collections = _scan_include_paths(self.include_paths)
+        self._local, self._collections, self._unsafe = _scan_include_paths(self.include_paths)
 
     @property
     def builtin_state(self) -> IndexState:
@@ -177,6 +183,22 @@ class TaskCatalog:
             "--include-path"
         )
 
+    def code_tasks(self, names: Sequence[str], wait_s: float) -> dict[str, str]:
+        """The names (or the names a pattern matches) whose tasks run model-written code,
+        each with how (:data:`CODE_EVAL` or :data:`OTHER_CODE`). Call after :meth:`check`.
+
+        Raises:
+            ServiceNotReadyError: the built-in index is needed but not ready within ``wait_s``.
+        """
+        from lm_eval.utils import pattern_match
+
+        unsafe = dict(self._unsafe)
+        if any(not pattern_match([n], self._local) for n in names):
+            _BUILTIN.names(wait_s)
+            unsafe = {**_BUILTIN.unsafe, **unsafe}
+        matched = pattern_match(list(names), sorted(unsafe))
+        return {name: unsafe[name] for name in sorted(matched)}
+
     def _refuse_overlapping_patterns(self, names: Sequence[str], field: str) -> None:
         """Refuse a glob pattern that matches a group or tag together with other names: lm-eval
         would meet the group's tasks twice and stop ("Duplicate task ...: found in both")."""
@@ -197,14 +219,82 @@ class TaskCatalog:
                 )
 
 
-def _scan_include_paths(include_paths: tuple[str, ...]) -> tuple[list[str], frozenset[str]]:
-    """Every task, group and tag name under the include paths, and which are groups or tags."""
+def _scan_include_paths(
+    include_paths: tuple[str, ...],
+) -> tuple[list[str], frozenset[str], dict[str, str]]:
+    """Every task, group and tag name under the include paths, which are groups or tags, and
+    which run model-written code (:func:`unsafe_names`)."""
     if not include_paths:
-        return [], frozenset()
+        return [], frozenset(), {}
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_defaults=False, include_path=list(include_paths))
-    return sorted(manager.all_tasks), frozenset([*manager.all_groups, *manager.all_tags])
+    collections = frozenset([*manager.all_groups, *manager.all_tags])
+    return sorted(manager.all_tasks), collections, unsafe_names(manager)
+
+
+#: How an unsafe task's scoring runs model-written code: through HF evaluate's ``code_eval``
+#: (which rayeval runs in its sandbox), or otherwise (cruxeval's own guard, longproc's g++ and
+#: ``eval``), which rayeval does not run at all.
+CODE_EVAL, OTHER_CODE = "code_eval", "other"
+
+
+def unsafe_names(manager: Any, names: Sequence[str] | None = None) -> dict[str, str]:
+    """The task, group and tag names of ``manager`` whose resolved config (its ``include``s
+    followed, functions not imported) or any member's sets ``unsafe_code``, each with how it
+    runs code (:data:`CODE_EVAL` where every such task loads ``code_eval``, else
+    :data:`OTHER_CODE`); only among ``names`` where given."""
+    from lm_eval.tasks._index import Kind
+
+    index = manager.task_index
+    memo: dict[str, str | None] = {}
+
+    def unsafe(name: str, seen: frozenset[str]) -> str | None:
+        if name not in memo:
+            entry = index.get(name)
+            if entry is None or name in seen:
+                return None
+            if entry.kind in (Kind.TASK, Kind.PY_TASK):
+                memo[name] = _task_code(entry)
+            else:
+                members = entry.tags if entry.kind == Kind.TAG else _group_members(entry.cfg)
+                kinds = {unsafe(m, seen | {name}) for m in members} - {None}
+                memo[name] = (OTHER_CODE if OTHER_CODE in kinds else CODE_EVAL) if kinds else None
+        return memo[name]
+
+    found = {name: unsafe(name, frozenset()) for name in (index if names is None else names)}
+    return {name: kind for name, kind in sorted(found.items()) if kind is not None}
+
+
+def _task_code(entry: Any) -> str | None:
+    """How one task runs model-written code, or None where its config is safe."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    if entry.yaml_path is None:
+        return None
+    try:
+        config = load_yaml(entry.yaml_path, resolve_func=False)
+    except (OSError, ValueError, yaml.YAMLError):
+        config = entry.cfg or {}
+    if not config.get("unsafe_code"):
+        return None
+    folder = Path(entry.yaml_path).parent
+    loads_code_eval = any(
+        'load("code_eval")' in p.read_text(errors="replace") for p in folder.glob("*.py")
+    )
+    return CODE_EVAL if loads_code_eval else OTHER_CODE
+
+
+def _group_members(config: dict[str, Any] | None) -> list[str]:
+    """The names a group's ``task`` list refers to (an inline config by its ``task`` name)."""
+    members = (config or {}).get("task") or []
+    names = []
+    for spec in members if isinstance(members, list) else [members]:
+        if isinstance(spec, dict):
+            spec = spec.get("task") or spec.get("group")
+        if isinstance(spec, str):
+            names.append(spec)
+    return names
 
 
 def _print_builtin_names() -> None:
@@ -217,8 +307,9 @@ def _print_builtin_names() -> None:
     manager = TaskManager()
     names = sorted(manager.all_tasks)
     collections = sorted({*manager.all_groups, *manager.all_tags})
+    unsafe = unsafe_names(manager)
     sys.stdout = out
-    json.dump({"names": names, "collections": collections}, sys.stdout)
+    json.dump({"names": names, "collections": collections, "unsafe": unsafe}, sys.stdout)
 
 
 #: The scan's OS niceness: it is background work, and it runs as a (re)started server begins to

@@ -38,7 +38,7 @@ from rayeval.actors.layout import ShardStrategy
 from rayeval.actors.parallel.strategies import refusal, strategy
 from rayeval.actors.profiles import ModelShape
 from rayeval.actors.weights.checkpoint_dirs import by_step
-from rayeval.service.jobs.tasks import TaskCatalog
+from rayeval.service.jobs.tasks import CODE_EVAL, OTHER_CODE, TaskCatalog
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
 from rayeval.service.vocabulary.errors import ServiceNotReadyError
 from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS, looks_local
@@ -93,6 +93,9 @@ class ServerPolicy:
         model_roots: Directories under which local models and tokenizers may be named.
         allow_hub_models: Whether hub ids (``org/name``) may be named.
         allow_remote_code: Whether ``trust_remote_code`` may be set.
+        allow_code_execution: Whether tasks that run model-written code to score it
+            (``unsafe_code`` in their resolved config: ``humaneval*``, ``mbpp*``) are accepted;
+            their candidates then run in rayeval's bubblewrap sandbox, and only there.
         trackers: The experiment trackers the server records evaluations in (``mlflow``,
             ``wandb``); an evaluation asking to be tracked needs one.
     """
@@ -100,6 +103,7 @@ class ServerPolicy:
     model_roots: tuple[str, ...] = ()
     allow_hub_models: bool = True
     allow_remote_code: bool = False
+    allow_code_execution: bool = False
     trackers: tuple[str, ...] = ()
 
 
@@ -147,6 +151,7 @@ def check_submission(
             catalog.check(config.tasks, wait_s=task_index_wait_s)
             if config.samples:
                 catalog.check(tuple(config.samples), wait_s=task_index_wait_s, field="samples")
+            problems += code_problems(catalog.code_tasks(config.tasks, task_index_wait_s), policy)
         except ConfigError as exc:
             problems.append(exc.marked_message)
         except ServiceNotReadyError:
@@ -258,6 +263,34 @@ def task_problems(config: EvaluationConfig) -> list[str]:
         f"tasks: {paths} look like paths: give task names; task files come only from the "
         "server's --include-path"
     ]
+
+
+def code_problems(code_tasks: Mapping[str, str], policy: ServerPolicy) -> list[str]:
+    """Tasks that run model-written code: refused unless the operator allows code execution,
+    and always where lm-eval runs the code outside ``code_eval`` (no sandbox here for that).
+
+    Args:
+        code_tasks: The requested names that run code, each with how
+            (:meth:`rayeval.service.jobs.tasks.TaskCatalog.code_tasks`).
+        policy: What the operator allows.
+    """
+    problems = []
+    other = sorted(name for name, kind in code_tasks.items() if kind == OTHER_CODE)
+    sandboxed = sorted(name for name, kind in code_tasks.items() if kind == CODE_EVAL)
+    if other:
+        problems.append(
+            f"tasks: {other} run model-written code outside HF evaluate's code_eval (cruxeval's "
+            "own exec guard, longproc's g++ and eval), which rayeval does not sandbox: not "
+            "accepted on this server"
+        )
+    if sandboxed and not policy.allow_code_execution:
+        problems.append(
+            f"tasks: {sandboxed} run model-written code to score it (unsafe_code in their "
+            "config); this server does not run it: its operator can allow it with "
+            "--allow-code-execution (RAYEVAL_ALLOW_CODE_EXECUTION=1), which runs every "
+            "candidate in a bubblewrap sandbox"
+        )
+    return problems
 
 
 def policy_problems(config: EvaluationConfig, policy: ServerPolicy) -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
@@ -399,6 +400,18 @@ class EvaluationConfig(EngineConfig):
         )
 
 
+class CodeExecution(StrEnum):
+    """Where the model-written code of tasks marked ``unsafe_code`` (humaneval, mbpp) runs."""
+
+    #: Nowhere: lm-eval refuses such tasks (without ``confirm_run_unsafe_code``).
+    OFF = "off"
+    #: Each candidate in a bubblewrap sandbox (:mod:`rayeval.service.sandbox`), nowhere else.
+    SANDBOX = "sandbox"
+    #: In lm-eval's own way, in this host's processes with its network, files and environment
+    #: (``rayeval run --confirm_run_unsafe_code --run_unsafe_code_unsandboxed`` only).
+    HOST = "host"
+
+
 @dataclass(frozen=True)
 class HostOptions:
     """Where and how one evaluation runs, outside what it is.
@@ -412,6 +425,7 @@ class HostOptions:
         trackers: The experiment trackers evaluations that ask to be tracked are recorded in.
         rank_niceness: The OS niceness of the rank processes, 0 to 19 (None: Ray's default for
             its workers, 15; the service passes its ``--rank-niceness``).
+        code_execution: Where model-written code runs (:class:`CodeExecution`).
     """
 
     output_path: str | None = None
@@ -421,6 +435,7 @@ class HostOptions:
     lm_eval: Mapping[str, Any] = field(default_factory=dict)
     trackers: Trackers = field(default_factory=Trackers)
     rank_niceness: int | None = None
+    code_execution: CodeExecution = CodeExecution.OFF
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.lm_eval) - LM_EVAL_HOST_FIELDS)
