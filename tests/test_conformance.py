@@ -10,6 +10,7 @@ summary and another is drawn.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
@@ -124,3 +125,25 @@ def _hf_spread(
         for size in SPREAD_BATCH_SIZES
     )
     return Spread(model_type, dtype, SPREAD_BATCH_SIZES, runs)
+
+
+@pytest.mark.e2e
+def test_a_moe_lora_on_expert_parameters_runs_whole_and_is_refused_sharded(
+    demo: Any, task_manager: Any, ray_session: None, tmp_path: Path
+) -> None:
+    """Qwen3-MoE's drawn LoRA adapts its fused expert weights and router weight
+    (``target_parameters``, which peft's ``all-linear`` adds for them): once refused at every
+    layout, it now runs unsharded as lm-eval hf runs it, and is refused before placement where
+    the model is sharded, naming shard size 1."""
+    model_dir = tmp_path / "qwen3_moe"
+    shape = conformance.build_drawn("qwen3_moe", 0, model_dir, demo.model_dir)
+    assert shape.lora
+    adapter = conformance.train_adapter(shape, model_dir)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_parameters"], config
+    spread = _hf_spread("qwen3_moe", model_dir, adapter, "float32", task_manager)
+    whole = conformance.run_cell(shape, model_dir, adapter, spread, "1x1", task_manager)
+    assert whole.outcome == "exact", whole.detail
+    sharded = conformance.run_cell(shape, model_dir, adapter, spread, "1x2 fsdp", task_manager)
+    assert sharded.outcome == "refused", sharded.detail
+    assert "target_parameters" in sharded.detail and "shard_size=1" in sharded.detail

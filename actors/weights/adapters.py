@@ -37,7 +37,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rayeval.actors.errors import ConfigError, ModelLoadError
+from rayeval.actors.errors import ConfigError, ModelLoadError, field
 
 #: What a PEFT trainer saves beside the adapter's weights.
 ADAPTER_CONFIG = "adapter_config.json"
@@ -79,7 +79,9 @@ def read_adapter_config(path: str) -> dict[str, Any]:
     return config
 
 
-def adapter_problems(path: str, shell: Any, tokens: int | None = None) -> None:
+def adapter_problems(
+    path: str, shell: Any, tokens: int | None = None, *, whole: bool | None = None
+) -> None:
     """Refuse an adapter the ranks cannot apply to the model ``shell`` (its weightless copy)
     with a tokenizer of ``tokens`` tokens (None: as many as the model's vocabulary): not a
     LoRA, a LoRA option other than low-rank matrices on linear layers, matrices whose layers or
@@ -87,6 +89,12 @@ def adapter_problems(path: str, shell: Any, tokens: int | None = None) -> None:
     answers cannot be reproduced for (:func:`rayeval.actors.weights.vocabulary.resize_problems`).
     Besides LoRA matrices, the adapter may carry the whole embeddings and head (PEFT's
     ``save_embedding_layers``). Reads the config and the weight file's header only.
+
+    ``whole``: True where each rank holds the whole model (shard size 1), where PEFT applies
+    LoRA on parameters (``target_parameters``: a MoE's fused expert weights, a router's weight)
+    as it does for lm-eval hf, PEFT itself then checking those matrices' shapes; False where the
+    model is sharded (the refusal says shard size 1 takes it); None where neither applies (a
+    sweep's ranks swap adapters in place).
 
     Raises:
         ConfigError: naming the field and what to do.
@@ -104,12 +112,8 @@ def adapter_problems(path: str, shell: Any, tokens: int | None = None) -> None:
         raise ConfigError(
             f"peft={path}: a {kind} adapter; the ranks apply LoRA adapters only: {_MERGE_FIX}"
         )
-    for option, what in _UNSUPPORTED_OPTIONS.items():
-        if config.get(option):
-            raise ConfigError(
-                f"peft={path}: a LoRA adapter with {what}, which the sharded ranks do not "
-                f"apply: {_MERGE_FIX}"
-            )
+    _refuse_options(path, config, whole)
+    parameters = list(config.get("target_parameters") or []) if whole else []
     shapes = adapter_shapes(path)
     if tokens is None:
         tokens = config_rows(shell.config)
@@ -129,6 +133,8 @@ def adapter_problems(path: str, shell: Any, tokens: int | None = None) -> None:
                 f"embeddings or other layers is not applied on the ranks): {_MERGE_FIX}"
             )
         name = key[: -len(suffix)].removeprefix("base_model.model.")
+        if _on_parameter(name, modules, parameters):
+            continue
         module = modules.get(name)
         features = _features(module)
         if features is None:
@@ -151,6 +157,34 @@ def adapter_problems(path: str, shell: Any, tokens: int | None = None) -> None:
                 "adapter was trained on another base; name that one in pretrained= (its "
                 f"adapter config says {config.get('base_model_name_or_path')!r})"
             )
+
+
+def _refuse_options(path: str, config: dict[str, Any], whole: bool | None) -> None:
+    """Refuse a LoRA option the ranks do not apply (``target_parameters`` only when sharded)."""
+    for option, what in _UNSUPPORTED_OPTIONS.items():
+        if config.get(option) and not (option == "target_parameters" and whole):
+            unsharded = (
+                f", or evaluate it unsharded ({field('parallelism', 'shard_size', value=1)})"
+                if option == "target_parameters" and whole is False
+                else ""
+            )
+            raise ConfigError(
+                f"peft={path}: a LoRA adapter with {what}, which the sharded ranks do not "
+                f"apply: {_MERGE_FIX}{unsharded}"
+            )
+
+
+def _on_parameter(name: str, modules: dict[str, Any], parameters: list[str]) -> bool:
+    """Whether LoRA matrices named ``name`` adapt a parameter of ``parameters``
+    (``target_parameters``): PEFT names them by the parameter's module, one ``.base_layer``
+    more for each other parameter of that module it adapts."""
+    while name.endswith(".base_layer"):
+        name = name.removesuffix(".base_layer")
+    module = modules.get(name)
+    if module is None or not parameters:
+        return False
+    own = [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
+    return any(full == t or full.endswith("." + t) for full in own for t in parameters)
 
 
 def _features(module: Any) -> tuple[int, int] | None:

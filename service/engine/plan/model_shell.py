@@ -91,7 +91,8 @@ def check_adapters(config: EngineConfig, shell: Any, tokenizer: Any) -> None:
 
     args = config.model_args
     if args.get("peft"):
-        adapter_problems(str(args["peft"]), shell, len(tokenizer))
+        whole = config.parallelism.shard_size == 1
+        adapter_problems(str(args["peft"]), shell, len(tokenizer), whole=whole)
     if args.get("delta"):
         delta_problems(str(args["delta"]), shell, config.pretrained)
 
