@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from rayeval.service.sandbox import bwrap
 from tests.helpers import assert_same_results, hf_reference
+from tests.test_sandbox import Unsandboxed, skip_without_bwrap
 from tests.test_service import (
     ServerThread,
     finished,
@@ -25,12 +25,6 @@ from tests.test_service import (
     submit,
     wait_for,
 )
-
-try:
-    bwrap.check_available()
-    _UNAVAILABLE = ""
-except bwrap.SandboxUnavailableError as exc:
-    _UNAVAILABLE = str(exc)
 
 LIMIT = 4
 
@@ -47,7 +41,7 @@ def _body(demo: Any) -> dict[str, Any]:
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(bool(_UNAVAILABLE), reason=_UNAVAILABLE)
+@skip_without_bwrap
 def test_code_task_is_refused_unless_allowed_then_sandboxed_and_equal_to_lm_eval_hf(
     demo: Any, ray_session: None, tmp_path: Path
 ) -> None:
@@ -106,11 +100,7 @@ def _lm_eval_hf(demo: Any, code_dir: Path) -> dict[str, Any]:
     ``check_correctness`` forked from this process, no walls."""
     from lm_eval.tasks import TaskManager
 
-    from rayeval.service.sandbox.code_eval import execute
     from rayeval.service.sandbox.metric import sandboxed_code_eval
-
-    class Unsandboxed:
-        check_correctness = staticmethod(execute.check_correctness)
 
     with sandboxed_code_eval() as metric:
         metric.sandbox = Unsandboxed()  # type: ignore[assignment]

@@ -32,15 +32,15 @@ try:
     _UNAVAILABLE = ""
 except bwrap.SandboxUnavailableError as exc:
     _UNAVAILABLE = str(exc)
-_skip_without_bwrap = pytest.mark.skipif(bool(_UNAVAILABLE), reason=_UNAVAILABLE)
+skip_without_bwrap = pytest.mark.skipif(bool(_UNAVAILABLE), reason=_UNAVAILABLE)
 
 
 def needs_bwrap(test: Any) -> Any:
     """A service-tier test that runs sandboxes (skipped, with the reason, where bwrap cannot)."""
-    return pytest.mark.service(_skip_without_bwrap(test))
+    return pytest.mark.service(skip_without_bwrap(test))
 
 
-class _Unsandboxed:
+class Unsandboxed:
     """code_eval's own path: ``check_correctness`` forks from this process."""
 
     check_correctness = staticmethod(execute.check_correctness)
@@ -95,7 +95,7 @@ def test_fixed_candidates_score_as_lm_evals_unsandboxed_path() -> None:
     references = [ADD_TEST, ADD_TEST]
     kwargs: dict[str, Any] = {"k": [1, 2, 6], "timeout": TIMEOUT, "num_workers": 4}
     ours = SandboxedCodeEval().compute(predictions=predictions, references=references, **kwargs)
-    reference = SandboxedCodeEval(_Unsandboxed()).compute(  # type: ignore[arg-type]
+    reference = SandboxedCodeEval(Unsandboxed()).compute(  # type: ignore[arg-type]
         predictions=predictions, references=references, **kwargs
     )
     assert _outcomes(ours[1]) == _outcomes(reference[1])

@@ -63,16 +63,13 @@ def code_execution(mode: CodeExecution, cfg: Any, task_manager: Any) -> Iterator
     if mode is not CodeExecution.SANDBOX:
         yield
         return
-    from rayeval.service.jobs.tasks import CODE_EVAL, OTHER_CODE, unsafe_names
+    from rayeval.service.jobs.tasks import CODE_EVAL, OTHER_CODE, other_code_refusal, unsafe_names
     from rayeval.service.sandbox.metric import record, sandboxed_code_eval
 
     found = unsafe_names(task_manager, names=[str(t) for t in cfg.tasks])
     other = sorted(name for name, kind in found.items() if kind == OTHER_CODE)
     if other:
-        raise ConfigError(
-            f"tasks: {other} run model-written code outside HF evaluate's code_eval (cruxeval's "
-            "own exec guard, longproc's g++ and eval), which rayeval does not sandbox"
-        )
+        raise ConfigError(other_code_refusal(other))
     if CODE_EVAL not in found.values():
         yield
         return

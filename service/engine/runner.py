@@ -237,8 +237,8 @@ def evaluate_on(
         return None
     if request_warnings:
         results["request_warnings"] = request_warnings
-    if current_record():  # where the model-written code ran: the sandbox, its limits
-        results["code_execution"] = current_record()
+    if record := current_record():  # where the model-written code ran: the sandbox, its limits
+        results["code_execution"] = record
     # Record the run as lm-eval's HF backend would, so downstream tools see the same header.
     results["config"]["model"] = cfg.model
     tracker.general_config_tracker.model_source = cfg.model

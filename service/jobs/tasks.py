@@ -239,6 +239,15 @@ def _scan_include_paths(
 CODE_EVAL, OTHER_CODE = "code_eval", "other"
 
 
+def other_code_refusal(names: Sequence[str]) -> str:
+    """Why tasks that run code other than through ``code_eval`` (:data:`OTHER_CODE`) are
+    refused: rayeval's sandbox runs code_eval's candidates only."""
+    return (
+        f"tasks: {sorted(names)} run model-written code outside HF evaluate's code_eval "
+        "(cruxeval's own exec guard, longproc's g++ and eval), which rayeval does not sandbox"
+    )
+
+
 def unsafe_names(manager: Any, names: Sequence[str] | None = None) -> dict[str, str]:
     """The task, group and tag names of ``manager`` whose resolved config (its ``include``s
     followed, functions not imported) or any member's sets ``unsafe_code``, each with how it

@@ -38,7 +38,7 @@ from rayeval.actors.layout import ShardStrategy
 from rayeval.actors.parallel.strategies import refusal, strategy
 from rayeval.actors.profiles import ModelShape
 from rayeval.actors.weights.checkpoint_dirs import by_step
-from rayeval.service.jobs.tasks import CODE_EVAL, OTHER_CODE, TaskCatalog
+from rayeval.service.jobs.tasks import CODE_EVAL, OTHER_CODE, TaskCatalog, other_code_refusal
 from rayeval.service.vocabulary.config import EvaluationConfig, HostOptions
 from rayeval.service.vocabulary.errors import ServiceNotReadyError
 from rayeval.service.vocabulary.lm_eval_options import ENCODER_MODEL_ARGS, looks_local
@@ -278,11 +278,7 @@ def code_problems(code_tasks: Mapping[str, str], policy: ServerPolicy) -> list[s
     other = sorted(name for name, kind in code_tasks.items() if kind == OTHER_CODE)
     sandboxed = sorted(name for name, kind in code_tasks.items() if kind == CODE_EVAL)
     if other:
-        problems.append(
-            f"tasks: {other} run model-written code outside HF evaluate's code_eval (cruxeval's "
-            "own exec guard, longproc's g++ and eval), which rayeval does not sandbox: not "
-            "accepted on this server"
-        )
+        problems.append(f"{other_code_refusal(other)}: not accepted on this server")
     if sandboxed and not policy.allow_code_execution:
         problems.append(
             f"tasks: {sandboxed} run model-written code to score it (unsafe_code in their "
