@@ -18,6 +18,11 @@ from typing import Any
 
 from rayeval.actors.layout import DeviceKind, ShardStrategy
 
+#: Most MiB of logits and log-probabilities a scoring micro-batch holds at once: a micro-batch's
+#: scored positions run through the output head in chunks of as many (``--logits_budget_mib``).
+#: At a 152k vocabulary, 55 positions in float32.
+DEFAULT_LOGITS_BUDGET_MIB = 64
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -78,6 +83,8 @@ class RankOptions:
             stream (:func:`piece_due`): every rank's stream ends at the one driver.
         split_replicas: The replicas whose ranks span nodes (their GPU ranks pin NCCL's
             interface to the one Ray reaches the node by).
+        logits_budget_mib: Most MiB of logits and log-probabilities a scoring micro-batch holds
+            at once (:class:`rayeval.actors.compute.scoring.Scorer`).
     """
 
     shard_size: int
@@ -88,6 +95,7 @@ class RankOptions:
     shm_collectives: bool = True
     piece_interval_s: float = 0.0
     split_replicas: tuple[int, ...] = ()
+    logits_budget_mib: int = DEFAULT_LOGITS_BUDGET_MIB
 
 
 @dataclass(frozen=True)

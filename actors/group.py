@@ -25,6 +25,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from rayeval.actors.batches import (
+    DEFAULT_LOGITS_BUDGET_MIB,
     PIECES_PER_S,
     GenerateGroup,
     MicroBatch,
@@ -167,6 +168,7 @@ class WorkerGroup:
         strategy: ShardStrategy | str = ShardStrategy.FSDP,
         obstacles: Mapping[ShardStrategy, Sequence[str]] | None = None,
         shm_collectives: bool = True,
+        logits_budget_mib: int = DEFAULT_LOGITS_BUDGET_MIB,
         rank_class: type | None = None,
         niceness: int | None = None,
     ) -> WorkerGroup:
@@ -186,6 +188,7 @@ class WorkerGroup:
                 in the way).
             shm_collectives: Whether ranks of a replica on one node may exchange activations
                 through shared memory.
+            logits_budget_mib: MiB of logits a rank's scoring micro-batch holds at once.
             rank_class: The rank actors' class (None: ``ShardWorker``); tests' and benchmarks'
                 simulated rank, which loads no model.
             niceness: The OS niceness of the rank processes (None: Ray's default for its
@@ -207,7 +210,7 @@ class WorkerGroup:
             group.strategy = settle(strategy, layout.shard_size, obstacles or {}, split)
             if layout.sharded:
                 logger.info("%s: replicas shard the model with %s", name, group.strategy.value)
-            options = group._rank_options(timeouts, seed, shm_collectives, split)
+            options = group._rank_options(timeouts, seed, shm_collectives, split, logits_budget_mib)
             group._start_actors(placement, spec, options, rank_class, niceness)
         except BaseException:
             group.shutdown()
@@ -215,7 +218,12 @@ class WorkerGroup:
         return group
 
     def _rank_options(
-        self, timeouts: Timeouts, seed: int, shm_collectives: bool, split: Sequence[int]
+        self,
+        timeouts: Timeouts,
+        seed: int,
+        shm_collectives: bool,
+        split: Sequence[int],
+        logits_budget_mib: int,
     ) -> RankOptions:
         """What every rank of the group is told (the strategy is settled)."""
         return RankOptions(
@@ -227,6 +235,7 @@ class WorkerGroup:
             shm_collectives=shm_collectives,
             piece_interval_s=self.layout.world / PIECES_PER_S,
             split_replicas=tuple(split),
+            logits_budget_mib=logits_budget_mib,
         )
 
     def _start_actors(

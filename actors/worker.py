@@ -160,7 +160,7 @@ class ShardWorker:
         self._rank = RankModel(
             model, self._spec, device, self._strategy, options.shard_size, tokenizer
         )
-        self._scorer = Scorer(self._rank)
+        self._scorer = Scorer(self._rank, options.logits_budget_mib * 2**20)
         local_params = sum(
             (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
         )

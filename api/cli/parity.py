@@ -63,6 +63,7 @@ RUN_FLAGS = {
         "share_prefixes",
         "continuous_batching",
         "kv_cache_tokens",
+        "logits_budget_mib",
         "tokenizer_workers",
         "placement_timeout",
         "load_timeout",

@@ -463,6 +463,7 @@ class Engine:
             strategy=parallelism.shard_strategy,
             obstacles=obstacles,
             shm_collectives=parallelism.shm_collectives,
+            logits_budget_mib=self.config.logits_budget_mib,
             rank_class=self.tunables.rank_class,
             niceness=self._rank_niceness,
         )

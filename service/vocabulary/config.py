@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from rayeval.actors.batches import DEFAULT_LOGITS_BUDGET_MIB
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.layout import (
     DeviceKind,
@@ -168,6 +169,15 @@ class EngineConfig(_Frozen):
         "batching (a request holds its context plus its max_gen_toks); default: "
         "max_batch_tokens if set, else what the slots' requests need, bounded only where a rank's "
         "free memory after loading holds less.",
+    )
+    logits_budget_mib: int = Field(
+        default=DEFAULT_LOGITS_BUDGET_MIB,
+        ge=1,
+        le=2**20,
+        description="MiB of logits and log-probabilities a rank holds at once while scoring: a "
+        "micro-batch's scored positions run through the output head in chunks of as many (at "
+        "least 16), with the results of one pass (at a 152k vocabulary, 64 MiB is 48 positions "
+        "in float32).",
     )
     tokenizer_workers: int | None = Field(
         default=None,

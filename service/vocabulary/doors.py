@@ -30,6 +30,7 @@ RAYEVAL_FLAGS: dict[tuple[str, ...], str] = {
     ("share_prefixes",): "--share_prefixes",
     ("continuous_batching",): "--continuous_batching",
     ("kv_cache_tokens",): "--kv_cache_tokens",
+    ("logits_budget_mib",): "--logits_budget_mib",
     ("tokenizer_workers",): "--tokenizer_workers",
     ("timeouts", "placement_s"): "--placement_timeout",
     ("timeouts", "load_s"): "--load_timeout",

@@ -40,6 +40,7 @@ def replica_key(config: EngineConfig | dict[str, Any]) -> str:
         "device": config.device,
         "parallelism": config.parallelism.model_dump(mode="json"),
         "collective_s": config.timeouts.collective_s,
+        "logits_budget_mib": config.logits_budget_mib,
         # A sweep starts its own ranks and keeps none: no kept group ever serves one.
         "sweep": getattr(config, "sweep", None) is not None,
     }
