@@ -20,8 +20,27 @@ from rayeval.actors.layout import DeviceKind, ShardStrategy
 
 #: Most MiB of logits and log-probabilities a scoring micro-batch holds at once: a micro-batch's
 #: scored positions run through the output head in chunks of as many (``--logits_budget_mib``).
-#: At a 152k vocabulary, 55 positions in float32.
+#: At a 152k vocabulary, 48 positions.
 DEFAULT_LOGITS_BUDGET_MIB = 64
+#: Rows of a generation group when the configuration does not say (the same as the driver's
+#: ``DEFAULT_MAX_BATCH_ROWS``).
+DEFAULT_GENERATE_ROWS = 64
+#: A head chunk's positions are a multiple of this (a micro-batch's last chunk excepted).
+HEAD_CHUNK_ALIGN = 16
+#: Bytes a scored position's logits and log-probabilities take per vocabulary entry (float32 at
+#: most, each).
+LOGIT_BYTES = 2 * 4
+#: Rows of logits a rank reserves per generating row before sizing its KV cache: the float32
+#: logits, the processors' scores and their log-softmax or sampling copy.
+GENERATE_LOGIT_COPIES = 3
+
+
+def head_chunk_rows(vocab: int, budget_bytes: int) -> int:
+    """Scored positions per pass of the output head that ``budget_bytes`` of logits and
+    log-probabilities hold at a vocabulary of ``vocab``: a multiple of
+    :data:`HEAD_CHUNK_ALIGN`, at least one multiple."""
+    fits = budget_bytes // max(1, vocab * LOGIT_BYTES)
+    return max(HEAD_CHUNK_ALIGN, fits // HEAD_CHUNK_ALIGN * HEAD_CHUNK_ALIGN)
 
 
 @dataclass(frozen=True)
@@ -85,6 +104,8 @@ class RankOptions:
             interface to the one Ray reaches the node by).
         logits_budget_mib: Most MiB of logits and log-probabilities a scoring micro-batch holds
             at once (:class:`rayeval.actors.compute.scoring.Scorer`).
+        generate_rows: Most rows a generation group computes at once (its slots): their
+            logits are set aside before the KV cache is sized from free memory.
     """
 
     shard_size: int
@@ -96,6 +117,7 @@ class RankOptions:
     piece_interval_s: float = 0.0
     split_replicas: tuple[int, ...] = ()
     logits_budget_mib: int = DEFAULT_LOGITS_BUDGET_MIB
+    generate_rows: int = DEFAULT_GENERATE_ROWS
 
 
 @dataclass(frozen=True)

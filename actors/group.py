@@ -18,6 +18,7 @@ import pickle
 import re
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from rayeval.actors.batches import (
+    DEFAULT_GENERATE_ROWS,
     DEFAULT_LOGITS_BUDGET_MIB,
     PIECES_PER_S,
     GenerateGroup,
@@ -169,6 +171,7 @@ class WorkerGroup:
         obstacles: Mapping[ShardStrategy, Sequence[str]] | None = None,
         shm_collectives: bool = True,
         logits_budget_mib: int = DEFAULT_LOGITS_BUDGET_MIB,
+        generate_rows: int = DEFAULT_GENERATE_ROWS,
         rank_class: type | None = None,
         niceness: int | None = None,
     ) -> WorkerGroup:
@@ -189,6 +192,7 @@ class WorkerGroup:
             shm_collectives: Whether ranks of a replica on one node may exchange activations
                 through shared memory.
             logits_budget_mib: MiB of logits a rank's scoring micro-batch holds at once.
+            generate_rows: Most rows a generation group computes at once.
             rank_class: The rank actors' class (None: ``ShardWorker``); tests' and benchmarks'
                 simulated rank, which loads no model.
             niceness: The OS niceness of the rank processes (None: Ray's default for its
@@ -210,7 +214,11 @@ class WorkerGroup:
             group.strategy = settle(strategy, layout.shard_size, obstacles or {}, split)
             if layout.sharded:
                 logger.info("%s: replicas shard the model with %s", name, group.strategy.value)
-            options = group._rank_options(timeouts, seed, shm_collectives, split, logits_budget_mib)
+            options = replace(
+                group._rank_options(timeouts, seed, shm_collectives, split),
+                logits_budget_mib=logits_budget_mib,
+                generate_rows=generate_rows,
+            )
             group._start_actors(placement, spec, options, rank_class, niceness)
         except BaseException:
             group.shutdown()
@@ -223,7 +231,6 @@ class WorkerGroup:
         seed: int,
         shm_collectives: bool,
         split: Sequence[int],
-        logits_budget_mib: int,
     ) -> RankOptions:
         """What every rank of the group is told (the strategy is settled)."""
         return RankOptions(
@@ -235,7 +242,6 @@ class WorkerGroup:
             shm_collectives=shm_collectives,
             piece_interval_s=self.layout.world / PIECES_PER_S,
             split_replicas=tuple(split),
-            logits_budget_mib=logits_budget_mib,
         )
 
     def _start_actors(

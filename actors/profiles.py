@@ -132,6 +132,12 @@ class ModelShape:
         }
         return {name: value for name, value in dims.items() if isinstance(value, int)}
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output head by the config (0 when it does not say)."""
+        vocab = self.attribute("vocab_size")
+        return vocab if isinstance(vocab, int) else 0
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """Bytes of KV cache one token holds in the whole model (keys and values, every layer;
         0 when the config does not say)."""

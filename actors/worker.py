@@ -24,6 +24,7 @@ import torch.distributed as dist
 import transformers
 
 from rayeval.actors.batches import (
+    GENERATE_LOGIT_COPIES,
     GenerateGroup,
     GenerateMicroBatch,
     GenerateResult,
@@ -175,7 +176,8 @@ class ShardWorker:
 
     def _kv_capacity(self, model: Any, device: torch.device) -> int | None:
         """The KV-cache positions this rank's free memory holds after loading: the GPU's free
-        memory, or on CPU its share of the node's available memory (by its CPUs)."""
+        memory, or on CPU its share of the node's available memory (by its CPUs), less the
+        logits (:func:`logits_reserve`)."""
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
         else:
@@ -188,6 +190,8 @@ class ShardWorker:
                 nodes = [n for n in ray.nodes() if n["NodeID"] == context.get_node_id()]
                 node_cpus = nodes[0]["Resources"].get("CPU", node_cpus) if nodes else node_cpus
             free = host_memory_share(mine, node_cpus)
+        vocab = self._spec.vocab_size or ModelShape(model.config).vocab_size
+        free = max(0, free - logits_reserve(self._options, vocab))
         kv_shards = self._options.shard_size if self._strategy.same_batch else 1
         return ModelShape(model.config).kv_capacity_tokens(free, model.dtype.itemsize, kv_shards)
 
@@ -334,3 +338,12 @@ class ShardWorker:
                 ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")
             )
         return self._cuda_index
+
+
+def logits_reserve(options: RankOptions, vocab: int) -> int:
+    """Bytes of logits a rank holds besides its KV cache: a scoring micro-batch's head chunk
+    (``logits_budget_mib``) or a generation group's float32 logits, processed scores and their
+    copy (``generate_rows`` x ``vocab`` x :data:`GENERATE_LOGIT_COPIES`), whichever is more (a
+    rank does one at a time). A 256k vocabulary's 64 rows take 200 MB; a 768 one's, 0.6 MB."""
+    generating = options.generate_rows * vocab * 4 * GENERATE_LOGIT_COPIES
+    return max(options.logits_budget_mib * 2**20, generating)

@@ -220,3 +220,36 @@ def test_a_rank_holds_the_kv_cache_its_free_memory_allows(tmp_path: Path) -> Non
     meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   16000000 kB\n")
     assert host_memory_share(2, 8, str(meminfo)) == 16000000 * 1024 // 4
     assert host_memory_share(8, 4, str(meminfo)) == 16000000 * 1024
+
+
+def test_a_rank_sets_the_logits_aside_before_its_kv_cache() -> None:
+    from rayeval.actors.batches import RankOptions, head_chunk_rows
+    from rayeval.actors.worker import logits_reserve
+
+    # scoring holds one head chunk: 64 MiB at the default budget, 48 positions at 152k tokens
+    assert head_chunk_rows(151_936, 64 * 2**20) == 48
+    assert head_chunk_rows(151_936, 2**20) == 16  # the fewest a chunk has
+    assert head_chunk_rows(768, 64 * 2**20) == 10_912
+    options = RankOptions(1)
+    assert logits_reserve(options, 768) == 64 * 2**20  # a small vocabulary: the scoring budget
+    # 64 generating rows of a 256k vocabulary: float32 logits, scores and a copy
+    assert logits_reserve(options, 256_000) == 64 * 256_000 * 4 * 3
+    assert logits_reserve(RankOptions(1, generate_rows=8), 256_000) == 64 * 2**20
+
+
+def test_the_run_says_what_batch_size_auto_picked() -> None:
+    from rayeval.actors.layout import DeviceKind
+    from rayeval.service.engine.plan.budgets import picked_budgets
+    from rayeval.service.vocabulary.config import EngineConfig
+
+    config = EngineConfig(model_args="pretrained=m")
+    assert picked_budgets(config, DeviceKind.CPU, 151_936) == (
+        "batch_size auto: scoring micro-batches of 2,048 tokens and 64 rows at most, the output "
+        "head over at most 48 scored positions at a time (64 MiB of logits at a vocabulary of "
+        "151,936); generation in groups of 64 rows"
+    )
+    config = EngineConfig(model_args="pretrained=m", batch_size=8, logits_budget_mib=1)
+    assert picked_budgets(config, DeviceKind.CUDA, 0).startswith(
+        "batch_size 8: scoring micro-batches of any number of tokens and 8 rows at most, the "
+        "output head over every scored position at once"
+    )

@@ -27,6 +27,7 @@ from rayeval.actors.batches import (
     ScoreResult,
     ScoreRow,
     StepStats,
+    head_chunk_rows,
 )
 from rayeval.actors.compute.packing import packed_inputs, padded_ids
 from rayeval.actors.compute.rank_model import RankModel, torch_dtype
@@ -36,8 +37,6 @@ from rayeval.actors.errors import ConfigError
 #: 5-7 and 9-11 rows with other kernels than one of 4, 8 or 12 and more, rounding otherwise (every
 #: shape tried, AVX-512 and AVX2; bf16 is exact at every count). See Scorer._score_positions.
 _SMALL_GEMM_ROWS = 12
-#: A head chunk's rows are a multiple of this (the last chunk excepted, padded as above).
-_CHUNK_ALIGN = 16
 DEFAULT_LOGITS_BUDGET = DEFAULT_LOGITS_BUDGET_MIB * 2**20
 
 
@@ -134,14 +133,11 @@ class Scorer:
                     targets.take(start, logits)
 
     def _chunk_rows(self, count: int) -> int:
-        """Scored positions per head chunk: as many as the budget holds (their logits and
-        log-probabilities, float32 at most), a multiple of ``_CHUNK_ALIGN``; all of them where
-        they fit or the model's trunk cannot be found to run the head again."""
+        """Scored positions per head chunk (:func:`head_chunk_rows`); all of them where they
+        fit or the model's trunk cannot be found to run the head again."""
         if self._trunk is None or not self._vocab:
             return count
-        per_row = self._vocab * 2 * torch.finfo(torch.float32).bits // 8
-        fits = self._budget // per_row // _CHUNK_ALIGN * _CHUNK_ALIGN
-        return count if count <= fits else max(_CHUNK_ALIGN, fits)
+        return min(count, head_chunk_rows(self._vocab, self._budget))
 
     def _forward(
         self,

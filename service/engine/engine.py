@@ -31,6 +31,7 @@ from typing import Any
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind, ShardStrategy
+from rayeval.actors.profiles import ModelShape
 from rayeval.actors.protocol import InputTokens, LoadReport, RankSite, SwapReport
 from rayeval.service.engine.dispatch.cluster import connect, embedded_cpus, pick_device
 from rayeval.service.engine.dispatch.executor import Executor
@@ -40,6 +41,7 @@ from rayeval.service.engine.parts.generate import Prompts
 from rayeval.service.engine.parts.pipeline import Tunables, even_bounds, part_bounds
 from rayeval.service.engine.parts.score import score_tokens
 from rayeval.service.engine.plan import model_shell
+from rayeval.service.engine.plan.budgets import generation_slots, picked_budgets
 from rayeval.service.engine.plan.checks import (
     Origins,
     RequestChecks,
@@ -145,6 +147,8 @@ class Engine:
             self.encoder.model, model_args, self.dtype
         )
         logger.info("starting %s on %s (%s)", self.name, self.layout.describe(), self.connection)
+        vocab = ModelShape(self.encoder.model.config).vocab_size
+        logger.info("%s: %s", self.name, picked_budgets(config, self.layout.device, vocab))
         torch_seed = config.seeds[2]
         seed = torch_seed if torch_seed is not None else DEFAULT_SEED[2]
         self._executor = Executor(
@@ -464,6 +468,7 @@ class Engine:
             obstacles=obstacles,
             shm_collectives=parallelism.shm_collectives,
             logits_budget_mib=self.config.logits_budget_mib,
+            generate_rows=generation_slots(self.config),
             rank_class=self.tunables.rank_class,
             niceness=self._rank_niceness,
         )

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from rayeval.actors.batches import DEFAULT_LOGITS_BUDGET_MIB
+from rayeval.actors.batches import DEFAULT_GENERATE_ROWS, DEFAULT_LOGITS_BUDGET_MIB
 from rayeval.actors.errors import ConfigError
 from rayeval.actors.layout import (
     DeviceKind,
@@ -60,8 +60,9 @@ DEFAULT_BOOTSTRAP_ITERS = 100000
 DEFAULT_MAX_BATCH_TOKENS = 8192
 #: The same for scoring micro-batches on CPU ranks (faster per token: see service.engine.lm).
 DEFAULT_CPU_SCORE_BATCH_TOKENS = 2048
-#: Rows per micro-batch with ``batch_size=auto`` when ``max_batch_size`` is unset.
-DEFAULT_MAX_BATCH_ROWS = 64
+#: Rows per micro-batch with ``batch_size=auto`` when ``max_batch_size`` is unset (the ranks set
+#: aside a generation group's logits by the same number).
+DEFAULT_MAX_BATCH_ROWS = DEFAULT_GENERATE_ROWS
 
 _EXAMPLE: dict[str, Any] = {
     "model": "hf",

@@ -4,6 +4,7 @@ much of a continuous-batching group runs at once)."""
 
 from __future__ import annotations
 
+from rayeval.actors.batches import head_chunk_rows
 from rayeval.actors.errors import field
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
@@ -33,8 +34,7 @@ def slot_budget(config: EngineConfig, group: WorkerGroup | None) -> SlotBudget:
         config: The evaluation's engine configuration.
         group: The ranks (their load reports: KV-cache positions their memory holds), or None.
     """
-    slots = config.batch_size if isinstance(config.batch_size, int) else None
-    slots = slots or config.max_batch_size or DEFAULT_MAX_BATCH_ROWS
+    slots = generation_slots(config)
     prefill = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
     if config.kv_cache_tokens:
         return SlotBudget(slots, config.kv_cache_tokens, field("kv_cache_tokens"), prefill)
@@ -44,6 +44,32 @@ def slot_budget(config: EngineConfig, group: WorkerGroup | None) -> SlotBudget:
     if held is None:
         return SlotBudget(slots, None, field("kv_cache_tokens"), prefill)
     return SlotBudget(slots, held, MEMORY_SETTING, prefill)
+
+
+def generation_slots(config: EngineConfig) -> int:
+    """Rows a continuous-batching group computes at once: ``batch_size`` when it is a number,
+    else ``max_batch_size``, else :data:`DEFAULT_MAX_BATCH_ROWS`."""
+    slots = config.batch_size if isinstance(config.batch_size, int) else None
+    return slots or config.max_batch_size or DEFAULT_MAX_BATCH_ROWS
+
+
+def picked_budgets(config: EngineConfig, score_on: DeviceKind, vocab: int) -> str:
+    """What the micro-batch limits are for this evaluation, in words (the run's first lines):
+    the token and row budgets, the output head's chunk at the model's vocabulary, the slots."""
+    score = budget(config, score_on)
+    chunk = head_chunk_rows(vocab, config.logits_budget_mib * 2**20) if vocab else None
+    head = (
+        f"the output head over at most {chunk} scored positions at a time "
+        f"({config.logits_budget_mib} MiB of logits at a vocabulary of {vocab:,})"
+        if chunk
+        else "the output head over every scored position at once (the vocabulary is not known)"
+    )
+    tokens = "any number of tokens" if score.max_tokens >= 2**62 else f"{score.max_tokens:,} tokens"
+    return (
+        f"batch_size {config.batch_size}: scoring micro-batches of {tokens} and "
+        f"{score.max_rows} rows at most, {head}; generation in groups of "
+        f"{generation_slots(config)} rows"
+    )
 
 
 def memory_kv_tokens(reports: list[LoadReport]) -> int | None:
