@@ -4,8 +4,10 @@ Mirrors lm-eval's HF backend: right padding, log-softmax then gather, ``is_greed
 continuation token is the argmax. Plain rows run as lm-eval runs them (no attention mask); a
 micro-batch with a packed row (a token tree, :mod:`rayeval.actors.compute.packing`) runs with a 4D
 attention mask and position ids that give every token exactly its own request's view. The output
-head runs only on the scored positions: logits are batch x positions x vocabulary, the largest
-activation of a forward (DESIGN "Known pitfalls").
+head runs only on the scored positions, and over them in chunks that a memory budget holds
+(``--logits_budget_mib``): logits are positions x vocabulary, the largest activation of a forward
+(DESIGN "Known pitfalls"; at a 152k vocabulary a 2,048-token rolling window's are 1.2 GB in
+float32, and its log-probabilities as much again).
 """
 
 from __future__ import annotations
