@@ -201,3 +201,43 @@ def paired_metrics(a: dict[str, Any], b: dict[str, Any]) -> Iterator[tuple[str, 
         for name, metrics in a.get(section, {}).items():
             for key, value in metrics.items():
                 yield f"{section}/{name}/{key}", value, b[section][name][key]
+
+
+def assert_same_results(
+    reference: dict[str, Any], ours: dict[str, Any], exact: bool = False
+) -> None:
+    """Per-sample responses and every metric agree (``exact``: bit-identical responses)."""
+    compared = 0
+    for where, ref, other in paired_atoms(reference, ours):
+        _assert_same_atom(ref, other, where, exact)
+        compared += 1
+    assert compared > 0
+    for key, value, other in paired_metrics(reference, ours):
+        if isinstance(value, float) and not exact:
+            assert math.isclose(value, other, rel_tol=1e-5, abs_tol=1e-6), (
+                f"{key}: {value} != {other}"
+            )
+        else:
+            assert value == other, f"{key}: {value!r} != {other!r}"
+
+
+def _assert_same_atom(ref: Any, ours: Any, where: str, exact: bool) -> None:
+    """One log-prob, flag or generation of a response, as :func:`assert_same_results` holds it."""
+    # lm-eval's samples JSONL stores log-probs as strings: compare them as numbers.
+    number = _number(ref) if isinstance(ref, str) and ref != ours and not exact else None
+    if number is not None:
+        other = _number(ours)
+        assert other is not None, f"{where}: {ref!r} != {ours!r}"
+        assert abs(number - other) <= logprob_tolerance(number), f"{where}: {ref!r} != {ours!r}"
+    elif isinstance(ref, float) and not exact:
+        assert abs(ref - ours) <= logprob_tolerance(ref), f"{where}: logprob {ref} vs {ours}"
+    else:
+        assert ref == ours, f"{where}: {ref!r} != {ours!r}"
+
+
+def _number(text: str) -> float | None:
+    """``text`` as a number (a log-prob in lm-eval's samples JSONL), or None (a generation)."""
+    try:
+        return float(text)
+    except ValueError:
+        return None

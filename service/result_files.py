@@ -125,3 +125,14 @@ def write_lm_eval_files(out: Path, results_json: str, samples: Mapping[str, str]
     for task, jsonl in samples.items():
         (directory / f"samples_{task}_{date_id}.jsonl").write_text(jsonl, encoding="utf-8")
     return results_file
+
+
+def read_outputs(out: Path) -> tuple[str, dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """What ``lm_eval run --output_path out --log_samples`` wrote: model dir, results, samples."""
+    (model_dir,) = out.iterdir()
+    (results_file,) = model_dir.glob("results_*.json")
+    samples = {}
+    for path in model_dir.glob("samples_*.jsonl"):
+        task = path.name.removeprefix("samples_").rsplit("_", 1)[0]
+        samples[task] = [json.loads(line) for line in path.read_text().splitlines()]
+    return model_dir.name, json.loads(results_file.read_text()), samples

@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import signal
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from rayeval.service.parity import (
-    SPREAD_BATCH_SIZES,
-    Spread,
-    logprob_tolerance,
-    paired_atoms,
-    paired_metrics,
-)
+from rayeval.service.parity import SPREAD_BATCH_SIZES, Spread, assert_same_results
+from rayeval.service.result_files import read_outputs
+
+__all__ = ["assert_same_results", "read_outputs"]  # the product's, as the tests have used them
 
 
 def evaluate(model: Any, task_manager: Any, tasks: list[str], **kwargs: Any) -> dict[str, Any]:
@@ -173,57 +169,6 @@ def run_lm_eval_cli(argv: list[str]) -> None:
 
     cli = HarnessCLI()
     cli.execute(cli._parser.parse_args(argv))
-
-
-def read_outputs(out: Path) -> tuple[str, dict[str, Any], dict[str, list[dict[str, Any]]]]:
-    """What ``lm_eval run --output_path out --log_samples`` wrote: model dir, results, samples."""
-    (model_dir,) = out.iterdir()
-    (results_file,) = model_dir.glob("results_*.json")
-    samples = {}
-    for path in model_dir.glob("samples_*.jsonl"):
-        task = path.name.removeprefix("samples_").rsplit("_", 1)[0]
-        samples[task] = [json.loads(line) for line in path.read_text().splitlines()]
-    return model_dir.name, json.loads(results_file.read_text()), samples
-
-
-def assert_same_results(
-    reference: dict[str, Any], ours: dict[str, Any], exact: bool = False
-) -> None:
-    """Per-sample responses and every metric agree (``exact``: bit-identical responses)."""
-    compared = 0
-    for where, ref, other in paired_atoms(reference, ours):
-        _assert_same_atom(ref, other, where, exact)
-        compared += 1
-    assert compared > 0
-    for key, value, other in paired_metrics(reference, ours):
-        if isinstance(value, float) and not exact:
-            assert math.isclose(value, other, rel_tol=1e-5, abs_tol=1e-6), (
-                f"{key}: {value} != {other}"
-            )
-        else:
-            assert value == other, f"{key}: {value!r} != {other!r}"
-
-
-def _assert_same_atom(ref: Any, ours: Any, where: str, exact: bool) -> None:
-    """One log-prob, flag or generation of a response, as :func:`assert_same_results` holds it."""
-    # lm-eval's samples JSONL stores log-probs as strings: compare them as numbers.
-    number = _number(ref) if isinstance(ref, str) and ref != ours and not exact else None
-    if number is not None:
-        other = _number(ours)
-        assert other is not None, f"{where}: {ref!r} != {ours!r}"
-        assert abs(number - other) <= logprob_tolerance(number), f"{where}: {ref!r} != {ours!r}"
-    elif isinstance(ref, float) and not exact:
-        assert abs(ref - ours) <= logprob_tolerance(ref), f"{where}: logprob {ref} vs {ours}"
-    else:
-        assert ref == ours, f"{where}: {ref!r} != {ours!r}"
-
-
-def _number(text: str) -> float | None:
-    """``text`` as a number (a log-prob in lm-eval's samples JSONL), or None (a generation)."""
-    try:
-        return float(text)
-    except ValueError:
-        return None
 
 
 def gated_tasks_dir(tasks_dir: Path, out: Path, gate: str) -> Path:

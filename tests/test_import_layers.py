@@ -6,7 +6,8 @@ functions included; only ``if TYPE_CHECKING:`` blocks, which never run, are left
 * ``api`` never imports torch (the API process and the CLI start without it);
 * only ``api`` speaks HTTP (a web framework, a server or an HTTP client);
 * no import cycle between product modules, not even one held apart by an import inside a
-  function.
+  function;
+* the product and ``deploy/`` (what an operator runs) import nothing from ``tests/``.
 
 Complexity is ruff's (C901, PLR0912, PLR0915 in ``make lint``), not a line count.
 """
@@ -78,6 +79,17 @@ def test_api_never_imports_torch_and_only_api_speaks_http() -> None:
         http = {t for t in imported if t.split(".")[0] in HTTP or t.startswith("urllib.request")}
         if not name.startswith("rayeval.api") and http:
             wrong.append(f"{name} speaks HTTP ({sorted(http)})")
+    assert wrong == [], wrong
+
+
+def test_nothing_shipped_imports_the_tests() -> None:
+    shipped = [*_product().values(), *(REPO / "deploy").rglob("*.py")]
+    wrong = [
+        f"{path.relative_to(REPO)} imports {target}"
+        for path in shipped
+        for target in _imports(ast.parse(path.read_text()))
+        if target == "tests" or target.startswith("tests.")
+    ]
     assert wrong == [], wrong
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 from deploy.netns.cleanup import stop_groups
 from deploy.netns.nodes import Cluster, RehearsalError, in_ns
+from rayeval.service.parity import assert_same_results
+from rayeval.service.result_files import read_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -184,8 +186,7 @@ def reference(shared: list[str], out: Path, env: dict[str, str], log: Path) -> N
 
 
 def same_as_reference(ref: Path, ours: Path) -> None:
-    """Per-sample results and metrics equal (tests.helpers: |delta logprob| <= 1e-4)."""
-    from tests.helpers import assert_same_results, read_outputs
+    """Per-sample results and metrics equal (|delta logprob| <= 1e-4, as the tests hold them)."""
 
     _, ref_results, ref_samples = read_outputs(ref)
     _, our_results, our_samples = read_outputs(ours)

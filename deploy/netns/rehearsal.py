@@ -20,7 +20,7 @@ What it does (as root; Linux with ``ip netns``), printing every command it runs:
    every all-gather crosses the link). It checks, from what every rank actor reports, that the
    layout used both nodes' addresses.
 5. Runs lm-eval's own ``hf`` backend on the same model, tasks and options (``--reference``), and
-   checks that every layout's per-sample results and metrics equal it (``tests.helpers``).
+   checks that every layout's per-sample results and metrics equal it (``rayeval.service.parity``).
 6. Tears everything down — also on failure or Ctrl-C — by the recorded process groups, then by
    any process that names the work directory, then the namespaces (which take the link along).
 
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a file: the repository's packages (deploy, tests.helpers)
+if str(REPO) not in sys.path:  # run as a file: the repository's packages (deploy)
     sys.path.insert(0, str(REPO))
 
 from deploy.netns.cleanup import teardown  # noqa: E402
