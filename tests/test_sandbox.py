@@ -261,6 +261,33 @@ def test_code_tasks_are_refused_at_submission_unless_the_operator_allows_them(
     assert other and "does not sandbox" in other[0]
 
 
+@pytest.mark.unit
+def test_a_code_task_is_refused_at_run_time_where_code_execution_is_off(tmp_path: Path) -> None:
+    """A server whose operator turned code execution off after the evaluation was accepted (its
+    runner starts with the setting off), and ``rayeval run`` without the flag: refused before any
+    rank starts, naming both ways to allow it; other tasks run."""
+    from types import SimpleNamespace
+
+    from lm_eval.tasks import TaskManager
+
+    from rayeval.actors.errors import ConfigError
+    from rayeval.service.demo.code_task import write_code_task
+    from rayeval.service.engine.code_execution import code_execution
+    from rayeval.service.vocabulary.config import CodeExecution
+
+    tasks = write_code_task(tmp_path / "tasks")
+    manager = TaskManager(include_defaults=False, include_path=str(tasks))
+    cfg = SimpleNamespace(tasks=["demo_code"], confirm_run_unsafe_code=True)
+    refusal = pytest.raises(ConfigError, match="demo_code")
+    with refusal as refused, code_execution(CodeExecution.OFF, cfg, manager):
+        pytest.fail("entered")
+    assert "--confirm_run_unsafe_code" in str(refused.value)
+    assert "--allow-code-execution" in str(refused.value)
+    assert cfg.confirm_run_unsafe_code is False
+    with code_execution(CodeExecution.OFF, SimpleNamespace(tasks=[]), manager):
+        pass
+
+
 @needs_bwrap
 def test_the_demo_code_task_scores_through_the_sandbox(tmp_path: Path) -> None:
     """lm-eval loads the task (its utils.py calls ``evaluate.load("code_eval")`` as humaneval's

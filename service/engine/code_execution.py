@@ -30,6 +30,14 @@ UNSANDBOXED_WARNING = (
 )
 
 
+#: Code tasks where code execution is off, at either door.
+OFF_REFUSAL = (
+    "tasks: {tasks} run model-written code to score it (unsafe_code in their config) and code "
+    "execution is off: `rayeval run --confirm_run_unsafe_code` runs every candidate in a "
+    "bubblewrap sandbox; a server runs them only where its operator allows it with "
+    "--allow-code-execution (RAYEVAL_ALLOW_CODE_EXECUTION=1)"
+)
+
 #: What the running evaluation records about where its code ran (empty: no code task).
 _RECORD: ContextVar[dict[str, Any] | None] = ContextVar("rayeval_code_execution", default=None)
 
@@ -45,7 +53,9 @@ def code_execution(mode: CodeExecution, cfg: Any, task_manager: Any) -> Iterator
 
     Under :attr:`CodeExecution.SANDBOX`, with code tasks among ``cfg.tasks``, the sandbox is
     started once first (fail closed: no rank starts where bwrap cannot run) and what results
-    record is set (:func:`current_record`).
+    record is set (:func:`current_record`). Under :attr:`CodeExecution.OFF` code tasks are
+    refused before any rank starts (a server whose operator turned code execution off since the
+    evaluation was accepted runs none of its code).
 
     Args:
         mode: Where code runs.
@@ -54,19 +64,25 @@ def code_execution(mode: CodeExecution, cfg: Any, task_manager: Any) -> Iterator
         task_manager: The evaluation's lm-eval ``TaskManager``.
 
     Raises:
-        ConfigError: a task runs code other than through ``code_eval`` (sandbox mode).
+        ConfigError: code tasks with code execution off; a task runs code other than through
+            ``code_eval`` (sandbox mode).
         SandboxUnavailableError: code tasks, and bwrap cannot run here.
     """
+    from rayeval.service.jobs.tasks import CODE_EVAL, OTHER_CODE, other_code_refusal, unsafe_names
+
     cfg.confirm_run_unsafe_code = mode is not CodeExecution.OFF
     if mode is CodeExecution.HOST:
         logger.warning(UNSANDBOXED_WARNING)
-    if mode is not CodeExecution.SANDBOX:
         yield
         return
-    from rayeval.service.jobs.tasks import CODE_EVAL, OTHER_CODE, other_code_refusal, unsafe_names
+    found = unsafe_names(task_manager, names=[str(t) for t in cfg.tasks])
+    if mode is CodeExecution.OFF:
+        if found:
+            raise ConfigError(OFF_REFUSAL.format(tasks=sorted(found)))
+        yield
+        return
     from rayeval.service.sandbox.metric import record, sandboxed_code_eval
 
-    found = unsafe_names(task_manager, names=[str(t) for t in cfg.tasks])
     other = sorted(name for name, kind in found.items() if kind == OTHER_CODE)
     if other:
         raise ConfigError(other_code_refusal(other))

@@ -92,9 +92,11 @@ class EvaluationRunner:
         keep_replicas: bool = False,
         trackers: dict[str, Any] | None = None,
         rank_niceness: int | None = None,
+        code_execution: bool = False,
     ) -> None:
         self.owner_id = evaluation_id
         self._rank_niceness = rank_niceness
+        self._code_execution = CodeExecution.SANDBOX if code_execution else CodeExecution.OFF
         self._include_paths = tuple(include_paths)
         self._response_cache = response_cache
         self._trackers = Trackers(**(trackers or {}))
@@ -223,8 +225,9 @@ class EvaluationRunner:
             trackers=replace(self._trackers, evaluation_id=evaluation_id),
             rank_niceness=self._rank_niceness,
             # Submission refused code tasks unless the operator allows code execution; what
-            # was accepted runs its code in the sandbox, never in the server's processes.
-            code_execution=CodeExecution.SANDBOX,
+            # was accepted runs its code in the sandbox, never in the server's processes, and
+            # not at all where the operator has turned code execution off since.
+            code_execution=self._code_execution,
         )
         if config.sweep is not None:
             reports = SweepReports(
@@ -304,6 +307,7 @@ def launch_runner(
     keep_replicas: bool,
     trackers: Trackers | None = None,
     rank_niceness: int | None = None,
+    code_execution: bool = False,
 ) -> Any:
     """Start the named, detached runner actor of an evaluation (its first evaluation starts).
 
@@ -317,6 +321,8 @@ def launch_runner(
         trackers: The server's experiment trackers (None: none).
         rank_niceness: The OS niceness of the evaluation's rank processes (None: Ray's
             default); the runner itself, the evaluation's driver, runs at the node's default.
+        code_execution: Whether the operator allows code execution (code tasks' candidates
+            run in the sandbox); off, a code task fails before any rank starts.
 
     Returns:
         The actor's handle.
@@ -340,5 +346,6 @@ def launch_runner(
             keep_replicas,
             trackers.to_json() if trackers is not None else None,
             rank_niceness,
+            code_execution,
         )
     )

@@ -144,6 +144,7 @@ class Scheduler:
                 self._kept.enabled,
                 self._options.trackers,
                 self._options.rank_niceness,
+                self._options.policy.allow_code_execution,
             )
         except Exception as exc:  # e.g. a bad runtime_env: the evaluation cannot start
             error = f"could not start the runner actor: {brief(exc)}"
