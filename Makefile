@@ -8,7 +8,7 @@ DEMO_OUT ?= .rayeval/demo-results
 PORT     ?= 8000
 SERVICE_DIR ?= .rayeval/service
 
-.PHONY: install sandbox browser postgres run demo-cli test test-avx2 test-fast conformance lint format bench gpu-check clean
+.PHONY: install sandbox browser postgres run demo-cli test test-avx2 test-fast conformance lint format bench gpu-pack gpu-check clean
 
 install: $(STAMP) sandbox
 
@@ -107,10 +107,20 @@ format: install
 bench: install
 	$(BIN)/python benchmarks/bench_engine.py
 
-# The prepared GPU check (benchmarks/gpu_check.py): a 0.8B random Llama, bf16 parity of rayeval
-# 1x1 (and 1x2, 2x1 on two GPUs) with lm-eval hf, tokens/s, memory and MFU, sized for under 8
-# minutes on one GPU; the JSON report goes to $OUT or .rayeval. Needs the CUDA build of torch in
-# the venv (the script names the command); GPU_CHECK_ARGS=--tiny runs it on the CPU.
+# The wheels a lent GPU machine lacks (ray, lm-eval, datasets, pydantic, ...; it has no network),
+# at this venv's versions, ray and lm-eval trimmed, at most 48 MiB, with a manifest, in
+# .rayeval/gpu-pack (ignored by git: a device run must carry it). For the lent machine's Python:
+# 3.12 unless GPU_PACK_ARGS="--python-version 3.11". Downloads are cached in .rayeval/gpu-pack-cache.
+# The command that installs it there and runs the check: benchmarks/gpu_pack.py, docs/performance.md.
+gpu-pack: install
+	$(BIN)/python benchmarks/gpu_pack.py build $(GPU_PACK_ARGS)
+
+# The prepared GPU check (benchmarks/gpu_check.py): a 0.96B random Llama with a 32k vocabulary,
+# lm-eval hf's rows before Ray starts, rayeval 1x1 in float32 (1e-4) and bf16 (within hf's own
+# spread between two batch sizes), tokens/s, per-rank peak memory and MFU, in at most 9 minutes;
+# one JSON line per measurement, flushed as it goes, to $OUT/gpu-check.jsonl or .rayeval. Needs
+# the CUDA build of torch in the venv (the script names the command); GPU_CHECK_ARGS=--tiny runs
+# it on the CPU. On a lent machine, without a venv: see gpu-pack.
 gpu-check: install
 	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
