@@ -337,26 +337,29 @@ class GenerateGroup:
         """The next pending positions, in order, that join the ``live`` ones now: as many as
         fit the free slots, the KV-cache budget and a prefill wave, once enough slots are free
         (:data:`ADMIT_FRACTION`): each prefill is a forward of its own, so slots are refilled in
-        waves. A later, smaller request never overtakes one that does not fit yet; with no live
-        row, the first pending request is admitted whatever it needs."""
+        waves. The rows' caches are one cache left-padded to the longest row's length, so the
+        budget is held to rows x the most any of them needs (not the sum of their needs). A
+        later, smaller request never overtakes one that does not fit yet; with no live row, the
+        first pending request is admitted whatever it needs."""
         wave = max(1, int(self.slots * ADMIT_FRACTION))
         if live and self.slots - len(live) < min(wave, len(pending)):
             return []
-        held = sum(self.requests[p].kv_tokens for p in live)
+        longest = max((self.requests[p].kv_tokens for p in live), default=0)
         admitted: list[int] = []
         width = 0
         for position in pending:
-            if len(live) + len(admitted) >= self.slots:
+            rows = len(live) + len(admitted) + 1
+            if rows > self.slots:
                 break
             request = self.requests[position]
             wider = max(width, len(request.context))
-            if (live or admitted) and held + request.kv_tokens > self.kv_tokens:
+            needs = max(longest, request.kv_tokens)
+            if (live or admitted) and rows * needs > self.kv_tokens:
                 break
             if admitted and (len(admitted) + 1) * wider > (self.prefill_tokens or 2**62):
                 break
             admitted.append(position)
-            held += request.kv_tokens
-            width = wider
+            longest, width = needs, wider
         return admitted
 
 

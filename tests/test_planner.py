@@ -131,8 +131,9 @@ def test_contexts_as_32_bit_buffers_are_planned_and_seeded_as_tuples() -> None:
 def test_the_kv_budget_is_the_plan_and_memory_only_bounds_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    # Without a KV-cache setting, the slots alone bound a group (what its `slots` largest
-    # requests need): the plan depends on the requests and settings only. A rank's memory
+    # Without a KV-cache setting, the slots alone bound a group (its `slots` rows, each as long as
+    # its largest request: the rows' caches are left-padded to the longest): the plan depends on
+    # the requests and settings only. A rank's memory
     # bounds it only where it holds less; a request that needs more is refused, naming why.
     from rayeval.actors.errors import field
     from rayeval.actors.protocol import LoadReport
@@ -146,14 +147,14 @@ def test_the_kv_budget_is_the_plan_and_memory_only_bounds_it(
     free = slot_budget(EngineConfig(model_args="pretrained=m", batch_size=2), None)
     assert (free.slots, free.kv_tokens, free.prefill_tokens) == (2, None, 8192)
     [group] = plan_generate_groups(requests, free, seeds).groups
-    assert group.kv_tokens == 904 + 94 and group.prefill_tokens == 8192
+    assert group.kv_tokens == 2 * 904 and group.prefill_tokens == 8192
     assert memory_kv_tokens([LoadReport(1.0, 10), LoadReport(1.0, 10)]) is None
     held = memory_kv_tokens([LoadReport(1.0, 10, 5000), LoadReport(1.0, 10, 900)])
     assert held == 900
     [bounded] = plan_generate_groups(
         requests[:3] + requests[4:], SlotBudget(2, held, MEMORY_SETTING), seeds[:4]
     ).groups
-    assert bounded.kv_tokens == 94 + 54  # memory holds more than this group needs
+    assert bounded.kv_tokens == 2 * 94  # memory holds more than this group needs
     with caplog.at_level(logging.WARNING):
         [tight] = plan_generate_groups(
             requests[:3], SlotBudget(2, 100, MEMORY_SETTING), seeds[:3]
@@ -182,6 +183,10 @@ def test_a_group_admits_by_slots_kv_cache_and_prefill_wave() -> None:
     every = list(range(6))
     assert group([5] * 6, slots=4, kv_tokens=1000).admit([], every) == [0, 1, 2, 3]
     assert group([5] * 6, slots=4, kv_tokens=45).admit([], every) == [0, 1, 2]
+    # the rows' caches are left-padded to the longest: rows x the most any needs (50) is held
+    assert group([40, 5, 5], slots=4, kv_tokens=100).admit([], [0, 1, 2]) == [0, 1]
+    assert group([40, 5, 5], slots=4, kv_tokens=100).admit([0], [1, 2]) == [1]
+    assert group([5, 5, 40], slots=4, kv_tokens=100).admit([0, 1], [2]) == []
     # a prefill wave feeds at most rows x the widest context positions
     wide = group([40, 30, 30, 30, 30, 30], slots=8, kv_tokens=10**6, prefill_tokens=100)
     assert wide.admit([], every) == [0, 1]

@@ -167,8 +167,9 @@ class EngineConfig(_Frozen):
         ge=1,
         le=2**40,
         description="KV-cache positions one rank holds while generating with continuous "
-        "batching (a request holds its context plus its max_gen_toks); default: "
-        "max_batch_tokens if set, else what the slots' requests need, bounded only where a rank's "
+        "batching (a request needs its context plus its max_gen_toks, and the rows share one "
+        "cache left-padded to the longest row: rows x the most any needs is held); default: "
+        "max_batch_tokens if set, else what the slots' rows need, bounded only where a rank's "
         "free memory after loading holds less.",
     )
     logits_budget_mib: int = Field(

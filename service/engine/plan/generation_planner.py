@@ -126,8 +126,9 @@ class SlotBudget:
 
     def slots_need(self, needs: Sequence[int]) -> int:
         """The KV-cache positions a group of requests needing ``needs`` holds at most when only
-        its slots bound it: what its ``slots`` largest requests need together."""
-        return sum(sorted(needs, reverse=True)[: self.slots])
+        its slots bound it: its slots' rows, each as long as its largest request (the rows'
+        caches are one cache, left-padded to the longest row)."""
+        return min(self.slots, len(needs)) * max(needs, default=0)
 
 
 @dataclass(frozen=True)
