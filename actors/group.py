@@ -428,6 +428,17 @@ class WorkerGroup:
         refs = [w.input_token_counts.remote() for r in self.replicas for w in r.workers]
         return sum(ray.get(refs, timeout=timeout_s), InputTokens())
 
+    def kv_capacity_tokens(self, timeout_s: float) -> list[int | None]:
+        """The KV-cache positions each rank's free memory holds now
+        (:meth:`rayeval.actors.worker.ShardWorker.kv_capacity_tokens`), in global rank order.
+
+        Raises:
+            GetTimeoutError: the ranks did not answer within ``timeout_s``.
+        """
+        self.wait_ready()
+        refs = [w.kv_capacity_tokens.remote() for r in self.replicas for w in r.workers]
+        return list(ray.get(refs, timeout=timeout_s))
+
     def rank_sites(self, timeout_s: float = 60.0) -> list[RankSite]:
         """Where every rank runs, in global rank order, as each rank actor reports it (not as
         it was planned).

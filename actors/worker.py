@@ -178,8 +178,9 @@ class ShardWorker:
         """The KV-cache positions this rank's free memory holds after loading: the GPU's free
         memory, or on CPU its share of the node's available memory (by its CPUs), less the
         logits (:func:`logits_reserve`)."""
-        if device.type == "cuda":
+        if device.type == "cuda":  # the caching allocator's free blocks are free for the cache
             free, _ = torch.cuda.mem_get_info(device)
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         else:
             import ray
 
@@ -292,6 +293,14 @@ class ShardWorker:
         # logits; ranks that each compute their own (FSDP) agree on every step.
         synced = self._options.shard_size > 1 and not self._strategy.same_batch
         yield from generate_group(self._rank, group, synced, self._options.piece_interval_s)
+
+    def kv_capacity_tokens(self) -> int | None:
+        """The KV-cache positions this rank's free memory holds now (read for every generation
+        plan: what scoring left allocated, or the caching allocator holds free, counts as it
+        is then, not as it was after loading)."""
+        if self._rank is None:
+            return None
+        return self._kv_capacity(self._rank.model, self._rank.device)
 
     def input_token_counts(self) -> InputTokens:
         """Tokens this rank's model was fed since it loaded, counted at its input embeddings."""

@@ -207,10 +207,13 @@ def test_tied_embeddings_gpt2_sharded(tmp_path: Path, task_manager: Any, ray_ses
         assert [(r.strategy, r.collectives) for r in lm.engine.load_reports] == [
             ("fsdp", "process group")
         ] * 2
-        # Each rank reports the KV-cache positions its share of the node's memory holds.
+        # Each rank reports the KV-cache positions its share of the node's memory holds, after
+        # loading and again when asked (for every generation plan).
         held = [report.kv_capacity_tokens for report in lm.engine.load_reports]
+        held_now = lm.engine._group.kv_capacity_tokens(timeout_s=60)
     assert_same_results(reference, ours)
-    assert all(isinstance(h, int) and h > 100_000 for h in held)
+    assert all(isinstance(h, int) and h > 100_000 for h in [*held, *held_now])
+    assert len(held_now) == 2
     assert sum(local) == model.num_parameters()
     assert max(local) <= model.num_parameters() / 2 + 1024
 

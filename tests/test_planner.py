@@ -136,7 +136,6 @@ def test_the_kv_budget_is_the_plan_and_memory_only_bounds_it(
     # the requests and settings only. A rank's memory
     # bounds it only where it holds less; a request that needs more is refused, naming why.
     from rayeval.actors.errors import field
-    from rayeval.actors.protocol import LoadReport
     from rayeval.service.engine.plan.budgets import MEMORY_SETTING, memory_kv_tokens, slot_budget
     from rayeval.service.engine.plan.generation_planner import SlotBudget, plan_generate_groups
     from rayeval.service.vocabulary.config import EngineConfig
@@ -148,8 +147,8 @@ def test_the_kv_budget_is_the_plan_and_memory_only_bounds_it(
     assert (free.slots, free.kv_tokens, free.prefill_tokens) == (2, None, 8192)
     [group] = plan_generate_groups(requests, free, seeds).groups
     assert group.kv_tokens == 2 * 904 and group.prefill_tokens == 8192
-    assert memory_kv_tokens([LoadReport(1.0, 10), LoadReport(1.0, 10)]) is None
-    held = memory_kv_tokens([LoadReport(1.0, 10, 5000), LoadReport(1.0, 10, 900)])
+    assert memory_kv_tokens([None, None]) is None
+    held = memory_kv_tokens([5000, None, 900])
     assert held == 900
     [bounded] = plan_generate_groups(
         requests[:3] + requests[4:], SlotBudget(2, held, MEMORY_SETTING), seeds[:4]

@@ -170,7 +170,7 @@ class EngineConfig(_Frozen):
         "batching (a request needs its context plus its max_gen_toks, and the rows share one "
         "cache left-padded to the longest row: rows x the most any needs is held); default: "
         "max_batch_tokens if set, else what the slots' rows need, bounded only where a rank's "
-        "free memory after loading holds less.",
+        "free memory holds less when the generation is planned.",
     )
     logits_budget_mib: int = Field(
         default=DEFAULT_LOGITS_BUDGET_MIB,

@@ -151,6 +151,9 @@ class SimulatedRank:
     def input_token_counts(self) -> InputTokens:
         return InputTokens(**self._fed)
 
+    def kv_capacity_tokens(self) -> int | None:
+        return None  # no memory is modelled
+
     # ------------------------------------------------------------------------------- compute
     def compute(self, batch: ScoreMicroBatch | GenerateMicroBatch) -> tuple[Any, StepStats]:
         return compute(self, batch)

@@ -4,11 +4,12 @@ much of a continuous-batching group runs at once)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rayeval.actors.batches import head_chunk_rows
 from rayeval.actors.errors import field
 from rayeval.actors.group import WorkerGroup
 from rayeval.actors.layout import DeviceKind
-from rayeval.actors.protocol import LoadReport
 from rayeval.service.engine.plan.generation_planner import MEMORY_SETTING, SlotBudget
 from rayeval.service.engine.plan.planner import TokenBudget
 from rayeval.service.vocabulary.config import (
@@ -24,15 +25,16 @@ def slot_budget(config: EngineConfig, group: WorkerGroup | None) -> SlotBudget:
 
     The plan is fixed by the requests and settings alone (invariant 2): ``--kv_cache_tokens``
     or ``--max_batch_tokens`` when given, else the slots alone bound a group (each group may
-    hold what its ``slots`` largest requests need). Memory only decides how much of that runs
-    at once: where a rank reported that its device holds fewer KV-cache positions after
-    loading (GPUs: ``torch.cuda.mem_get_info``), the fewest bound the groups, and a request
-    that needs more than that is refused before it runs. Prefill waves are capped by the
+    hold its ``slots`` rows as long as its largest request). Memory only decides how much of
+    that runs at once: where a rank says that its device holds fewer KV-cache positions now
+    (asked for every plan; GPUs: ``torch.cuda.mem_get_info`` plus what the caching allocator
+    holds free, less the logits set aside), the fewest bound the groups, and a request that
+    needs more than that is refused before it runs. Prefill waves are capped by the
     micro-batch token budget.
 
     Args:
         config: The evaluation's engine configuration.
-        group: The ranks (their load reports: KV-cache positions their memory holds), or None.
+        group: The ranks (asked for the KV-cache positions their memory holds), or None.
     """
     slots = generation_slots(config)
     prefill = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
@@ -40,7 +42,9 @@ def slot_budget(config: EngineConfig, group: WorkerGroup | None) -> SlotBudget:
         return SlotBudget(slots, config.kv_cache_tokens, field("kv_cache_tokens"), prefill)
     if config.max_batch_tokens:
         return SlotBudget(slots, config.max_batch_tokens, field("max_batch_tokens"), prefill)
-    held = memory_kv_tokens(group.wait_ready()) if group is not None else None
+    held = None
+    if group is not None:
+        held = memory_kv_tokens(group.kv_capacity_tokens(config.timeouts.control_s))
     if held is None:
         return SlotBudget(slots, None, field("kv_cache_tokens"), prefill)
     return SlotBudget(slots, held, MEMORY_SETTING, prefill)
@@ -72,11 +76,11 @@ def picked_budgets(config: EngineConfig, score_on: DeviceKind, vocab: int) -> st
     )
 
 
-def memory_kv_tokens(reports: list[LoadReport]) -> int | None:
-    """The fewest KV-cache positions a rank's free memory holds (its load report's
-    ``kv_capacity_tokens``), or None when no rank says."""
-    held = [r.kv_capacity_tokens for r in reports if r.kv_capacity_tokens is not None]
-    return min(held) if held else None
+def memory_kv_tokens(held: Sequence[int | None]) -> int | None:
+    """The fewest KV-cache positions a rank's free memory holds (each rank's, None where it does
+    not say), or None when no rank says."""
+    said = [tokens for tokens in held if tokens is not None]
+    return min(said) if said else None
 
 
 def budget(config: EngineConfig, score_on: DeviceKind | None = None) -> TokenBudget:
