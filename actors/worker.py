@@ -175,9 +175,9 @@ class ShardWorker:
         )
 
     def _kv_capacity(self, model: Any, device: torch.device) -> int | None:
-        """The KV-cache positions this rank's free memory holds after loading: the GPU's free
-        memory, or on CPU its share of the node's available memory (by its CPUs), less the
-        logits (:func:`logits_reserve`)."""
+        """The KV-cache positions this rank's free memory holds now (after loading, and for
+        every generation plan): the GPU's free memory, or on CPU its share of the node's
+        available memory (by its CPUs), less the logits (:func:`logits_reserve`)."""
         if device.type == "cuda":  # the caching allocator's free blocks are free for the cache
             free, _ = torch.cuda.mem_get_info(device)
             free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
