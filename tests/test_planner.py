@@ -230,15 +230,17 @@ def test_a_rank_sets_the_logits_aside_before_its_kv_cache() -> None:
     from rayeval.actors.batches import RankOptions, head_chunk_rows
     from rayeval.actors.worker import logits_reserve
 
-    # scoring holds one head chunk: 64 MiB at the default budget, 48 positions at 152k tokens
+    # scoring holds one head chunk: 256 MiB at the default budget, 208 positions at 152k tokens
+    assert head_chunk_rows(151_936, 256 * 2**20) == 208
     assert head_chunk_rows(151_936, 64 * 2**20) == 48
     assert head_chunk_rows(151_936, 2**20) == 16  # the fewest a chunk has
     assert head_chunk_rows(768, 64 * 2**20) == 10_912
     options = RankOptions(1)
-    assert logits_reserve(options, 768) == 64 * 2**20  # a small vocabulary: the scoring budget
-    # 64 generating rows of a 256k vocabulary: float32 logits, scores and a copy
-    assert logits_reserve(options, 256_000) == 64 * 256_000 * 4 * 3
-    assert logits_reserve(RankOptions(1, generate_rows=8), 256_000) == 64 * 2**20
+    assert logits_reserve(options, 768) == 256 * 2**20  # a small vocabulary: the scoring budget
+    # 128 generating rows of a 256k vocabulary: float32 logits, scores and a copy
+    wide = RankOptions(1, generate_rows=128)
+    assert logits_reserve(wide, 256_000) == 128 * 256_000 * 4 * 3
+    assert logits_reserve(RankOptions(1, generate_rows=8), 256_000) == 256 * 2**20
 
 
 def test_the_run_says_what_batch_size_auto_picked() -> None:
@@ -249,7 +251,7 @@ def test_the_run_says_what_batch_size_auto_picked() -> None:
     config = EngineConfig(model_args="pretrained=m")
     assert picked_budgets(config, DeviceKind.CPU, 151_936) == (
         "batch_size auto: scoring micro-batches of 2,048 tokens and 64 rows at most, the output "
-        "head over at most 48 scored positions at a time (64 MiB of logits at a vocabulary of "
+        "head over at most 208 scored positions at a time (256 MiB of logits at a vocabulary of "
         "151,936); generation in groups of 64 rows"
     )
     config = EngineConfig(model_args="pretrained=m", batch_size=8, logits_budget_mib=1)

@@ -178,8 +178,8 @@ class EngineConfig(_Frozen):
         le=2**20,
         description="MiB of logits and log-probabilities a rank holds at once while scoring: a "
         "micro-batch's scored positions run through the output head in chunks of as many (at "
-        "least 16), with the results of one pass (at a 152k vocabulary, 64 MiB is 48 positions "
-        "in float32).",
+        "least 16), with the results of one pass (at a 152k vocabulary, 256 MiB is 208 "
+        "positions).",
     )
     tokenizer_workers: int | None = Field(
         default=None,
