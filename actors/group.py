@@ -430,14 +430,29 @@ class WorkerGroup:
 
     def kv_capacity_tokens(self, timeout_s: float) -> list[int | None]:
         """The KV-cache positions each rank's free memory holds now
-        (:meth:`rayeval.actors.worker.ShardWorker.kv_capacity_tokens`), in global rank order.
+        (:meth:`rayeval.actors.worker.ShardWorker.kv_capacity_tokens`), in global rank order;
+        None for a rank that died (its replica is dropped when it is next given work).
 
         Raises:
-            GetTimeoutError: the ranks did not answer within ``timeout_s``.
+            EvaluationTimeoutError: a live rank did not answer within ``timeout_s``.
         """
         self.wait_ready()
         refs = [w.kv_capacity_tokens.remote() for r in self.replicas for w in r.workers]
-        return list(ray.get(refs, timeout=timeout_s))
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            for ref in pending:
+                ray.cancel(ref)
+            raise EvaluationTimeoutError(
+                f"{len(pending)} of {len(refs)} ranks did not say how much memory they hold "
+                f"within {timeout_s:g}s: check the Ray dashboard / worker logs for a stuck rank."
+            )
+        held: list[int | None] = []
+        for ref in refs:
+            try:
+                held.append(ray.get(ref))
+            except ray.exceptions.RayActorError:  # a lost rank: it holds nothing for the plan
+                held.append(None)
+        return held
 
     def rank_sites(self, timeout_s: float = 60.0) -> list[RankSite]:
         """Where every rank runs, in global rank order, as each rank actor reports it (not as
